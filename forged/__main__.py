@@ -1,0 +1,3 @@
+from forged.cli import main
+import sys
+sys.exit(main())

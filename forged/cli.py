@@ -1,0 +1,94 @@
+"""``forged``: the command line.
+
+* ``forged serve [--config PATH] [--listen HOST:PORT] [--model PATH]`` runs the daemon.
+* ``forged check-config [--config PATH]`` validates a config and exits (78 if bad).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import trio
+
+from forged import __version__
+from forged import config as fc
+
+
+class _LogfmtFormatter(logging.Formatter):
+    """One line per event, key=value, so journald stores it and tools can grep it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage().replace('"', "'")
+        line = f'level={record.levelname.lower()} logger={record.name} msg="{msg}"'
+        if record.exc_info:
+            line += ' exc="' + self.formatException(record.exc_info).replace("\n", " | ") + '"'
+        return line
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _load(args: argparse.Namespace) -> fc.Config:
+    cfg = fc.load(Path(args.config))
+    cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
+                            model=getattr(args, "model", None))
+    fc.check_model(args.config, cfg)
+    return cfg
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    print(f"{args.config}: OK (model {cfg.model_id}, API on {cfg.server.listen})")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from forged.daemon.lifespan import Daemon  # heavy imports only when serving
+
+    cfg = _load(args)
+    setup_logging(cfg.log.level)
+    daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
+    try:
+        trio.run(daemon.run)
+    except RuntimeError as exc:  # a worker that cannot load the model, for instance
+        logging.getLogger("forged").error("%s", exc)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
+                                else None)
+    p.add_argument("--version", action="version", version=f"forged {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    serve.add_argument("--listen", help="HOST:PORT for the API (overrides server.listen)")
+    serve.add_argument("--model", help="GGUF file (overrides model.path)")
+    serve.add_argument("--test-hooks", action="store_true", help=argparse.SUPPRESS)
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    check.set_defaults(func=cmd_check_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except fc.ConfigError as exc:
+        print(f"forged: {exc}", file=sys.stderr)
+        return fc.EX_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""forged's configuration: strict msgspec Structs decoded from TOML.
+
+Every key has a default here and a comment in the shipped ``etc/forged/forged.toml``.
+An unknown key, a wrong type or a value out of range is a :class:`ConfigError` whose
+message names the file and the key; the CLI turns it into exit status 78 (EX_CONFIG).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+DEFAULT_CONFIG_PATH = Path("/etc/forged/forged.toml")
+EX_CONFIG = 78
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+Priority = Literal["interactive", "batch"]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Shared base: unknown keys are an error, values are immutable once loaded."""
+
+
+class ServerConfig(_Section):
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "unix:/run/forged/admin.sock"
+    drain_timeout: Seconds = 30.0
+    keep_alive_timeout: Seconds = 75.0
+    read_timeout: Seconds = 30.0
+    max_body_bytes: Positive = 4 * 1024 * 1024
+    status_interval: Seconds = 5.0
+
+
+class ModelConfig(_Section):
+    path: str = "/usr/share/forged/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The id clients pass as "model"; empty means the file name without ".gguf".
+    name: str = ""
+    # Extra ids accepted as aliases of this model (for clients that hard-code one).
+    aliases: list[str] = []
+    # Override of the GGUF's chat template (a Jinja2 string); empty uses the GGUF's.
+    chat_template: str = ""
+
+
+class EngineConfig(_Section):
+    workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    threads: Annotated[int, msgspec.Meta(ge=1, le=512)] = 2
+    # Total KV cells per worker, shared by every sequence (unified KV cache).
+    kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 16384
+    # Longest prompt + completion one request may use; 0 means min(kv_cells, n_ctx_train).
+    max_context: Annotated[int, msgspec.Meta(ge=0)] = 8192
+    # Sequence slots per worker; idle slots keep their KV as prefix cache.
+    slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 64
+    # Sequences decoding at once per worker.
+    max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 32
+    # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
+    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 128
+    flash_attn: bool = False
+    # Cells kept free of reservations, so llama.cpp's slot search never runs dry.
+    kv_headroom: Annotated[int, msgspec.Meta(ge=0)] = 64
+    # Decode cells reserved per request at admission (beyond its prompt). A request
+    # that outgrows it may preempt the newest batch/interactive request, which is then
+    # recomputed: more concurrency for the same memory.
+    decode_reservation: Positive = 256
+    heartbeat_interval: Seconds = 1.0
+    # A worker that sends nothing for this long is killed and restarted.
+    heartbeat_timeout: Seconds = 30.0
+    restart_backoff: Seconds = 0.5
+    startup_timeout: Seconds = 300.0
+
+
+class LimitsConfig(_Section):
+    max_queued: Annotated[int, msgspec.Meta(ge=0)] = 256
+    max_queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
+    queue_timeout: Seconds = 60.0
+    # max_tokens when the caller does not set one (clipped to the context).
+    default_max_tokens: Positive = 1024
+    max_stop: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
+    max_stop_length: Positive = 256
+    max_messages: Positive = 1024
+    max_logit_bias: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    max_json_depth: Positive = 32
+    default_priority: Priority = "interactive"
+    retry_after: Annotated[int, msgspec.Meta(ge=1)] = 2
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    # Log prompts and completions (never do this on a shared appliance).
+    log_content: bool = False
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    limits: LimitsConfig = LimitsConfig()
+    log: LogConfig = LogConfig()
+
+    @property
+    def model_id(self) -> str:
+        return self.model.name or Path(self.model.path).name.removesuffix(".gguf")
+
+
+class ConfigError(Exception):
+    """A config that must not be used. ``str()`` is one line for the operator."""
+
+
+_MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
+
+
+def _explain(path: Path, err: msgspec.MsgspecError) -> ConfigError:
+    m = _MSGSPEC_PATH.match(str(err))
+    assert m is not None  # the pattern matches any string
+    msg, key = m.group("msg"), m.group("path")
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
+    if unknown:
+        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        msg = "unknown key"
+    where = f"{path}: {key}" if key else str(path)
+    return ConfigError(f"{where}: {msg}")
+
+
+def _check(path: Path, cfg: Config) -> None:
+    eng = cfg.engine
+    if eng.max_running > eng.slots:
+        raise ConfigError(f"{path}: engine.max_running: must not exceed engine.slots ({eng.slots})")
+    if eng.step_tokens < eng.max_running:
+        raise ConfigError(
+            f"{path}: engine.step_tokens: must be at least engine.max_running ({eng.max_running})"
+            " so that every running sequence decodes each step"
+        )
+    if eng.max_context > eng.kv_cells:
+        raise ConfigError(f"{path}: engine.max_context: must not exceed engine.kv_cells")
+    _parse_listen(path, "server.listen", cfg.server.listen)
+    _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
+
+
+def _parse_listen(path: Path | str, key: str, value: str) -> None:
+    if value.startswith(("unix:", "fd://")):
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{path}: {key}: expected HOST:PORT, unix:PATH or fd://N, got {value!r}")
+
+
+def check_model(path: Path | str, cfg: Config) -> None:
+    model = Path(cfg.model.path)
+    if not model.is_file():
+        raise ConfigError(f"{path}: model.path: no such file: {model}")
+    if not os.access(model, os.R_OK):
+        raise ConfigError(f"{path}: model.path: not readable: {model}")
+
+
+def load(path: Path, *, require_file: bool = True) -> Config:
+    """Read and validate ``path``. A missing file gives the defaults unless required."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if require_file:
+            raise ConfigError(f"{path}: no such file") from None
+        raw = b""
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        cfg = msgspec.toml.decode(raw, type=Config)
+    except msgspec.MsgspecError as exc:
+        raise _explain(path, exc) from exc
+    _check(path, cfg)
+    return cfg
+
+
+def with_overrides(
+    cfg: Config, *, listen: str | None = None, model: str | None = None
+) -> Config:
+    """Apply command-line flags, which win over the file."""
+    if listen is not None:
+        _parse_listen("--listen", "value", listen)
+        cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, listen=listen))
+    if model is not None:
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model))
+    return cfg
+
+
+# Keys whose change needs a restart: they shape the model or the KV cache.
+RESTART_KEYS = (
+    "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
+    "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
+    "engine.max_context", "engine.step_tokens", "engine.flash_attn", "engine.max_running",
+)
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    out: list[str] = []
+    for section in old.__struct_fields__:
+        a, b = getattr(old, section), getattr(new, section)
+        for field in a.__struct_fields__:
+            if getattr(a, field) != getattr(b, field):
+                out.append(f"{section}.{field}")
+    return out

@@ -1,0 +1,188 @@
+"""The daemon's life: load, listen, report ready, serve, reload on HUP, drain on TERM.
+
+Shutdown is built from nested nurseries, as in hypercorn: the engine pool outside,
+the HTTP listeners inside. A drain stops the listeners, lets streams run until the
+drain deadline, then ends what is left with a final SSE error event; only then is
+the engine cancelled, which stops the worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+
+import msgspec
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hyper_serve
+
+from forged import config as fc
+from forged.daemon.notify import Notifier, watchdog_interval
+from forged.engine.pool import EnginePool
+from forged.engine.prompts import Prompter
+from forged.http.admin import create_admin_app
+from forged.http.api import create_app
+from forged.http.state import AppState
+
+log = logging.getLogger("forged")
+
+
+def _listen_fds() -> list[int]:
+    """File descriptors passed by systemd socket activation (``LISTEN_FDS``)."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return []
+    n = int(os.environ.get("LISTEN_FDS", "0") or 0)
+    return list(range(3, 3 + n))
+
+
+def _hyper_config(state: AppState, bind: str) -> HyperConfig:
+    s = state.cfg.server
+    hc = HyperConfig()
+    hc.bind = [bind]
+    hc.keep_alive_timeout = s.keep_alive_timeout
+    hc.read_timeout = int(s.read_timeout)
+    hc.graceful_timeout = s.drain_timeout + 5.0
+    hc.backlog = 1024
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("forged.http")
+    return hc
+
+
+def _status_line(state: AppState) -> str:
+    stats = state.pool.statistics()
+    t = stats["totals"]
+    assert isinstance(t, dict)
+    used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
+    return (f"{len(state.streams)} streams, {int(t.get('running', 0))} running, "
+            f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
+            f"KV {100 * used / total:.0f}%")
+
+
+class Daemon:
+    def __init__(self, cfg: fc.Config, config_path: Path, *, test_hooks: bool = False) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.test_hooks = test_hooks
+        self.notifier = Notifier()
+        self.pool = EnginePool(cfg, test_hooks=test_hooks)
+        self._shutdown = trio.Event()
+        self.state: AppState | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        prompter = await trio.to_thread.run_sync(
+            Prompter, self.cfg.model.path, self.cfg.model.chat_template)
+        try:
+            state = self.state = AppState(self.cfg, self.pool, prompter)
+            async with trio.open_nursery() as engine:
+                await engine.start(self.pool.run)
+                async with trio.open_nursery() as aux:
+                    async with trio.open_nursery() as listeners:
+                        binds = await self._start_listeners(listeners, state)
+                        aux.start_soon(self._signals, listeners)
+                        aux.start_soon(self._status_loop, state)
+                        if (interval := watchdog_interval()) is not None:
+                            aux.start_soon(self._watchdog_loop, interval)
+                        self.notifier.ready(_status_line(state))
+                        log.info("ready: model %s, API on %s", self.cfg.model_id,
+                                 ", ".join(binds))
+                        task_status.started(binds)
+                    # The listeners have finished draining.
+                    aux.cancel_scope.cancel()
+                engine.cancel_scope.cancel()
+        finally:
+            prompter.close()
+
+    async def _start_listeners(self, http: trio.Nursery, state: AppState) -> list[str]:
+        fds = _listen_fds()
+        api_bind = f"fd://{fds[0]}" if fds else self.cfg.server.listen
+        trigger = self._shutdown.wait
+        binds: list[str] = await http.start(partial(
+            hyper_serve, create_app(state), _hyper_config(state, api_bind),
+            shutdown_trigger=trigger))
+        admin = self.cfg.server.admin_listen
+        if admin.startswith("unix:"):
+            Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
+        admin_binds = await http.start(partial(
+            hyper_serve, create_admin_app(state), _hyper_config(state, admin),
+            shutdown_trigger=trigger))
+        log.info("admin listener on %s", ", ".join(admin_binds))
+        return binds
+
+    async def _signals(self, http: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                if sig == signal.SIGHUP:
+                    self.reload()
+                elif self.state is not None and self.state.draining:
+                    log.warning("second stop signal: stopping now")
+                    http.cancel_scope.cancel()
+                    return
+                else:
+                    self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Stop taking work; streams get until ``drain_timeout`` to finish."""
+        assert self.state is not None
+        self.notifier.stopping()
+        log.info("draining: %d streams open, %ds deadline", len(self.state.streams),
+                 self.cfg.server.drain_timeout)
+        self.state.draining = True
+        self.pool.draining = True
+        self.state.streams.set(trio.current_time() + self.cfg.server.drain_timeout)
+        self._shutdown.set()
+
+    def reload(self) -> None:
+        """Re-read the config; apply what is live, keep the old one if the new is bad."""
+        assert self.state is not None
+        self.notifier.reloading()
+        try:
+            new = fc.load(self.config_path)
+        except fc.ConfigError as exc:
+            log.error("reload refused, keeping the running config: %s", exc)
+            self.notifier.ready(_status_line(self.state))
+            return
+        changed = fc.changed_keys(self.cfg, new)
+        restart = [k for k in changed if k in fc.RESTART_KEYS]
+        if restart:
+            log.warning("reload: these changes need a restart and were not applied: %s",
+                        ", ".join(restart))
+            new = _keep_restart_keys(self.cfg, new)
+        self.cfg = new
+        self.state.cfg = new
+        self.pool.set_limits(new)
+        logging.getLogger().setLevel(new.log.level.upper())
+        live = [k for k in changed if k not in restart]
+        log.info("reloaded %s; applied: %s", self.config_path, ", ".join(live) or "nothing")
+        self.notifier.ready(_status_line(self.state))
+
+    async def _status_loop(self, state: AppState) -> None:
+        while True:
+            await trio.sleep(self.cfg.server.status_interval)
+            self.notifier.status(_status_line(state))
+
+    async def _watchdog_loop(self, interval: float) -> None:
+        # Ping only while the event loop runs and the workers answer: a blocked loop
+        # or a wedged worker stops the pings, and systemd restarts us.
+        while True:
+            if not self._workers_wedged():
+                self.notifier.watchdog()
+            await trio.sleep(interval)
+
+    def _workers_wedged(self) -> bool:
+        now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout
+        return any(w.ready and now - w.last_heard > limit for w in self.pool.workers)
+
+
+def _keep_restart_keys(old: fc.Config, new: fc.Config) -> fc.Config:
+    parts = {}
+    for section in old.__struct_fields__:
+        a, b = getattr(old, section), getattr(new, section)
+        keep = {f: getattr(a, f) for f in a.__struct_fields__
+                if f"{section}.{f}" in fc.RESTART_KEYS}
+        parts[section] = msgspec.structs.replace(b, **keep)
+    return msgspec.structs.replace(new, **parts)

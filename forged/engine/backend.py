@@ -1,0 +1,281 @@
+"""The only module that calls llama.cpp (through llama-cpp-python's ctypes API).
+
+Everything above this speaks token ids and sequence ids. llama.cpp aborts the whole
+process on misuse (for instance a batch larger than ``n_batch``), so the decode loop
+runs in a worker process and every batch is checked here before it is handed over.
+
+Resource handling: :class:`Model`, :class:`Context`, :class:`Sampler` and the batch
+own C memory and free it in ``close()``; each is also a context manager.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import llama_cpp as ll
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@ll.llama_log_callback  # type: ignore[untyped-decorator]
+def _log_errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at INFO; an appliance's journal wants only its errors.
+    if level == 3:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+def _init() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            ll.llama_log_set(_log_errors_only, ctypes.c_void_p(0))
+            ll.llama_backend_init()
+            _initialised = True
+
+
+class BackendError(Exception):
+    """llama.cpp refused something (a file it cannot load, a context it cannot make)."""
+
+
+class _Closing:
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Model(_Closing):
+    """A loaded GGUF. With ``vocab_only`` it is cheap: enough to tokenize and template."""
+
+    def __init__(self, path: str, *, vocab_only: bool = False) -> None:
+        _init()
+        params = ll.llama_model_default_params()
+        params.vocab_only = vocab_only
+        params.n_gpu_layers = 0
+        self._ptr = ll.llama_model_load_from_file(path.encode(), params)
+        if not self._ptr:
+            raise BackendError(f"llama.cpp could not load the model {path}")
+        self.vocab = ll.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self._ptr)
+        self.eos: int = ll.llama_vocab_eos(self.vocab)
+        self.bos: int = ll.llama_vocab_bos(self.vocab)
+        self._eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)]
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    @property
+    def ptr(self) -> Any:
+        return self._ptr
+
+    @property
+    def eog_tokens(self) -> list[int]:
+        return list(self._eog)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):  # a long chat template: ask again with room for it
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        arr = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special, parse_special)
+        if n < 0:  # the buffer was too small; -n is the size needed
+            cap = -n
+            arr = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special,
+                                  parse_special)
+        return list(arr[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = self._piece_buf
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_model_free(self._ptr)
+            self._ptr = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+class Sampler(_Closing):
+    """One request's llama.cpp sampler chain (its RNG and penalty history are its own)."""
+
+    def __init__(self, model: Model, p: SamplingParams) -> None:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        self._ptr = chain
+        add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if p.logit_bias:
+            arr = (ll.llama_logit_bias * len(p.logit_bias))(
+                *(ll.llama_logit_bias(tok, bias) for tok, bias in p.logit_bias)
+            )
+            add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), arr))
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            # The binding declares an old 5-argument signature (n_vocab first); the C
+            # function now takes 4 and reads penalty_last_n from the first integer
+            # register. Passing last_n twice is right under either ABI.
+            add(ll.llama_sampler_init_penalties(
+                p.repeat_last_n, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty,
+                p.presence_penalty,
+            ))
+        if p.temperature <= 0.0:
+            add(ll.llama_sampler_init_greedy())
+            return
+        if p.top_k > 0:
+            add(ll.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            add(ll.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            add(ll.llama_sampler_init_min_p(p.min_p, 1))
+        add(ll.llama_sampler_init_temp(p.temperature))
+        add(ll.llama_sampler_init_dist(p.seed & 0xFFFFFFFF))
+
+    def accept(self, tokens: Iterable[int]) -> None:
+        """Feed prompt tokens to the penalty history, as llama.cpp's server does."""
+        for t in tokens:
+            ll.llama_sampler_accept(self._ptr, t)
+
+    def sample(self, ctx: Context, index: int) -> int:
+        # llama_sampler_sample also accepts the sampled token into the chain.
+        return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_sampler_free(self._ptr)
+            self._ptr = None
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    threads: int
+    flash_attn: bool = False
+    kv_unified: bool = True
+
+
+class DecodeError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"llama_decode returned {status}")
+        self.status = status
+
+
+class NoKVSpace(DecodeError):
+    """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
+
+
+class Context(_Closing):
+    """A llama_context with ``n_seq_max`` sequences and one reusable batch."""
+
+    def __init__(self, model: Model, p: ContextParams) -> None:
+        self.model = model
+        self.params = p
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = p.n_ctx
+        cp.n_batch = cp.n_ubatch = p.n_batch
+        cp.n_seq_max = p.n_seq_max
+        cp.n_threads = cp.n_threads_batch = p.threads
+        cp.flash_attn_type = (
+            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if p.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cp.kv_unified = p.kv_unified
+        cp.no_perf = True
+        self._ptr = ll.llama_init_from_model(model.ptr, cp)
+        if not self._ptr:
+            raise BackendError("llama.cpp could not create a context (out of memory?)")
+        self._mem = ll.llama_get_memory(self._ptr)
+        self._batch = ll.llama_batch_init(p.n_batch, 0, 1)
+
+    @property
+    def ptr(self) -> Any:
+        return self._ptr
+
+    def seq_rm(self, seq: int, p0: int) -> None:
+        # Removing a whole tail never fails on a KV cache (only recurrent memory refuses).
+        if not ll.llama_memory_seq_rm(self._mem, seq, p0, -1):
+            raise BackendError(f"llama_memory_seq_rm({seq}, {p0}) refused")
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self._mem, True)
+
+    def decode(self, items: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[int]:
+        """Run one batch of ``(seq, pos, tokens, want_logits_for_last)`` runs.
+
+        Returns the batch index of each run's last token (the index to sample at), or -1
+        for runs that asked for no logits. Raises :class:`NoKVSpace` or
+        :class:`DecodeError`; on either, llama.cpp has rolled its memory back.
+        """
+        b = self._batch
+        n = 0
+        out: list[int] = []
+        total = sum(len(toks) for _, _, toks, _ in items)
+        if total > self.params.n_batch or total == 0:
+            # llama.cpp would abort() the process; refuse here instead.
+            raise ValueError(f"batch of {total} tokens outside 1..{self.params.n_batch}")
+        for seq, pos, toks, logits in items:
+            for j, tok in enumerate(toks):
+                b.token[n] = tok
+                b.pos[n] = pos + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = seq
+                b.logits[n] = 0
+                n += 1
+            if logits:
+                b.logits[n - 1] = 1
+            out.append(n - 1 if logits else -1)
+        b.n_tokens = n
+        status = ll.llama_decode(self._ptr, b)
+        if status == 1:
+            raise NoKVSpace(status)
+        if status != 0:
+            raise DecodeError(status)
+        return out
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ptr)
+            self._ptr = None

@@ -1,0 +1,172 @@
+"""Wire schema between the daemon and its worker processes.
+
+Frames are msgspec Structs in one tagged union, sent as msgpack with a 4-byte
+big-endian length prefix over a socketpair. The daemon sends :data:`ToWorker`
+frames; the worker answers with :data:`FromWorker` frames. Encoders and decoders
+are built once, here.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal
+
+import msgspec
+
+MAX_FRAME = 64 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+
+class _Frame(msgspec.Struct, forbid_unknown_fields=True, tag_field="t", kw_only=True):
+    pass
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: list[tuple[int, float]] = []
+
+
+# --- daemon -> worker ------------------------------------------------------------------
+
+
+class Init(_Frame, tag="init"):
+    model_path: str
+    kv_cells: int
+    slots: int
+    max_running: int
+    step_tokens: int
+    threads: int
+    flash_attn: bool
+    kv_headroom: int
+    decode_reservation: int
+    max_queued: int
+    max_queued_tokens: int
+    heartbeat_interval: float
+    test_hooks: bool = False
+
+
+class Submit(_Frame, tag="submit"):
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    priority: int
+    sampling: Sampling
+    stop: list[str] = []
+    ignore_eos: bool = False
+    cache: bool = True
+    queue_timeout: float = 60.0
+
+
+class Cancel(_Frame, tag="cancel"):
+    rid: int
+
+
+class SetLimits(_Frame, tag="limits"):
+    max_queued: int
+    max_queued_tokens: int
+    decode_reservation: int
+
+
+class Shutdown(_Frame, tag="shutdown"):
+    pass
+
+
+class Hang(_Frame, tag="hang"):
+    """Test hook (only honoured with ``test_hooks``): block the worker loop for a while."""
+
+    seconds: float
+
+
+ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang
+
+
+# --- worker -> daemon ------------------------------------------------------------------
+
+
+class Admitted(msgspec.Struct, tag="admitted", tag_field="e", forbid_unknown_fields=True):
+    rid: int
+    cached: int
+    queue_time: float
+
+
+class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=True):
+    rid: int
+    text: str
+    n_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True):
+    rid: int
+    text: str  # the last delta's text, released at the end
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+ErrorCode = Literal["overloaded", "queue_timeout", "engine_error", "bad_request"]
+
+
+class Failed(msgspec.Struct, tag="failed", tag_field="e", forbid_unknown_fields=True):
+    rid: int
+    code: ErrorCode
+    message: str
+
+
+Event = Admitted | Delta | Done | Failed
+
+
+class Ready(_Frame, tag="ready"):
+    pid: int
+    n_ctx_train: int
+    kv_cells: int
+
+
+class Step(_Frame, tag="step"):
+    """Everything one scheduling step produced, plus the worker's statistics."""
+
+    events: list[Event]
+    stats: dict[str, float]
+
+
+FromWorker = Ready | Step
+
+
+_encoder = msgspec.msgpack.Encoder()
+to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(frame: ToWorker | FromWorker) -> bytes:
+    body = _encoder.encode(frame)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameBuffer:
+    """Accumulates bytes and yields complete frame bodies (sans-IO)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes is over the {MAX_FRAME} limit")
+            if len(self._buf) < _LEN.size + n:
+                break
+            out.append(bytes(self._buf[_LEN.size : _LEN.size + n]))
+            del self._buf[: _LEN.size + n]
+        return out

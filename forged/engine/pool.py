@@ -1,0 +1,331 @@
+"""The daemon's side of the engine: worker processes, their frames, and request streams.
+
+Resource handling: :meth:`EnginePool.run` owns every worker process from its nursery.
+A supervisor task per worker starts the process, reads its frames, and restarts it
+after it dies; the process is killed whenever its supervisor exits, for any reason.
+A request is open only inside :meth:`EnginePool.open_request`; leaving that block
+early (the client went away, a timeout, a drain) cancels the request in the worker
+without awaiting anything, so it is safe even in a cancelled scope.
+
+Error handling: a worker that exits, closes its socket or stays silent beyond
+``heartbeat_timeout`` is killed; each of its requests then raises
+:class:`~forged.errors.WorkerLost` from ``receive()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from forged.config import Config
+from forged.engine import frames as fr
+from forged.errors import ForgedError, Overloaded, Unavailable, WorkerLost
+
+log = logging.getLogger("forged.engine")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    priority: int
+    sampling: fr.Sampling
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    cache: bool = True
+
+
+class RequestStream:
+    """Events of one request, coalesced: ``receive()`` returns all that arrived."""
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.admitted = False
+        self.finished = False
+        self._events: list[fr.Event] = []
+        self._error: ForgedError | None = None
+        self._wake = trio.Event()
+
+    def push(self, ev: fr.Event) -> None:
+        if isinstance(ev, fr.Admitted):
+            self.admitted = True
+        elif isinstance(ev, fr.Done | fr.Failed):
+            self.finished = True
+        self._events.append(ev)
+        self._wake.set()
+
+    def fail(self, error: ForgedError) -> None:
+        self.finished = True
+        self._error = error
+        self._wake.set()
+
+    async def receive(self) -> list[fr.Event]:
+        """Wait for at least one event. Raises the stream's error once events run out."""
+        while not self._events:
+            if self._error is not None:
+                raise self._error
+            await self._wake.wait()
+            self._wake = trio.Event()
+        out, self._events = self._events, []
+        return out
+
+
+class _Outbox:
+    """Frames for one worker. Bounded by construction: each open request adds at most a
+    submit and a cancel, and open requests are bounded by the admission limits."""
+
+    def __init__(self) -> None:
+        self._q: deque[fr.ToWorker] = deque()
+        self._wake = trio.Event()
+
+    def put(self, frame: fr.ToWorker) -> None:
+        self._q.append(frame)
+        self._wake.set()
+
+    async def take(self) -> list[fr.ToWorker]:
+        while not self._q:
+            await self._wake.wait()
+            self._wake = trio.Event()
+        out = list(self._q)
+        self._q.clear()
+        return out
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.pid: int | None = None
+        self.ready = False
+        self.restarts = 0
+        self.pending: dict[int, RequestStream] = {}
+        self.outbox = _Outbox()
+        self.stats: dict[str, float] = {}
+        self.last_heard = 0.0
+        self.down_since: float | None = time.monotonic()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for r in self.pending.values() if not r.admitted)
+
+    def lose_all(self, why: str) -> None:
+        for rs in self.pending.values():
+            rs.fail(WorkerLost(why))
+        self.pending.clear()
+
+
+class EnginePool:
+    def __init__(self, cfg: Config, *, test_hooks: bool = False) -> None:
+        self.cfg = cfg
+        self.test_hooks = test_hooks
+        self.workers = [_Worker(i) for i in range(cfg.engine.workers)]
+        self.draining = False
+        self._rids = itertools.count(1)
+        self._started_at = time.monotonic()
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every worker until cancelled; ``started()`` once all have loaded the model."""
+        async with trio.open_nursery() as nursery:
+            for w in self.workers:
+                await nursery.start(self._supervise, w)
+            task_status.started()
+
+    async def _supervise(
+        self, w: _Worker, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        first = True
+        while True:
+            try:
+                await self._run_worker(w, task_status if first else trio.TASK_STATUS_IGNORED)
+                why = "the worker exited"
+            except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError,
+                    trio.ClosedResourceError) as exc:
+                if first and not w.ready:
+                    raise RuntimeError(f"worker {w.index} failed to start: {exc}") from exc
+                why = f"the worker failed: {exc}"
+            first = False
+            w.ready, w.pid, w.down_since = False, None, time.monotonic()
+            w.lose_all(why)
+            w.restarts += 1
+            log.warning("worker %d lost (%s); restarting", w.index, why)
+            await trio.sleep(self.cfg.engine.restart_backoff)
+
+    async def _run_worker(self, w: _Worker, task_status: trio.TaskStatus[None]) -> None:
+        parent, child = socket.socketpair()
+        with parent:
+            try:
+                proc = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "forged.engine.worker", str(child.fileno())],
+                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                )
+            finally:
+                child.close()
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
+            try:
+                await self._handshake(w, stream, proc.pid)
+                w.ready, w.down_since = True, None
+                task_status.started()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, w, stream)
+                    await self._reader(w, stream)
+                    nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._stop_process(proc, stream)
+
+    async def _handshake(self, w: _Worker, stream: trio.SocketStream, pid: int) -> None:
+        e, lim = self.cfg.engine, self.cfg.limits
+        init = fr.Init(
+            model_path=self.cfg.model.path, kv_cells=e.kv_cells, slots=e.slots,
+            max_running=e.max_running, step_tokens=e.step_tokens, threads=e.threads,
+            flash_attn=e.flash_attn, kv_headroom=e.kv_headroom,
+            decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
+            max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
+            test_hooks=self.test_hooks,
+        )
+        await stream.send_all(fr.encode(init))
+        buf = fr.FrameBuffer()
+        with trio.fail_after(e.startup_timeout):
+            while True:
+                data = await stream.receive_some(1 << 16)
+                if not data:
+                    raise ValueError("the worker exited while loading the model")
+                bodies = buf.feed(data)
+                if bodies:
+                    frame = fr.from_worker_decoder.decode(bodies[0])
+                    if not isinstance(frame, fr.Ready):
+                        raise ValueError("the worker's first frame was not ready")
+                    w.pid, w.last_heard = frame.pid, time.monotonic()
+                    log.info("worker %d ready (pid %d)", w.index, frame.pid)
+                    return
+
+    async def _writer(self, w: _Worker, stream: trio.SocketStream) -> None:
+        while True:
+            frames = await w.outbox.take()
+            await stream.send_all(b"".join(fr.encode(f) for f in frames))
+
+    async def _reader(self, w: _Worker, stream: trio.SocketStream) -> None:
+        buf = fr.FrameBuffer()
+        while True:
+            with trio.move_on_after(self.cfg.engine.heartbeat_timeout) as silent:
+                data = await stream.receive_some(1 << 20)
+            if silent.cancelled_caught:
+                raise trio.TooSlowError("no heartbeat from the worker")
+            if not data:
+                return
+            w.last_heard = time.monotonic()
+            for body in buf.feed(data):
+                frame = fr.from_worker_decoder.decode(body)
+                if isinstance(frame, fr.Step):
+                    self._dispatch(w, frame)
+
+    def _dispatch(self, w: _Worker, step: fr.Step) -> None:
+        w.stats = step.stats
+        for ev in step.events:
+            rs = w.pending.get(ev.rid)
+            if rs is None:
+                continue  # the caller left already
+            rs.push(ev)
+            if rs.finished:
+                del w.pending[ev.rid]
+
+    async def _stop_process(self, proc: trio.Process, stream: trio.SocketStream) -> None:
+        # Ask politely first (the worker frees llama.cpp memory), then insist.
+        with trio.move_on_after(2.0):
+            try:
+                await stream.send_all(fr.encode(fr.Shutdown()))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await stream.aclose()
+
+    # --- requests --------------------------------------------------------------------
+
+    def _pick(self) -> _Worker:
+        if self.draining:
+            raise Unavailable("the server is shutting down", self.cfg.limits.retry_after)
+        ready = [w for w in self.workers if w.ready]
+        if not ready:
+            raise Unavailable("no model worker is ready; retry shortly",
+                              self.cfg.limits.retry_after)
+        queued = sum(w.queued for w in self.workers)
+        if queued >= self.cfg.limits.max_queued:
+            raise Overloaded("the server is at capacity; retry later",
+                             self.cfg.limits.retry_after)
+        return min(ready, key=lambda w: len(w.pending))
+
+    @asynccontextmanager
+    async def open_request(self, job: Job) -> AsyncIterator[RequestStream]:
+        """Submit ``job`` and yield its stream; leaving the block cancels it if unfinished."""
+        w = self._pick()
+        rs = RequestStream(next(self._rids))
+        w.pending[rs.rid] = rs
+        w.outbox.put(fr.Submit(
+            rid=rs.rid, prompt=job.prompt, max_tokens=job.max_tokens, priority=job.priority,
+            sampling=job.sampling, stop=job.stop, ignore_eos=job.ignore_eos, cache=job.cache,
+            queue_timeout=self.cfg.limits.queue_timeout,
+        ))
+        try:
+            yield rs
+        finally:
+            # Synchronous on purpose: this runs when the caller is being cancelled.
+            if w.pending.pop(rs.rid, None) is not None and w.ready:
+                w.outbox.put(fr.Cancel(rid=rs.rid))
+
+    def set_limits(self, cfg: Config) -> None:
+        """Apply the live-reloadable limits of a new config to every worker."""
+        self.cfg = cfg
+        frame = fr.SetLimits(max_queued=cfg.limits.max_queued,
+                             max_queued_tokens=cfg.limits.max_queued_tokens,
+                             decode_reservation=cfg.engine.decode_reservation)
+        for w in self.workers:
+            if w.ready:
+                w.outbox.put(frame)
+
+    def hang_worker(self, index: int, seconds: float) -> None:
+        """Test hook: make a worker's loop block (it must be started with test hooks)."""
+        self.workers[index].outbox.put(fr.Hang(seconds=seconds))
+
+    # --- introspection ---------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return any(w.ready for w in self.workers)
+
+    def in_flight(self) -> int:
+        return sum(len(w.pending) for w in self.workers)
+
+    def statistics(self) -> dict[str, object]:
+        keys: set[str] = set()
+        for w in self.workers:
+            keys.update(w.stats)
+        totals = {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
+        totals.pop("step_ms", None)
+        return {
+            "workers": [
+                {"index": w.index, "pid": w.pid, "ready": w.ready, "restarts": w.restarts,
+                 "pending": len(w.pending), "heard_ago": (time.monotonic() - w.last_heard)
+                 if w.ready else None, "stats": w.stats}
+                for w in self.workers
+            ],
+            "totals": totals,
+            "in_flight": self.in_flight(),
+            "draining": self.draining,
+            "uptime": time.monotonic() - self._started_at,
+            "pid": os.getpid(),
+        }

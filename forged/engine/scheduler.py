@@ -1,0 +1,505 @@
+"""The sans-IO continuous-batching scheduler.
+
+Theory of operation
+-------------------
+The scheduler owns no thread, socket or model. The worker feeds it events and runs
+what it decides:
+
+* ``submit(req, now)`` queues a request (or refuses it when the queue is full);
+* ``cancel(rid)`` drops a queued or running request;
+* ``expire(now)`` drops queued requests whose queue timeout passed;
+* ``plan(now)`` admits what fits and returns one :class:`StepPlan`: KV memory
+  operations to apply first, then the tokens of one ``llama_decode`` call;
+* ``commit(plan, sampled)`` records what that decode wrote and sampled;
+* ``finish(rid)`` ends a running request (EOS, stop string, length).
+
+Each step, every decoding sequence gets its next token first. The rest of the
+``step_tokens`` budget goes to prompt chunks (chunked prefill), interactive before
+batch and shortest remaining prompt first, so a short question is not stuck behind a
+700-token file while a long prefill never stalls anyone's stream for more than one
+bounded step. There is no batching window: a request that arrives on an idle worker
+is planned in the very next step.
+
+Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
+when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
+running sequences have reserved; otherwise it waits, in order, within its class.
+Slots (sequence ids) keep their KV after a request ends; those idle slots are the
+prefix cache. A new request reuses the longest cached prefix of any slot, running or
+idle, through ``seq_cp`` (unified KV makes that free), and idle slots are evicted
+least recently used when cells or slots are needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from forged.engine.kvledger import KVLedger
+
+INTERACTIVE, BATCH = 0, 1
+CLASS_NAMES = ("interactive", "batch")
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The knobs of one worker's scheduler; a reload may replace the live ones."""
+
+    kv_cells: int
+    slots: int
+    max_running: int
+    step_tokens: int
+    kv_headroom: int = 0
+    # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
+    decode_reservation: int = 1 << 30
+    max_queued: int = 256
+    max_queued_tokens: int = 1 << 20
+
+
+@dataclass
+class SeqRequest:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    priority: int = INTERACTIVE
+    deadline: float = float("inf")
+    # Keep the KV after the request ends, so later requests can reuse it.
+    cache: bool = True
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class _Running:
+    req: SeqRequest
+    slot: int
+    admitted_at: float
+    next_prompt: int  # index of the first prompt token not yet in the KV cache
+    cached: int  # prompt tokens reused from the prefix cache
+    phase: Phase = Phase.PREFILL
+    last_token: int = -1  # sampled but not yet fed back
+    generated: int = 0
+
+    @property
+    def final_length(self) -> int:
+        # The last sampled token is never fed back, so this is a safe upper bound.
+        return len(self.req.prompt) + self.req.max_tokens
+
+    def reserved_length(self, decode_reservation: int) -> int:
+        return len(self.req.prompt) + min(self.req.max_tokens, decode_reservation)
+
+
+@dataclass
+class _Slot:
+    sid: int
+    tokens: list[int] = field(default_factory=list)
+    rid: int | None = None
+    last_used: float = 0.0
+
+
+# --- what the scheduler tells the worker ------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeqRm:
+    """``llama_memory_seq_rm(seq, p0, -1)``."""
+
+    seq: int
+    p0: int
+
+
+@dataclass(frozen=True)
+class SeqCp:
+    """``llama_memory_seq_cp(src, dst, 0, n)``."""
+
+    src: int
+    dst: int
+    n: int
+
+
+MemOp = SeqRm | SeqCp
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive tokens of one sequence in the batch; logits for the last if ``sample``."""
+
+    rid: int
+    seq: int
+    pos: int
+    tokens: list[int]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    ops: list[MemOp]
+    chunks: list[Chunk]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    rid: int
+    cached: int
+    queue_time: float
+
+
+@dataclass(frozen=True)
+class Expired:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """``rid`` lost its cells to memory pressure; it is re-queued to be recomputed."""
+
+    rid: int
+
+
+SchedEvent = Admitted | Expired | Preempted
+
+
+class QueueFull(Exception):
+    pass
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, comparing slices in C before going token by token."""
+    n = min(len(a), len(b))
+    lo, step = 0, 256
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo = hi
+    return n
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.ledger = KVLedger()
+        self._slots = [_Slot(sid) for sid in range(limits.slots)]
+        self._queues: tuple[deque[tuple[SeqRequest, float]], ...] = (deque(), deque())
+        self._queued_tokens = 0
+        self._running: dict[int, _Running] = {}
+        self._ops: list[MemOp] = []
+        self._events: list[SchedEvent] = []
+        self.cache_queries = 0
+        self.cache_hits = 0
+        self.cache_tokens_saved = 0
+        self.prompt_tokens_computed = 0
+
+    # --- events in ---------------------------------------------------------------
+
+    def submit(self, req: SeqRequest, now: float) -> None:
+        """Queue ``req``. Raises :class:`QueueFull` when a bound would be passed."""
+        lim = self.limits
+        if self.n_queued >= lim.max_queued or (
+            self.n_queued and self._queued_tokens + len(req.prompt) > lim.max_queued_tokens
+        ):
+            raise QueueFull
+        if not req.prompt or len(req.prompt) + req.max_tokens > lim.kv_cells - lim.kv_headroom:
+            raise ValueError("request can never fit in the KV cache")
+        self._queues[req.priority].append((req, now))
+        self._queued_tokens += len(req.prompt)
+
+    def cancel(self, rid: int) -> bool:
+        """Forget ``rid`` wherever it is. Returns whether it was known."""
+        for q in self._queues:
+            for item in q:
+                if item[0].rid == rid:
+                    q.remove(item)
+                    self._queued_tokens -= len(item[0].prompt)
+                    return True
+        if rid in self._running:
+            self.finish(rid)
+            return True
+        return False
+
+    def finish(self, rid: int) -> None:
+        """Release ``rid``'s slot. Its KV stays behind as prefix cache unless opted out."""
+        run = self._running.pop(rid)
+        slot = self._slots[run.slot]
+        slot.rid = None
+        if not run.req.cache:
+            self._evict(slot)
+
+    def expire(self, now: float) -> list[int]:
+        """Drop queued requests whose deadline passed; they are also reported as events."""
+        gone: list[int] = []
+        for q in self._queues:
+            for req, _ in [item for item in q if item[0].deadline <= now]:
+                self.cancel(req.rid)
+                gone.append(req.rid)
+                self._events.append(Expired(req.rid))
+        return gone
+
+    def set_limits(self, limits: SchedulerLimits) -> None:
+        """Apply reloadable limits; the KV and slot geometry cannot change live."""
+        if (limits.kv_cells, limits.slots) != (self.limits.kv_cells, self.limits.slots):
+            raise ValueError("kv_cells and slots need a restart")
+        self.limits = limits
+
+    # --- decisions out -------------------------------------------------------------
+
+    def drain_events(self) -> list[SchedEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def plan(self, now: float) -> StepPlan | None:
+        """Admit what fits, then lay out one decode step. ``None`` when idle."""
+        self._admit(now)
+        chunks = self._layout()
+        while self._overflows(chunks):
+            if not self._evict_one_idle() and not self.preempt_one():
+                break  # nothing left to give back; llama_decode will say if it fits
+            chunks = self._layout()
+        ops, self._ops = self._ops, []
+        if not chunks and not ops:
+            return None
+        return StepPlan(ops, chunks)
+
+    def _layout(self) -> list[Chunk]:
+        chunks = self._decode_chunks()
+        budget = self.limits.step_tokens - len(chunks)
+        for run in sorted(self._prefilling(), key=self._prefill_order):
+            if budget <= 0:
+                break
+            take = min(budget, len(run.req.prompt) - run.next_prompt)
+            toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
+            done = run.next_prompt + take == len(run.req.prompt)
+            chunks.append(Chunk(run.req.rid, run.slot, run.next_prompt, toks, sample=done))
+            budget -= take
+        return chunks
+
+    def _overflows(self, chunks: list[Chunk]) -> bool:
+        lim = self.limits
+        return self.ledger.used + sum(len(c.tokens) for c in chunks) > lim.kv_cells - lim.kv_headroom
+
+    def _evict_one_idle(self) -> bool:
+        idle = [s for s in self._slots if s.rid is None and s.tokens]
+        if not idle:
+            return False
+        self._evict(min(idle, key=lambda s: s.last_used))
+        return True
+
+    def preempt_one(self) -> bool:
+        """Give back the cells of the least urgent running request (batch, newest first).
+
+        It is queued again at the head of its class with everything it has produced so
+        far as its prompt, so it resumes exactly where it stopped: vLLM's
+        recompute-preemption. The caller's stream only pauses.
+        """
+        if len(self._running) <= 1:
+            return False  # alone it must fit: admission checked prompt + max_tokens
+        run = max(self._running.values(), key=lambda r: (r.req.priority, r.admitted_at))
+        slot = self._slots[run.slot]
+        done = slot.tokens[: self.ledger.length(run.slot)]
+        if run.phase is Phase.DECODE:
+            prompt = [*done, run.last_token]
+            left = run.req.max_tokens - run.generated
+        else:
+            prompt, left = run.req.prompt, run.req.max_tokens
+        del self._running[run.req.rid]
+        slot.rid = None
+        self._evict(slot)
+        again = SeqRequest(run.req.rid, prompt, max(1, left), run.req.priority, cache=run.req.cache)
+        self._queues[run.req.priority].appendleft((again, run.admitted_at))
+        self._queued_tokens += len(prompt)
+        self._events.append(Preempted(run.req.rid))
+        return True
+
+
+    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> None:
+        """Record a decode that ran ``plan``: cells written and tokens sampled."""
+        for ch in plan.chunks:
+            self._record_cells(ch)
+            run = self._running[ch.rid]
+            if run.phase is Phase.PREFILL:
+                run.next_prompt += len(ch.tokens)
+                self.prompt_tokens_computed += len(ch.tokens)
+            if ch.sample:
+                run.phase = Phase.DECODE
+                run.last_token = sampled[ch.rid]
+                run.generated += 1
+            self._slots[run.slot].last_used = now
+
+    # --- admission ------------------------------------------------------------------
+
+    def _admit(self, now: float) -> None:
+        for q in self._queues:
+            while q and len(self._running) < self.limits.max_running:
+                req, queued_at = q[0]
+                if not self._try_admit(req, now):
+                    return  # strict order: a big request is not overtaken in its class
+                q.popleft()
+                self._queued_tokens -= len(req.prompt)
+                self._events.append(Admitted(req.rid, self._running[req.rid].cached,
+                                             now - queued_at))
+
+    def _try_admit(self, req: SeqRequest, now: float) -> bool:
+        src, n = self._best_prefix(req.prompt)
+        dst = src if src is not None and self._slots[src].rid is None else self._free_slot(src)
+        if dst is None:
+            return False
+        if not self._make_room(req, n, src, dst):
+            return False
+        self.cache_queries += 1
+        if n:
+            self.cache_hits += 1
+            self.cache_tokens_saved += n
+        slot = self._slots[dst]
+        if dst == src:
+            self._truncate(slot, n)
+        else:
+            self._evict(slot)
+            if n:
+                assert src is not None
+                self._ops.append(SeqCp(src, dst, n))
+                self.ledger.share(src, dst, n)
+                slot.tokens = self._slots[src].tokens[:n]
+        slot.rid, slot.last_used = req.rid, now
+        self._running[req.rid] = _Running(req, dst, now, next_prompt=n, cached=n)
+        return True
+
+    def _best_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The slot sharing the longest prefix with ``prompt``, leaving one token to compute."""
+        best, best_key = None, (0, False)
+        limit = len(prompt) - 1  # the last prompt token must run to give logits
+        for slot in self._slots:
+            # On equal length an idle slot wins: it is reused in place, with no copy.
+            key = (min(common_prefix(slot.tokens, prompt), limit), slot.rid is None)
+            if key[0] and key > best_key:
+                best, best_key = slot.sid, key
+        return best, best_key[0]
+
+    def _free_slot(self, keep: int | None) -> int | None:
+        """An empty slot, else the least recently used idle one (not ``keep``)."""
+        idle = [s for s in self._slots if s.rid is None and s.sid != keep]
+        if not idle:
+            return None
+        empty = [s for s in idle if not s.tokens]
+        return (empty or sorted(idle, key=lambda s: s.last_used))[0].sid
+
+    def _reserved(self) -> int:
+        """Cells promised to running sequences but not written yet."""
+        cap = self.limits.decode_reservation
+        return sum(
+            max(0, r.reserved_length(cap) - self.ledger.length(r.slot))
+            for r in self._running.values()
+        )
+
+    def _make_room(self, req: SeqRequest, n: int, src: int | None, dst: int) -> bool:
+        """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet."""
+        need = len(req.prompt) - n + min(req.max_tokens, self.limits.decode_reservation)
+        victims = sorted(
+            (s for s in self._slots if s.rid is None and s.sid not in (src, dst) and s.tokens),
+            key=lambda s: s.last_used,
+        )
+        free = self._free_cells(dst, src, n)
+        while free < need and victims:
+            self._evict(victims.pop(0))
+            free = self._free_cells(dst, src, n)
+        return free >= need
+
+    def _free_cells(self, dst: int, src: int | None, n: int) -> int:
+        """Cells left for a new request once ``dst`` is prepared for it."""
+        lim = self.limits
+        reserved = self._reserved()
+        released = self.ledger.private_cells(dst)
+        if dst == src:
+            # Truncating keeps the shared prefix; only the tail beyond ``n`` goes.
+            released = max(0, released - n)
+        return lim.kv_cells - lim.kv_headroom - self.ledger.used - reserved + released
+
+    # --- slots and cells ---------------------------------------------------------------
+
+    def _evict(self, slot: _Slot) -> None:
+        if slot.tokens or self.ledger.length(slot.sid):
+            self._ops.append(SeqRm(slot.sid, 0))
+            self.ledger.clear(slot.sid)
+        slot.tokens = []
+
+    def _truncate(self, slot: _Slot, n: int) -> None:
+        if len(slot.tokens) > n:
+            self._ops.append(SeqRm(slot.sid, n))
+            self.ledger.truncate(slot.sid, n)
+            del slot.tokens[n:]
+
+    def _record_cells(self, ch: Chunk) -> None:
+        self.ledger.extend(ch.seq, len(ch.tokens))
+        self._slots[ch.seq].tokens.extend(ch.tokens)
+
+    # --- step layout ---------------------------------------------------------------------
+
+    def _decode_chunks(self) -> list[Chunk]:
+        out = []
+        for run in self._running.values():
+            if run.phase is Phase.DECODE:
+                pos = self.ledger.length(run.slot)
+                out.append(Chunk(run.req.rid, run.slot, pos, [run.last_token], sample=True))
+        return out
+
+    def _prefilling(self) -> list[_Running]:
+        return [r for r in self._running.values() if r.phase is Phase.PREFILL]
+
+    @staticmethod
+    def _prefill_order(run: _Running) -> tuple[int, int, float]:
+        # Interactive first, then shortest remaining prompt, then oldest admission.
+        return (run.req.priority, len(run.req.prompt) - run.next_prompt, run.admitted_at)
+
+    # --- introspection ------------------------------------------------------------------
+
+    @property
+    def n_queued(self) -> int:
+        return sum(len(q) for q in self._queues)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
+
+    def generated(self, rid: int) -> int:
+        return self._running[rid].generated
+
+    def is_running(self, rid: int) -> bool:
+        return rid in self._running
+
+    def statistics(self) -> dict[str, int]:
+        active = self._active_cells()
+        return {
+            "running": len(self._running),
+            "prefilling": len(self._prefilling()),
+            "queued_interactive": len(self._queues[INTERACTIVE]),
+            "queued_batch": len(self._queues[BATCH]),
+            "queued_tokens": self._queued_tokens,
+            "kv_cells_total": self.limits.kv_cells,
+            "kv_cells_used": self.ledger.used,
+            "kv_cells_active": active,
+            "kv_cells_cached": self.ledger.used - active,
+            "kv_cells_reserved": self._reserved(),
+            "slots_idle_cached": sum(1 for s in self._slots if s.rid is None and s.tokens),
+            "prefix_cache_queries": self.cache_queries,
+            "prefix_cache_hits": self.cache_hits,
+            "prefix_cache_tokens_saved": self.cache_tokens_saved,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+        }
+
+    def _active_cells(self) -> int:
+        """Cells that some running sequence sees (the rest is evictable cache)."""
+        running = {r.slot for r in self._running.values()}
+        seen: dict[int, int] = {}
+        blocks = self.ledger._blocks  # read-only peek; the ledger owns this structure
+        for sid in running:
+            for b in blocks.get(sid, ()):
+                seen[id(b)] = max(seen.get(id(b), 0), b.refs[sid])
+        return sum(seen.values())

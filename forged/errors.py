@@ -1,0 +1,53 @@
+"""The small vocabulary of errors the engine raises; ``forged.http.errors`` maps them."""
+
+from __future__ import annotations
+
+
+class ForgedError(Exception):
+    """Base of every error a caller may see."""
+
+
+class BadRequest(ForgedError):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextTooLong(BadRequest):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="messages", code="context_length_exceeded")
+
+
+class ModelNotFound(ForgedError):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
+
+
+class Overloaded(ForgedError):
+    """No room in the queue. The caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeout(Overloaded):
+    pass
+
+
+class Unavailable(ForgedError):
+    """No worker can take the request now (loading, restarting or draining)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class WorkerLost(ForgedError):
+    """The worker serving the request died; the daemon restarts it."""
+
+
+class EngineError(ForgedError):
+    """llama.cpp failed a step for this request."""

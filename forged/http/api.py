@@ -1,0 +1,321 @@
+"""The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
+and a minimal ``/health``. Nothing else is served on this port.
+
+Each request runs in quart-trio's per-request nursery beside a task that watches for
+the client going away; whichever finishes first cancels the other. A departed
+caller therefore cancels its handler, which leaves ``EnginePool.open_request`` and
+frees its sequence at the worker's next step.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import msgspec
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from forged import errors as e
+from forged.engine import frames as fr
+from forged.engine.pool import Job, RequestStream
+from forged.engine.scheduler import BATCH, INTERACTIVE
+from forged.http import errors as he
+from forged.http import sse
+from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
+from forged.http.state import AppState
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(err: he.HTTPError) -> Response:
+    return Response(err.encode(), status=err.status, headers=err.headers())
+
+
+def create_app(state: AppState) -> QuartTrio:
+    app = QuartTrio("forged")
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # streams last as long as generation does
+        BODY_TIMEOUT=state.cfg.server.read_timeout,
+        MAX_CONTENT_LENGTH=state.cfg.server.max_body_bytes,
+        PROVIDE_AUTOMATIC_OPTIONS=False,
+    )
+
+    @app.before_request
+    async def _request_id() -> None:
+        request.environ_rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex  # type: ignore[attr-defined]
+
+    @app.after_request
+    async def _add_request_id(resp: Response) -> Response:
+        resp.headers["X-Request-Id"] = getattr(request, "environ_rid", "")
+        return resp
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 400
+        return error_response(he.http_error(status, exc.description or exc.name,
+                                            "invalid_request_error"))
+
+    @app.errorhandler(e.ForgedError)
+    async def _domain_error(exc: e.ForgedError) -> Response:
+        return error_response(he.from_exception(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return json_response({"status": "draining"}, 503)
+        if not state.pool.ready:
+            return json_response({"status": "unavailable"}, 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "forged"}
+                for m in state.model_ids]
+        return json_response({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        body = await _read_body(state)
+        try:
+            req = completion_decoder.decode(body)
+        except msgspec.MsgspecError as exc:
+            return error_response(he.from_decode_error(exc))
+        prompt = await _completion_prompt(state, req)
+        return await _generate(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        body = await _read_body(state)
+        try:
+            req = chat_decoder.decode(body)
+        except msgspec.MsgspecError as exc:
+            return error_response(he.from_decode_error(exc))
+        prompt = await _chat_prompt(state, req)
+        return await _generate(state, req, prompt, req.max_completion_tokens or req.max_tokens,
+                               sse.ChatFormat)
+
+    return app
+
+
+async def _read_body(state: AppState) -> bytes:
+    if state.draining:
+        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
+    return await request.get_data(cache=False)  # type: ignore[no-any-return]
+
+
+# --- prompts ---------------------------------------------------------------------------
+
+
+async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[int]:
+    _check_model(state, req.model)
+    p = req.prompt
+    if isinstance(p, str):
+        text = p
+    elif p and all(isinstance(t, int) for t in p):
+        n_vocab = state.prompter.n_vocab
+        if any(not 0 <= t < n_vocab for t in p):  # type: ignore[operator]
+            raise e.BadRequest(f"token ids must be in [0, {n_vocab})", param="prompt")
+        return list(p)  # type: ignore[arg-type]
+    elif len(p) == 1 and isinstance(p[0], str):
+        text = p[0]
+    else:
+        raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion, text)
+    if not tokens:
+        raise e.BadRequest("the prompt is empty", param="prompt")
+    return tokens
+
+
+async def _chat_prompt(state: AppState, req: ChatRequest) -> list[int]:
+    _check_model(state, req.model)
+    lim = state.cfg.limits
+    if len(req.messages) > lim.max_messages:
+        raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    return await trio.to_thread.run_sync(state.prompter.encode_chat, messages)
+
+
+def _message_dict(i: int, m: Any) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise e.BadRequest(f"content parts of type {part.type!r} are not supported",
+                                   param=f"messages[{i}].content")
+            texts.append(part.text)
+        content = "".join(texts)
+    role = "system" if m.role == "developer" else m.role
+    return {"role": role, "content": content or ""}
+
+
+def _check_model(state: AppState, model: str | None) -> None:
+    if model is not None and model not in state.model_ids:
+        raise e.ModelNotFound(model)
+
+
+# --- generation --------------------------------------------------------------------------
+
+
+def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) -> Job:
+    lim, limit = state.cfg.limits, state.max_context
+    if len(prompt) >= limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {len(prompt)} tokens. Please reduce the length of the prompt."
+        )
+    if requested is None:
+        max_tokens = min(lim.default_max_tokens, limit - len(prompt))
+    elif len(prompt) + requested > limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} in "
+            "the completion). Please reduce the length of the prompt or completion."
+        )
+    else:
+        max_tokens = requested
+    priority = req.priority or lim.default_priority
+    return Job(
+        prompt=prompt, max_tokens=max_tokens,
+        priority=BATCH if priority == "batch" else INTERACTIVE,
+        sampling=_sampling(state, req), stop=_stops(state, req.stop),
+        ignore_eos=req.ignore_eos, cache=req.cache_prompt,
+    )
+
+
+def _sampling(state: AppState, req: Any) -> fr.Sampling:
+    bias: list[tuple[int, float]] = []
+    if req.logit_bias:
+        if len(req.logit_bias) > state.cfg.limits.max_logit_bias:
+            raise e.BadRequest("too many logit_bias entries", param="logit_bias")
+        for key, value in req.logit_bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.prompter.n_vocab:
+                raise e.BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias")
+            bias.append((int(key), float(value)))
+    return fr.Sampling(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
+        repeat_penalty=req.repeat_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=None if req.seed is None else req.seed & 0xFFFFFFFF, logit_bias=bias,
+    )
+
+
+def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
+    lim = state.cfg.limits
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > lim.max_stop:
+        raise e.BadRequest(f"at most {lim.max_stop} stop strings are allowed", param="stop")
+    if any(not s or len(s) > lim.max_stop_length for s in stops):
+        raise e.BadRequest(f"stop strings must have 1 to {lim.max_stop_length} characters",
+                           param="stop")
+    return stops
+
+
+async def _generate(state: AppState, req: Any, prompt: list[int], requested: int | None,
+                    fmt: type[sse.Format]) -> Response:
+    job = _job(state, req, prompt, requested)
+    out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
+    stack = AsyncExitStack()
+    try:
+        rs = await stack.enter_async_context(state.pool.open_request(job))
+        first = await _until_admitted(state, rs)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stack.aclose()
+        raise
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(state, rs, stack, first, out, include_usage)
+        return Response(body, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async with stack:
+        return json_response(await _collect(rs, first, out))
+
+
+async def _until_admitted(state: AppState, rs: RequestStream) -> list[fr.Event]:
+    """Wait for the worker to admit the request, so that a full queue is an honest 503."""
+    events: list[fr.Event] = []
+    while True:
+        batch = await rs.receive()
+        for ev in batch:
+            if isinstance(ev, fr.Failed):
+                raise _failure(state, ev)
+        events.extend(batch)
+        if rs.admitted or rs.finished:
+            return events
+
+
+def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
+    retry = state.cfg.limits.retry_after
+    match ev.code:
+        case "overloaded":
+            return e.Overloaded(ev.message, retry)
+        case "queue_timeout":
+            return e.QueueTimeout(ev.message, retry)
+        case "bad_request":
+            return e.BadRequest(ev.message)
+        case _:
+            return e.EngineError(ev.message)
+
+
+async def _collect(rs: RequestStream, events: list[fr.Event], out: sse.Format) -> dict[str, Any]:
+    parts: list[str] = []
+    while True:
+        for ev in events:
+            match ev:
+                case fr.Delta(text=text):
+                    parts.append(text)
+                case fr.Done():
+                    parts.append(ev.text)
+                    return out.whole("".join(parts), ev)
+                case fr.Failed():
+                    raise e.EngineError(ev.message)
+        events = await rs.receive()
+
+
+async def _stream(state: AppState, rs: RequestStream, stack: AsyncExitStack,
+                  events: list[fr.Event], out: sse.Format, include_usage: bool
+                  ) -> AsyncIterator[bytes]:
+    """The SSE body. Its ``finally`` closes the request, whoever ends the stream."""
+    try:
+        if head := out.start():
+            yield head
+        while True:
+            for ev in events:
+                match ev:
+                    case fr.Delta(text=text):
+                        yield out.delta(text)
+                    case fr.Done():
+                        yield out.finish(ev, include_usage)
+                        return
+                    case fr.Failed():
+                        yield sse.error_event(he.from_exception(e.EngineError(ev.message)))
+                        return
+            scope = state.streams.open()
+            try:
+                with scope:
+                    events = await rs.receive()
+            finally:
+                state.streams.close(scope)
+            if scope.cancelled_caught:
+                yield sse.error_event(he.http_error(
+                    503, "the server is shutting down; the stream was cut short",
+                    "server_error", None, "draining", state.cfg.limits.retry_after))
+                return
+    except e.ForgedError as exc:
+        yield sse.error_event(he.from_exception(exc))
+    finally:
+        with trio.CancelScope(shield=True):
+            await stack.aclose()

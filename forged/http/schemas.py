@@ -1,0 +1,70 @@
+"""Request bodies of the OpenAI-compatible API.
+
+Deliberately *not* ``forbid_unknown_fields``: clients add new fields all the time,
+and OpenAI-compatible servers ignore the ones they do not know. A known field with
+a wrong type or a value out of range is an error that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    user: str | None = None
+    # Extensions that llama.cpp's server and vLLM accept.
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    # forged's scheduling class: interactive (default) or batch (agentic fan-out, jobs).
+    priority: Literal["interactive", "batch"] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[int | str]
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(Struct):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+chat_decoder = msgspec.json.Decoder(ChatRequest)

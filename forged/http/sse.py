@@ -1,0 +1,118 @@
+"""OpenAI's response objects and SSE frames, for completions and chat completions."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, ClassVar
+
+import msgspec
+
+from forged.engine import frames as fr
+from forged.http.errors import HTTPError
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def error_event(err: HTTPError) -> bytes:
+    return event(err.body) + DONE
+
+
+def usage(done: fr.Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+class Format:
+    """One response's id, model and shape; subclasses say how a choice looks."""
+
+    object_whole: ClassVar[str]
+    object_chunk: ClassVar[str]
+    id_prefix: ClassVar[str]
+
+    def __init__(self, model: str, created: int) -> None:
+        self.id = self.id_prefix + uuid.uuid4().hex
+        self.model = model
+        self.created = created
+
+    def _envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        return event(self._envelope(self.object_chunk, [choice]))
+
+    def start(self) -> bytes:
+        return b""
+
+    def delta(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, done: fr.Done, include_usage: bool) -> bytes:
+        out = b""
+        if done.text:
+            out += self.delta(done.text)
+        out += self._final_chunk(done.finish_reason)
+        if include_usage:
+            u = self._envelope(self.object_chunk, [])
+            u["usage"] = usage(done)
+            out += event(u)
+        return out + DONE
+
+    def _final_chunk(self, reason: str) -> bytes:
+        raise NotImplementedError
+
+    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    object_whole = "text_completion"
+    object_chunk = "text_completion"
+    id_prefix = "cmpl-"
+
+    def delta(self, text: str) -> bytes:
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def _final_chunk(self, reason: str) -> bytes:
+        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+
+    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+        out = self._envelope(self.object_whole, [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        ])
+        out["usage"] = usage(done)
+        return out
+
+
+class ChatFormat(Format):
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def start(self) -> bytes:
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def delta(self, text: str) -> bytes:
+        return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None,
+                            "finish_reason": None})
+
+    def _final_chunk(self, reason: str) -> bytes:
+        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+
+    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+        out = self._envelope(self.object_whole, [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": done.finish_reason,
+        }])
+        out["usage"] = usage(done)
+        return out
