@@ -1,3 +1,5 @@
-from forged.cli import main
 import sys
+
+from forged.cli import main
+
 sys.exit(main())

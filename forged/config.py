@@ -26,7 +26,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """Shared base: unknown keys are an error, values are immutable once loaded."""
 
 
-class ServerConfig(_Section):
+class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
     drain_timeout: Seconds = 30.0
@@ -36,7 +36,7 @@ class ServerConfig(_Section):
     status_interval: Seconds = 5.0
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     path: str = "/usr/share/forged/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     # The id clients pass as "model"; empty means the file name without ".gguf".
     name: str = ""
@@ -46,7 +46,7 @@ class ModelConfig(_Section):
     chat_template: str = ""
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     threads: Annotated[int, msgspec.Meta(ge=1, le=512)] = 2
     # Total KV cells per worker, shared by every sequence (unified KV cache).
@@ -58,7 +58,7 @@ class EngineConfig(_Section):
     # Sequences decoding at once per worker.
     max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 32
     # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
-    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 128
+    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 64
     flash_attn: bool = False
     # Cells kept free of reservations, so llama.cpp's slot search never runs dry.
     kv_headroom: Annotated[int, msgspec.Meta(ge=0)] = 64
@@ -73,7 +73,7 @@ class EngineConfig(_Section):
     startup_timeout: Seconds = 300.0
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(_Section, frozen=True):
     max_queued: Annotated[int, msgspec.Meta(ge=0)] = 256
     max_queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
     queue_timeout: Seconds = 60.0
@@ -88,13 +88,13 @@ class LimitsConfig(_Section):
     retry_after: Annotated[int, msgspec.Meta(ge=1)] = 2
 
 
-class LogConfig(_Section):
+class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # Log prompts and completions (never do this on a shared appliance).
     log_content: bool = False
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -134,6 +134,11 @@ def _check(path: Path, cfg: Config) -> None:
             f"{path}: engine.step_tokens: must be at least engine.max_running ({eng.max_running})"
             " so that every running sequence decodes each step"
         )
+    if eng.step_tokens < eng.slots:
+        # llama.cpp reserves one output row per sequence in a batch and aborts the
+        # process if the batch size is smaller than the number of sequences.
+        raise ConfigError(
+            f"{path}: engine.step_tokens: must be at least engine.slots ({eng.slots})")
     if eng.max_context > eng.kv_cells:
         raise ConfigError(f"{path}: engine.max_context: must not exceed engine.kv_cells")
     _parse_listen(path, "server.listen", cfg.server.listen)
@@ -180,7 +185,8 @@ def with_overrides(
     """Apply command-line flags, which win over the file."""
     if listen is not None:
         _parse_listen("--listen", "value", listen)
-        cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, listen=listen))
+        server = msgspec.structs.replace(cfg.server, listen=listen)
+        cfg = msgspec.structs.replace(cfg, server=server)
     if model is not None:
         cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model))
     return cfg

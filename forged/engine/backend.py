@@ -143,7 +143,10 @@ class Sampler(_Closing):
     def __init__(self, model: Model, p: SamplingParams) -> None:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._ptr = chain
-        add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
+
+        def add(sampler: Any) -> None:
+            ll.llama_sampler_chain_add(chain, sampler)
+
         if p.logit_bias:
             arr = (ll.llama_logit_bias * len(p.logit_bias))(
                 *(ll.llama_logit_bias(tok, bias) for tok, bias in p.logit_bias)

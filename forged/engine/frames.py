@@ -84,7 +84,13 @@ class Hang(_Frame, tag="hang"):
     seconds: float
 
 
-ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang
+class SlowSteps(_Frame, tag="slow"):
+    """Test hook (only honoured with ``test_hooks``): sleep this long after every step."""
+
+    seconds: float
+
+
+ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang | SlowSteps
 
 
 # --- worker -> daemon ------------------------------------------------------------------

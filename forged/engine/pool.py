@@ -23,7 +23,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 import trio
@@ -232,7 +232,8 @@ class EnginePool:
                     self._dispatch(w, frame)
 
     def _dispatch(self, w: _Worker, step: fr.Step) -> None:
-        w.stats = step.stats
+        if step.stats:
+            w.stats = step.stats
         for ev in step.events:
             rs = w.pending.get(ev.rid)
             if rs is None:
@@ -244,10 +245,8 @@ class EnginePool:
     async def _stop_process(self, proc: trio.Process, stream: trio.SocketStream) -> None:
         # Ask politely first (the worker frees llama.cpp memory), then insist.
         with trio.move_on_after(2.0):
-            try:
+            with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await stream.send_all(fr.encode(fr.Shutdown()))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
             await proc.wait()
         if proc.returncode is None:
             proc.kill()
@@ -300,6 +299,10 @@ class EnginePool:
     def hang_worker(self, index: int, seconds: float) -> None:
         """Test hook: make a worker's loop block (it must be started with test hooks)."""
         self.workers[index].outbox.put(fr.Hang(seconds=seconds))
+
+    def slow_steps(self, index: int, seconds: float) -> None:
+        """Test hook: make every step of a worker take at least ``seconds`` longer."""
+        self.workers[index].outbox.put(fr.SlowSteps(seconds=seconds))
 
     # --- introspection ---------------------------------------------------------------
 

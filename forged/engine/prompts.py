@@ -40,7 +40,7 @@ class Prompter:
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         try:
-            return str(self._chat(messages=messages).prompt)
+            return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
         except Exception as exc:  # a template's raise_exception or a Jinja2 error
             raise BadRequest(f"the chat template rejected the messages: {exc}",
                              param="messages") from exc

@@ -284,7 +284,8 @@ class Scheduler:
 
     def _overflows(self, chunks: list[Chunk]) -> bool:
         lim = self.limits
-        return self.ledger.used + sum(len(c.tokens) for c in chunks) > lim.kv_cells - lim.kv_headroom
+        growth = sum(len(c.tokens) for c in chunks)
+        return self.ledger.used + growth > lim.kv_cells - lim.kv_headroom
 
     def _evict_one_idle(self) -> bool:
         idle = [s for s in self._slots if s.rid is None and s.tokens]

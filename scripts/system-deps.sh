@@ -1,0 +1,16 @@
+#!/bin/sh
+# Debian packages the build and the tests need. Installs only what is missing.
+set -eu
+needed="build-essential cmake git python3-venv python3-dev curl"
+missing=""
+for p in $needed; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+    echo "missing Debian packages:$missing (run: sudo apt-get install$missing)" >&2
+    exit 1
+fi
+echo "installing Debian packages:$missing"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null

@@ -1,0 +1,259 @@
+"""The HTTP API against an in-process daemon and a tiny random-weight model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import DaemonFactory
+
+pytestmark = pytest.mark.trio
+
+
+def sse_events(lines: list[str]) -> list[Any]:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
+    async with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        return sse_events([line async for line in r.aiter_lines()])
+
+
+async def until(pred: Any, limit: float = 5.0) -> None:
+    """Poll ``pred``: the state lives in another process, so there is no event to wait on."""
+    with trio.fail_after(limit):
+        while not pred():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def test_models_health_and_completion(tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(30):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url) as c:
+            assert (await c.get("/health")).json() == {"status": "ok"}
+            models = (await c.get("/v1/models")).json()
+            assert models["data"][0]["id"] == "tiny"
+            r = await c.post("/v1/completions", json={
+                "model": "tiny", "prompt": "Hello", "max_tokens": 12, "ignore_eos": True,
+                "temperature": 0})
+            assert r.status_code == 200
+            body = r.json()
+            assert body["object"] == "text_completion"
+            assert body["usage"]["completion_tokens"] == 12
+            assert body["choices"][0]["finish_reason"] == "length"
+            assert r.headers["x-request-id"]
+            # greedy is deterministic
+            again = await c.post("/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+            assert again.json()["choices"][0]["text"] == body["choices"][0]["text"]
+            # and the second run reused the cached prompt
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_streaming_chat_with_usage(tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(30):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url) as c:
+            events = await stream(c, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                "ignore_eos": True, "stream_options": {"include_usage": True}})
+            assert events[-1] == "[DONE]"
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert events[-3]["choices"][0]["finish_reason"] == "length"
+            assert events[-2]["usage"]["completion_tokens"] == 9
+            assert events[-2]["choices"] == []
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[]", 400, None),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 9}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "messages"),
+    ("/v1/completions", {"prompt": "word " * 3000}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "priority": "urgent"}, 400, "priority"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url"}]}]}, 400, None),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", b"\xff\xfe", 400, None),
+]
+
+
+async def test_bad_input_gets_openai_4xx_and_loses_nothing(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server={"max_body_bytes": 100_000}) as d, \
+                httpx.AsyncClient(base_url=d.url) as c:
+            for path, body, status, param in BAD_REQUESTS:
+                if isinstance(body, bytes):
+                    r = await c.post(path, content=body)
+                else:
+                    r = await c.post(path, json=body)
+                assert r.status_code == status, (body, r.text)
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}, err
+                assert err["message"]
+                if param is not None:
+                    assert err["param"] == param, (body, err)
+            for method, path, status in [("GET", "/nope", 404), ("GET", "/v1/completions", 405),
+                                         ("POST", "/stats", 404), ("GET", "/metrics", 404)]:
+                r = await c.request(method, path)
+                assert r.status_code == status
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            r = await c.post("/v1/completions", content=b"x" * 200_000)
+            assert r.status_code == 413 and "error" in r.json()
+            # unknown fields are ignored, as OpenAI-compatible servers do
+            r = await c.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "logprobs": None})
+            assert r.status_code == 200
+            assert (await c.get("/health")).status_code == 200
+            await until(lambda: d.stats().get("running") == 0)
+            assert d.stats()["kv_cells_active"] == 0
+
+
+async def test_disconnect_frees_the_sequence_within_a_step(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    with trio.fail_after(30):
+        async with start_daemon(tiny_model) as d:
+            # Slow steps (50 ms) make "within one step" measurable on a tiny model.
+            step = 0.05
+            d.daemon.pool.slow_steps(0, step)
+            body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 2000,
+                               "ignore_eos": True, "stream": True}).encode()
+            host, port = d.url.removeprefix("http://").rsplit(":", 1)
+            sock = await trio.open_tcp_stream(host, int(port))
+            await sock.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            received = b""
+            while received.count(b"data: {") < 2:
+                received += await sock.receive_some(65536)
+            assert d.stats()["running"] == 1
+            await trio.sleep(2 * step)  # statistics arrive with each (slow) step
+            steps_at_drop = d.stats()["steps"]
+            dropped_at = trio.current_time()
+            await sock.aclose()
+            await until(lambda: d.stats()["running"] == 0)
+            freed_after = trio.current_time() - dropped_at
+            st = d.stats()
+            assert st["kv_cells_active"] == 0
+            # At most the step in flight when the cancel arrived (and one whose
+            # statistics were still on the wire) ran after the drop.
+            assert st["steps"] - steps_at_drop <= 2
+            assert freed_after < 3 * step
+            assert d.daemon.pool.in_flight() == 0
+
+
+async def test_worker_crash_gives_clean_errors_and_restarts(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url) as c:
+            results: list[list[Any]] = []
+
+            async def one() -> None:
+                results.append(await stream(c, "/v1/completions", {
+                    "prompt": "go", "max_tokens": 2000, "ignore_eos": True}))
+
+            w = d.daemon.pool.workers[0]
+            old_pid = w.pid
+            async with trio.open_nursery() as n:
+                for _ in range(3):
+                    n.start_soon(one)
+                await until(lambda: d.stats().get("running", 0) == 3)
+                assert old_pid is not None
+                os.kill(old_pid, signal.SIGKILL)
+            for events in results:
+                assert events[-1] == "[DONE]"
+                assert events[-2]["error"]["code"] == "worker_lost"
+            await until(lambda: w.ready and w.pid != old_pid, limit=10)
+            assert w.restarts == 1
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200
+
+
+async def test_32_concurrent_streams_all_finish(tiny_model: Path,
+                                                start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine={"max_running": 16, "slots": 32}) as d:
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(base_url=d.url, limits=limits, timeout=30) as c:
+                counts: dict[int, int] = {}
+
+                async def one(i: int) -> None:
+                    events = await stream(c, "/v1/completions", {
+                        "prompt": f"request {i}", "max_tokens": 20 + i, "ignore_eos": True,
+                        "stream_options": {"include_usage": True}})
+                    counts[i] = events[-2]["usage"]["completion_tokens"]
+
+                async with trio.open_nursery() as n:
+                    for i in range(32):
+                        n.start_soon(one, i)
+            assert counts == {i: 20 + i for i in range(32)}
+            await until(lambda: d.stats()["running"] == 0)
+
+
+async def test_short_request_overtakes_long_generations(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    with trio.fail_after(60):
+        # Enough KV for all nine, so this is about scheduling, not memory pressure.
+        async with start_daemon(tiny_model, engine={"kv_cells": 16384, "max_running": 12}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            finished: list[str] = []
+
+            async def gen(name: str, max_tokens: int) -> None:
+                r = await c.post("/v1/completions", json={
+                    "prompt": name, "max_tokens": max_tokens, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                finished.append(name)
+
+            async with trio.open_nursery() as n:
+                for i in range(8):
+                    n.start_soon(gen, f"long{i}", 1500)
+                await until(lambda: d.stats().get("running", 0) == 8)
+                n.start_soon(gen, "short", 4)
+            assert finished[0] == "short"
+
+
+async def test_admin_is_not_on_the_api_port(tiny_model: Path,
+                                            start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(30):
+        async with start_daemon(tiny_model) as d:
+            async with httpx.AsyncClient(base_url=d.url) as c:
+                assert (await c.get("/stats")).status_code == 404
+            transport = httpx.AsyncHTTPTransport(uds=d.admin_sock)
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as a:
+                st = (await a.get("/stats")).json()
+                assert st["ready"] and st["engine"]["workers"][0]["ready"]
+
+

@@ -1,0 +1,233 @@
+"""The sans-IO scheduler, driven step by step with a fake clock (plain floats)."""
+
+from __future__ import annotations
+
+import pytest
+
+from forged.engine.scheduler import (
+    BATCH,
+    INTERACTIVE,
+    Admitted,
+    Expired,
+    Preempted,
+    QueueFull,
+    Scheduler,
+    SchedulerLimits,
+    SeqCp,
+    SeqRequest,
+    SeqRm,
+    StepPlan,
+    common_prefix,
+)
+
+
+def limits(**kw: int) -> SchedulerLimits:
+    base = dict(kv_cells=4096, slots=8, max_running=4, step_tokens=32)
+    base.update(kw)
+    return SchedulerLimits(**base)  # type: ignore[arg-type]
+
+
+def req(rid: int, n: int = 10, max_tokens: int = 5, start: int = 0, **kw: object) -> SeqRequest:
+    return SeqRequest(rid, list(range(start, start + n)), max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def run_step(s: Scheduler, now: float, token: int = 7) -> StepPlan | None:
+    """Plan and commit one step, sampling ``token`` everywhere; finish at max_tokens."""
+    plan = s.plan(now)
+    if plan is None:
+        return None
+    sampled = {c.rid: token for c in plan.chunks if c.sample}
+    s.commit(plan, sampled, now)
+    for rid in sampled:
+        r = s._running[rid]
+        if r.generated >= r.req.max_tokens:
+            s.finish(rid)
+    return plan
+
+
+def test_no_batching_window_first_request_runs_in_the_next_step() -> None:
+    s = Scheduler(limits())
+    assert s.plan(0.0) is None
+    s.submit(req(1), 0.0)
+    plan = s.plan(0.0)
+    assert plan is not None and [c.rid for c in plan.chunks] == [1]
+    assert plan.chunks[0].tokens == list(range(10)) and plan.chunks[0].sample
+
+
+def test_decode_tokens_come_first_and_prefill_is_chunked_to_the_budget() -> None:
+    s = Scheduler(limits(step_tokens=16))
+    for rid in (1, 2, 3):
+        s.submit(req(rid, n=4, max_tokens=50, start=100 * rid), 0.0)
+    run_step(s, 0.0)  # three 4-token prompts fit in one step
+    s.submit(req(9, n=40, max_tokens=5), 0.0)
+    plan = run_step(s, 1.0)
+    assert plan is not None
+    decode = [c for c in plan.chunks if len(c.tokens) == 1]
+    assert [c.rid for c in decode] == [1, 2, 3]
+    assert plan.n_tokens == 16  # 3 decode tokens + 13 prompt tokens of request 9
+    chunk9 = next(c for c in plan.chunks if c.rid == 9)
+    assert len(chunk9.tokens) == 13 and not chunk9.sample
+    # the long prompt keeps going in bounded chunks while the others decode every step
+    while s._running[9].phase.value == "prefill":
+        plan = run_step(s, 2.0)
+        assert plan is not None and plan.n_tokens <= 16
+        assert {1, 2, 3} <= {c.rid for c in plan.chunks}
+
+
+def test_short_prompt_is_prefilled_before_a_long_one() -> None:
+    s = Scheduler(limits(step_tokens=16))
+    s.submit(req(1, n=100), 0.0)
+    s.submit(req(2, n=5, start=500), 0.1)
+    plan = s.plan(0.2)
+    assert plan is not None
+    assert plan.chunks[0].rid == 2 and len(plan.chunks[0].tokens) == 5
+    assert plan.chunks[1].rid == 1 and len(plan.chunks[1].tokens) == 11
+
+
+def test_admission_waits_for_kv_cells_and_resumes_when_freed() -> None:
+    s = Scheduler(limits(kv_cells=100, max_running=8))
+    s.submit(req(1, n=40, max_tokens=30), 0.0)
+    s.submit(req(2, n=40, max_tokens=30, start=1000), 0.0)
+    s.plan(0.0)
+    assert s.n_running == 1 and s.n_queued == 1  # 70 + 70 cells > 100
+    while s.is_running(1):
+        run_step(s, 1.0)
+    # request 1 left 40+29 cached cells; they are evicted to make room for request 2
+    run_step(s, 2.0)
+    assert s.is_running(2)
+    assert s.ledger.used <= 100
+
+
+def test_queue_is_bounded_in_requests_and_tokens() -> None:
+    s = Scheduler(limits(max_running=1, max_queued=2, max_queued_tokens=25))
+    s.submit(req(1), 0.0)
+    s.submit(req(2), 0.0)
+    with pytest.raises(QueueFull):
+        s.submit(req(3), 0.0)
+    s2 = Scheduler(limits(max_running=1, max_queued=10, max_queued_tokens=25))
+    s2.submit(req(1, n=20), 0.0)
+    with pytest.raises(QueueFull):
+        s2.submit(req(2, n=10), 0.0)
+
+
+def test_queued_request_times_out() -> None:
+    s = Scheduler(limits(max_running=1))
+    s.submit(req(1, max_tokens=100), 0.0)
+    s.submit(req(2, deadline=5.0), 0.0)
+    run_step(s, 0.0)
+    assert s.expire(4.9) == []
+    assert s.expire(5.0) == [2]
+    assert Expired(2) in s.drain_events()
+    assert s.n_queued == 0
+
+
+def test_cancel_frees_the_slot_and_keeps_the_kv_as_cache() -> None:
+    s = Scheduler(limits())
+    s.submit(req(1, n=10, max_tokens=100), 0.0)
+    run_step(s, 0.0)
+    run_step(s, 1.0)
+    assert s.statistics()["kv_cells_active"] == 11
+    assert s.cancel(1)
+    st = s.statistics()
+    assert st["running"] == 0 and st["kv_cells_active"] == 0
+    assert st["kv_cells_cached"] == st["kv_cells_used"] == 11
+
+
+def test_cancel_without_cache_removes_the_cells() -> None:
+    s = Scheduler(limits())
+    s.submit(req(1, n=10, max_tokens=100, cache=False), 0.0)
+    run_step(s, 0.0)
+    s.cancel(1)
+    plan = s.plan(1.0)
+    assert plan is not None and plan.ops == [SeqRm(0, 0)]
+    assert s.ledger.used == 0
+
+
+def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
+    s = Scheduler(limits())
+    shared = list(range(50))
+    s.submit(SeqRequest(1, [*shared, 900, 901], 3), 0.0)
+    while s.is_running(1) or s.n_queued:
+        run_step(s, 0.0)
+    s.submit(SeqRequest(2, [*shared, 950, 951, 952], 3), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    # the idle slot is reused in place: its tail is dropped, the prefix kept
+    assert plan.ops == [SeqRm(0, 50)]
+    assert plan.chunks[0].pos == 50 and plan.chunks[0].tokens == [950, 951, 952]
+    ev = s.drain_events()
+    assert Admitted(2, 50, 0.0) in ev
+    st = s.statistics()
+    assert st["prefix_cache_hits"] == 1 and st["prefix_cache_tokens_saved"] == 50
+
+
+def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
+    s = Scheduler(limits(step_tokens=64))
+    shared = list(range(40))
+    s.submit(SeqRequest(1, [*shared, 900], 50), 0.0)
+    run_step(s, 0.0)  # request 1 is running with 41 cells
+    s.submit(SeqRequest(2, [*shared, 950], 50), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    assert SeqCp(src=0, dst=1, n=40) in plan.ops
+    chunk = next(c for c in plan.chunks if c.rid == 2)
+    assert chunk.pos == 40 and chunk.tokens == [950]
+    # the shared 40 cells are counted once
+    s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, 1.0)
+    assert s.ledger.used == 41 + 1 + 1
+
+
+def test_interactive_is_admitted_before_batch_and_prefilled_first() -> None:
+    s = Scheduler(limits(max_running=1, step_tokens=8))
+    s.submit(req(1, n=4, max_tokens=2), 0.0)
+    s.submit(req(2, n=4, max_tokens=2, start=100, priority=BATCH), 0.1)
+    s.submit(req(3, n=4, max_tokens=2, start=200, priority=INTERACTIVE), 0.2)
+    order = []
+    for step in range(20):
+        plan = run_step(s, float(step))
+        if plan:
+            order += [c.rid for c in plan.chunks if c.rid not in order]
+    assert order == [1, 3, 2]
+
+    s = Scheduler(limits(step_tokens=8))
+    s.submit(req(1, n=30, priority=BATCH), 0.0)
+    s.submit(req(2, n=30, start=100), 0.0)
+    plan = s.plan(0.0)
+    assert plan is not None and plan.chunks[0].rid == 2 and len(plan.chunks[0].tokens) == 8
+
+
+def test_growth_past_the_reservation_preempts_the_newest_and_resumes_it() -> None:
+    s = Scheduler(limits(kv_cells=60, decode_reservation=4, step_tokens=16))
+    s.submit(req(1, n=20, max_tokens=30), 0.0)
+    s.submit(req(2, n=20, max_tokens=30, start=500), 1.0)
+    run_step(s, 1.0)
+    assert s.n_running == 2
+    preempted = False
+    for step in range(200):
+        run_step(s, 2.0 + step)
+        preempted |= any(isinstance(e, Preempted) for e in s.drain_events())
+        assert s.ledger.used <= 60
+        if not s.n_running and not s.n_queued:
+            break
+    assert preempted
+    assert not s.n_running and not s.n_queued
+
+
+def test_batches_never_exceed_the_step_budget() -> None:
+    s = Scheduler(limits(step_tokens=24, max_running=6, slots=8))
+    for rid in range(12):
+        s.submit(req(rid, n=7 + rid * 5, max_tokens=6, start=rid * 1000), 0.0)
+    for step in range(300):
+        plan = run_step(s, float(step))
+        if plan is None and not s.n_queued:
+            break
+        assert plan is None or plan.n_tokens <= 24
+    assert s.n_running == 0 and s.n_queued == 0
+
+
+def test_common_prefix() -> None:
+    a = list(range(1000))
+    assert common_prefix(a, a) == 1000
+    assert common_prefix(a, [*a[:700], -1]) == 700
+    assert common_prefix([], a) == 0
+    assert common_prefix([1, 2], [1, 3]) == 1

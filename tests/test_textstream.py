@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from forged.engine.textstream import TextStream
+
+
+def run(pieces: list[bytes], stop: list[str]) -> tuple[list[str], bool]:
+    ts = TextStream(stop)
+    out = [ts.feed(p) for p in pieces]
+    if not ts.stopped:
+        out.append(ts.flush())
+    return out, ts.stopped
+
+
+def test_multibyte_character_split_across_tokens_is_never_emitted_half_done() -> None:
+    euro = "€".encode()  # three bytes
+    out, _ = run([b"a", euro[:1], euro[1:2], euro[2:], b"b"], [])
+    assert out[:4] == ["a", "", "", "€"]
+    assert "".join(out) == "a€b"
+
+
+def test_stop_string_split_across_tokens() -> None:
+    out, stopped = run([b"hello ", b"EN", b"D", b" more"], ["END"])
+    assert stopped
+    assert "".join(out) == "hello "
+    # the partial "EN" was held back, never sent
+    assert out[1] == ""
+
+
+def test_partial_stop_that_does_not_complete_is_released() -> None:
+    out, stopped = run([b"ab", b"E", b"x"], ["END"])
+    assert not stopped
+    assert out == ["ab", "", "Ex", ""]
+
+
+def test_earliest_stop_wins() -> None:
+    out, stopped = run([b"one two three"], ["three", "two"])
+    assert stopped and "".join(out) == "one "
+
+
+@given(st.text(max_size=40), st.integers(1, 7))
+def test_any_split_reassembles_the_text(text: str, size: int) -> None:
+    data = text.encode()
+    pieces = [data[i : i + size] for i in range(0, len(data), size)]
+    out, _ = run(pieces, [])
+    assert "".join(out) == text
+    for part in out:
+        part.encode()  # never half a character (no lone surrogates, no U+FFFD)
+        assert "\ufffd" not in part or "\ufffd" in text
