@@ -1,7 +1,7 @@
 #!/bin/sh
 # Debian packages the build and the tests need. Installs only what is missing.
 set -eu
-needed="build-essential cmake git python3-venv python3-dev curl"
+needed="build-essential cmake git python3-venv python3-dev curl systemd procps"
 missing=""
 for p in $needed; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

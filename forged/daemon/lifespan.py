@@ -52,14 +52,14 @@ def _hyper_config(state: AppState, bind: str) -> HyperConfig:
     return hc
 
 
-def _status_line(state: AppState) -> str:
+def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
     stats = state.pool.statistics()
     t = stats["totals"]
     assert isinstance(t, dict)
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
     return (f"{len(state.streams)} streams, {int(t.get('running', 0))} running, "
             f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
-            f"KV {100 * used / total:.0f}%")
+            f"KV {100 * used / total:.0f}%, {tokens_per_s:.0f} tok/s")
 
 
 class Daemon:
@@ -108,7 +108,8 @@ class Daemon:
         if admin.startswith("unix:"):
             Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
         admin_binds = await http.start(partial(
-            hyper_serve, create_admin_app(state), _hyper_config(state, admin),
+            hyper_serve, create_admin_app(state, test_hooks=self.test_hooks),
+            _hyper_config(state, admin),
             shutdown_trigger=trigger))
         log.info("admin listener on %s", ", ".join(admin_binds))
         return binds
@@ -161,9 +162,15 @@ class Daemon:
         self.notifier.ready(_status_line(self.state))
 
     async def _status_loop(self, state: AppState) -> None:
+        last_tokens, last_t = 0.0, time.monotonic()
         while True:
             await trio.sleep(self.cfg.server.status_interval)
-            self.notifier.status(_status_line(state))
+            totals = state.pool.statistics()["totals"]
+            assert isinstance(totals, dict)
+            tokens, now = float(totals.get("tokens_generated", 0.0)), time.monotonic()
+            rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
+            last_tokens, last_t = tokens, now
+            self.notifier.status(_status_line(state, rate))
 
     async def _watchdog_loop(self, interval: float) -> None:
         # Ping only while the event loop runs and the workers answer: a blocked loop
@@ -174,7 +181,10 @@ class Daemon:
             await trio.sleep(interval)
 
     def _workers_wedged(self) -> bool:
-        now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout
+        # Half the pool's own limit: a wedged worker stops the pings before the pool
+        # kills and restarts it. If that recovery works, the pings resume well within
+        # WatchdogSec; if it does not, systemd restarts the whole daemon.
+        now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout / 2
         return any(w.ready and now - w.last_heard > limit for w in self.pool.workers)
 
 

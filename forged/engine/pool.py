@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
 from forged.config import Config
@@ -33,6 +34,28 @@ from forged.engine import frames as fr
 from forged.errors import ForgedError, Overloaded, Unavailable, WorkerLost
 
 log = logging.getLogger("forged.engine")
+
+# What a dying, wedged or misbehaving worker can raise on the daemon's side.
+_WORKER_FAULTS: tuple[type[Exception], ...] = (
+    OSError, ValueError, msgspec.MsgspecError, trio.TooSlowError, trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
+
+
+def _worker_fault(exc: BaseException) -> Exception | None:
+    """The worker fault in ``exc`` (nurseries wrap it in a group), or None if ``exc``
+    holds anything else, such as ``Cancelled``, which must propagate."""
+    if isinstance(exc, _WORKER_FAULTS):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(_WORKER_FAULTS)
+        if match is not None and rest is None:
+            leaf: BaseException = match
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            assert isinstance(leaf, Exception)
+            return leaf
+    return None
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,7 @@ class _Worker:
         self.outbox = _Outbox()
         self.stats: dict[str, float] = {}
         self.last_heard = 0.0
+        self.wedged = False
         self.down_since: float | None = time.monotonic()
 
     @property
@@ -150,11 +174,13 @@ class EnginePool:
             try:
                 await self._run_worker(w, task_status if first else trio.TASK_STATUS_IGNORED)
                 why = "the worker exited"
-            except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError,
-                    trio.ClosedResourceError) as exc:
+            except BaseException as exc:
+                fault = _worker_fault(exc)
+                if fault is None:
+                    raise  # Cancelled, or a bug of ours: never swallowed
                 if first and not w.ready:
-                    raise RuntimeError(f"worker {w.index} failed to start: {exc}") from exc
-                why = f"the worker failed: {exc}"
+                    raise RuntimeError(f"worker {w.index} failed to start: {fault}") from exc
+                why = f"the worker failed: {fault}"
             first = False
             w.ready, w.pid, w.down_since = False, None, time.monotonic()
             w.lose_all(why)
@@ -183,7 +209,8 @@ class EnginePool:
                     nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
-                    await self._stop_process(proc, stream)
+                    await self._stop_process(proc, stream, polite=not w.wedged)
+                w.wedged = False
 
     async def _handshake(self, w: _Worker, stream: trio.SocketStream, pid: int) -> None:
         e, lim = self.cfg.engine, self.cfg.limits
@@ -222,6 +249,7 @@ class EnginePool:
             with trio.move_on_after(self.cfg.engine.heartbeat_timeout) as silent:
                 data = await stream.receive_some(1 << 20)
             if silent.cancelled_caught:
+                w.wedged = True
                 raise trio.TooSlowError("no heartbeat from the worker")
             if not data:
                 return
@@ -242,9 +270,11 @@ class EnginePool:
             if rs.finished:
                 del w.pending[ev.rid]
 
-    async def _stop_process(self, proc: trio.Process, stream: trio.SocketStream) -> None:
-        # Ask politely first (the worker frees llama.cpp memory), then insist.
-        with trio.move_on_after(2.0):
+    async def _stop_process(self, proc: trio.Process, stream: trio.SocketStream, *,
+                            polite: bool) -> None:
+        # Ask politely first (the worker frees llama.cpp memory), then insist. A wedged
+        # worker would not answer: kill it at once.
+        with trio.move_on_after(2.0 if polite else 0.0):
             with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await stream.send_all(fr.encode(fr.Shutdown()))
             await proc.wait()

@@ -6,8 +6,10 @@ with access to that directory (root and the forged group) can reach it.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
@@ -16,7 +18,7 @@ from forged.http.state import AppState
 _json = msgspec.json.Encoder()
 
 
-def create_admin_app(state: AppState) -> QuartTrio:
+def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
     app = QuartTrio("forged-admin")
     app.config.update(RESPONSE_TIMEOUT=30, MAX_CONTENT_LENGTH=64 * 1024)
 
@@ -28,6 +30,7 @@ def create_admin_app(state: AppState) -> QuartTrio:
             "ready": state.pool.ready and not state.draining,
             "draining": state.draining,
             "open_streams": len(state.streams),
+            "limits": msgspec.to_builtins(state.cfg.limits),
             "engine": state.pool.statistics(),
         }
 
@@ -41,4 +44,26 @@ def create_admin_app(state: AppState) -> QuartTrio:
         return Response(_json.encode(status), status=200 if status["ready"] else 503,
                         content_type="application/json")
 
+    if test_hooks:
+        _add_test_hooks(app, state)
     return app
+
+
+def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
+    """Fault injection for the test suite; absent unless ``--test-hooks`` is given."""
+
+    @app.post("/debug/block-loop")
+    async def block_loop() -> Response:
+        seconds = float(request.args.get("seconds", "1"))
+        time.sleep(seconds)  # noqa: ASYNC251 (the point: a blocked event loop)
+        return Response(b"{}", content_type="application/json")
+
+    @app.post("/debug/slow-steps")
+    async def slow_steps() -> Response:
+        state.pool.slow_steps(0, float(request.args.get("seconds", "0")))
+        return Response(b"{}", content_type="application/json")
+
+    @app.post("/debug/hang-worker")
+    async def hang_worker() -> Response:
+        state.pool.hang_worker(0, float(request.args.get("seconds", "1")))
+        return Response(b"{}", content_type="application/json")

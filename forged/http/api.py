@@ -108,10 +108,12 @@ def create_app(state: AppState) -> QuartTrio:
 
 
 async def _read_body(state: AppState) -> bytes:
-    if state.draining:
-        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     data = await request.get_data(cache=False, as_text=False)
     assert isinstance(data, bytes)
+    # Checked after the body arrived: a request that was mid-upload when the drain
+    # began is refused too, with a Retry-After the client can act on.
+    if state.draining:
+        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     return data
 
 
@@ -232,7 +234,14 @@ async def _generate(state: AppState, req: Any, prompt: list[int], requested: int
     stack = AsyncExitStack()
     try:
         rs = await stack.enter_async_context(state.pool.open_request(job))
-        first = await _until_admitted(state, rs)
+        scope = state.streams.open()
+        try:
+            with scope:
+                first = await _until_admitted(state, rs)
+        finally:
+            state.streams.close(scope)
+        if scope.cancelled_caught:
+            raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     except BaseException:
         with trio.CancelScope(shield=True):
             await stack.aclose()

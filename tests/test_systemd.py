@@ -1,0 +1,408 @@
+"""systemd integration without PID-1 systemd: units, sd_notify, socket activation,
+drain on SIGTERM, reload on SIGHUP and the watchdog, against `forged serve` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 16,
+          "step_tokens": 64, "restart_backoff": 0.1}
+
+
+class NotifySocket:
+    """What systemd does for NOTIFY_SOCKET: a datagram socket that collects messages."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.path = str(tmp / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.05)
+        self.messages: list[tuple[float, str]] = []
+        self.cursor = 0  # wait_for() looks only past the previous match
+
+    def pump(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            for line in data.decode().splitlines():
+                self.messages.append((time.monotonic(), line))
+
+    def wait_for(self, prefix: str, timeout: float = 30.0) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for i in range(self.cursor, len(self.messages)):
+                t, line = self.messages[i]
+                if line.startswith(prefix):
+                    self.cursor = i + 1
+                    return t
+            self.pump(0.05)
+        raise TimeoutError(f"no {prefix} after message {self.cursor}: {self.messages[-20:]}")
+
+    def kinds(self) -> list[str]:
+        return [line.split("=", 1)[0] for _, line in self.messages]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def notify(tmp_path: Path) -> Iterator[NotifySocket]:
+    n = NotifySocket(tmp_path)
+    yield n
+    n.close()
+
+
+def start(tmp: Path, model: Path, env: dict[str, str] | None = None,
+          **sections: dict[str, Any]) -> DaemonProcess:
+    port = free_port()
+    sections.setdefault("engine", ENGINE)
+    cfg = write_config(tmp / "forged.toml", model, port, **sections)
+    d = DaemonProcess(cfg, port, env=env, extra=["--test-hooks"])
+    d.wait_ready()
+    return d
+
+
+def admin(d: DaemonProcess) -> httpx.Client:
+    sock = str(d.config.parent / "admin.sock")
+    return httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://admin",
+                        timeout=30)
+
+
+# --- unit files --------------------------------------------------------------------------
+
+
+def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
+    forged = shutil.which("forged", path=str(Path(sys.executable).parent))
+    assert forged
+    for unit in ("forged.service", "forged.socket"):
+        text = (ROOT / "systemd" / unit).read_text().replace("/usr/bin/forged", forged)
+        (tmp_path / unit).write_text(text)
+    units = [str(tmp_path / "forged.socket"), str(tmp_path / "forged.service")]
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "forged" not in r.stderr, r.stderr  # no warning about our units
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", units[1]],
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for forged.service: ([0-9.]+)", r.stdout)
+    assert m, r.stdout
+    assert float(m.group(1)) < 2.0
+
+
+# --- sd_notify ----------------------------------------------------------------------------
+
+
+def test_notify_ready_status_watchdog_reload_stopping(
+    tmp_path: Path, tiny_model: Path, notify: NotifySocket
+) -> None:
+    env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}
+    d = start(tmp_path, tiny_model, env=env, server={"status_interval": 0.2})
+    try:
+        notify.wait_for("READY=1")
+        notify.wait_for("STATUS=")
+        notify.wait_for("WATCHDOG=1")
+        status = [line for _, line in notify.messages if line.startswith("STATUS=")][-1]
+        assert "streams" in status and "KV" in status and "tok/s" in status
+        d.proc.send_signal(signal.SIGHUP)
+        notify.wait_for("RELOADING=1")
+        notify.wait_for("READY=1")
+        assert any(line.startswith("MONOTONIC_USEC=") for _, line in notify.messages)
+        d.proc.send_signal(signal.SIGTERM)
+        notify.wait_for("STOPPING=1")
+        assert d.proc.wait(30) == 0
+    finally:
+        d.stop()
+    kinds = notify.kinds()
+    order = [k for k in kinds if k in ("READY", "RELOADING", "STOPPING")]
+    assert order == ["READY", "RELOADING", "READY", "STOPPING"]
+    first_ready = kinds.index("READY")
+    assert "STATUS" in kinds[first_ready:] and "WATCHDOG" in kinds[first_ready:]
+
+
+def _watchdog_gaps(notify: NotifySocket, since: float) -> float:
+    """The longest silence between pings from ``since`` on (the ping before it counts)."""
+    times = [t for t, line in notify.messages if line == "WATCHDOG=1"]
+    before = [t for t in times if t < since]
+    times = before[-1:] + [t for t in times if t >= since]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def test_watchdog_pings_stop_when_the_loop_or_the_worker_is_stuck(
+    tmp_path: Path, tiny_model: Path, notify: NotifySocket
+) -> None:
+    env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}  # a ping every 0.2 s
+    d = start(tmp_path, tiny_model, env=env,
+              engine={**ENGINE, "heartbeat_interval": 0.1, "heartbeat_timeout": 2.0})
+    try:
+        with admin(d) as a:
+            notify.wait_for("WATCHDOG=1")
+            notify.pump(1.0)
+            t0 = time.monotonic()
+            assert _watchdog_gaps(notify, t0 - 1.0) < 0.5  # healthy: steady pings
+            # Post from a thread: the datagrams must be read (and timed) as they arrive.
+            replies: list[int] = []
+            blocker = threading.Thread(target=lambda: replies.append(
+                a.post("/debug/block-loop", params={"seconds": 1.5}).status_code))
+            blocker.start()
+            deadline = time.monotonic() + 10
+            while blocker.is_alive() and time.monotonic() < deadline:
+                notify.pump(0.1)
+            notify.pump(0.5)
+            assert replies == [200]
+            assert _watchdog_gaps(notify, t0) >= 1.3  # the blocked loop sent nothing
+            t1 = time.monotonic()
+            a.post("/debug/hang-worker", params={"seconds": 5})
+            notify.pump(3.5)
+            # The wedged worker is reported: pings stop once its heartbeat is 1 s overdue,
+            # and resume when the pool has killed it (at 2 s) and started another.
+            assert _watchdog_gaps(notify, t1) >= 0.8
+            assert d.proc.poll() is None
+            with httpx.Client() as c:
+                deadline = time.monotonic() + 20
+                while c.get(d.url + "/health").status_code != 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert a.get("/stats").json()["engine"]["workers"][0]["restarts"] == 1
+    finally:
+        d.stop()
+
+
+# --- socket activation ------------------------------------------------------------------
+
+
+def _spawn_activated(listener: socket.socket, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Start forged as systemd would: the listening socket as fd 3, LISTEN_FDS=1 and
+    LISTEN_PID set to the daemon's own pid (the shell keeps its pid through exec)."""
+    fd = listener.fileno()
+
+    def as_fd3() -> None:
+        os.dup2(fd, 3)  # the copy is inheritable; every other fd of ours is not (PEP 446)
+
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            ["/bin/sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" -m forged serve --config "$1"',
+             sys.executable, str(config)],
+            preexec_fn=as_fd3, close_fds=False, stdout=out, stderr=subprocess.STDOUT,
+        )
+
+
+def test_socket_activation_serves_the_inherited_fd_and_restarts_refuse_nothing(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # The config names another port: under socket activation the inherited fd wins.
+    config = write_config(tmp_path / "forged.toml", tiny_model, free_port(), engine=ENGINE)
+    url = f"http://127.0.0.1:{port}"
+    outcomes: list[int | str] = []
+    stop = threading.Event()
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=30) as c:
+            for _ in range(400):  # bounded: at most 400 requests, 10 per second
+                if stop.is_set():
+                    return
+                try:
+                    outcomes.append(c.get(url + "/health",
+                                          headers={"Connection": "close"}).status_code)
+                except httpx.ConnectError as exc:
+                    outcomes.append(f"refused: {exc}")
+                time.sleep(0.1)
+
+    log = tmp_path / "forged.log"
+    first = _spawn_activated(listener, config, log)
+    thread = threading.Thread(target=client_loop)
+    try:
+        deadline = time.monotonic() + 30
+        while 200 not in outcomes and time.monotonic() < deadline:
+            if not thread.is_alive():
+                thread.start()
+            time.sleep(0.1)
+        assert 200 in outcomes, log.read_text()
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        second = _spawn_activated(listener, config, log)
+        n = len(outcomes)
+        deadline = time.monotonic() + 30
+        while (outcomes[n:].count(200) < 3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop.set()
+        thread.join(30)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    finally:
+        stop.set()
+        for p in (first, locals().get("second")):
+            if isinstance(p, subprocess.Popen) and p.poll() is None:
+                p.kill()
+        listener.close()
+    refused = [o for o in outcomes if isinstance(o, str)]
+    assert not refused, refused
+    assert outcomes.count(200) >= 4
+    assert set(outcomes) <= {200, 503}
+
+
+# --- drain -------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_streams_then_exits_zero(tmp_path: Path, tiny_model: Path) -> None:
+    d = start(tmp_path, tiny_model, server={"drain_timeout": 3.0},
+              engine={**ENGINE, "slots": 32, "max_running": 32})
+    results: dict[int, list[str]] = {}
+    statuses: dict[int, int] = {}
+    try:
+        with admin(d) as a:
+            a.post("/debug/slow-steps", params={"seconds": 0.02})
+
+        def stream(i: int, max_tokens: int) -> None:
+            body = {"prompt": f"s{i}", "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": True}
+            with httpx.Client(timeout=60) as c, \
+                    c.stream("POST", d.url + "/v1/completions", json=body) as r:
+                results[i] = [line for line in r.iter_lines() if line.startswith("data: ")]
+                statuses[i] = r.status_code
+
+        threads = [threading.Thread(target=stream, args=(i, 30 if i < 10 else 1500))
+                   for i in range(20)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while d.proc.poll() is None and time.monotonic() < deadline:
+            with admin(d) as a:
+                if a.get("/stats").json()["engine"]["totals"].get("running", 0) >= 20:
+                    break
+            time.sleep(0.05)
+        # a request whose headers arrived before the drain and its body after it
+        body = json.dumps({"prompt": "late", "max_tokens": 2}).encode()
+        late = socket.create_connection(("127.0.0.1", d.port))
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n")
+        time.sleep(0.2)
+        t_term = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late.sendall(body)
+        late_reply = late.recv(65536).decode()
+        late.close()
+        for t in threads:
+            t.join(30)
+        assert d.proc.wait(30) == 0
+        drain_took = time.monotonic() - t_term
+    finally:
+        d.stop()
+    assert late_reply.startswith("HTTP/1.1 503"), late_reply
+    assert "retry-after" in late_reply.lower()
+    assert len(results) == 20
+    for i, frames in results.items():
+        assert frames and frames[-1] == "data: [DONE]", (i, statuses[i], frames[-3:])
+        last = json.loads(frames[-2][6:])
+        if i < 10:
+            assert last["choices"][0]["finish_reason"] == "length"
+        else:
+            assert last["error"]["code"] == "draining"
+    assert 2.5 < drain_took < 15
+
+
+def test_second_sigterm_stops_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    d = start(tmp_path, tiny_model, server={"drain_timeout": 60.0})
+    try:
+        with admin(d) as a:
+            a.post("/debug/slow-steps", params={"seconds": 0.05})
+        def long_request() -> None:
+            # Cut short by the second signal: a dropped connection is the expected end.
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(d.url + "/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 1500, "ignore_eos": True})
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(20)
+        assert time.monotonic() - t0 < 10
+        thread.join(30)
+    finally:
+        d.stop()
+
+
+# --- reload ------------------------------------------------------------------------------
+
+
+def test_reload_applies_good_refuses_bad_and_reports_restart_keys(
+    tmp_path: Path, tiny_model: Path, notify: NotifySocket
+) -> None:
+    d = start(tmp_path, tiny_model, env={"NOTIFY_SOCKET": notify.path})
+    cfg = d.config.read_text()
+    try:
+        with admin(d) as a:
+            assert a.get("/stats").json()["limits"]["max_queued"] == 256
+            d.config.write_text(cfg.replace("[server]", "[limits]\nmax_queued = 7\n[server]"))
+            d.proc.send_signal(signal.SIGHUP)
+            notify.wait_for("RELOADING=1")
+            notify.wait_for("READY=1")
+            assert a.get("/stats").json()["limits"]["max_queued"] == 7
+
+            d.config.write_text(cfg + "\n[limits]\nmax_queued = 'lots'\n")
+            d.proc.send_signal(signal.SIGHUP)
+            notify.wait_for("RELOADING=1")
+            notify.wait_for("READY=1")
+            assert a.get("/stats").json()["limits"]["max_queued"] == 7
+            assert httpx.get(d.url + "/health").status_code == 200
+
+            d.config.write_text(cfg.replace("slots = 16", "slots = 32"))
+            d.proc.send_signal(signal.SIGHUP)
+            notify.wait_for("RELOADING=1")
+            notify.wait_for("READY=1")
+            # the restart-only key is not applied, and a live key went back to its default
+            assert a.get("/stats").json()["limits"]["max_queued"] == 256
+    finally:
+        d.stop()
+    log = d.log.read_text()
+    assert "reload refused" in log and "max_queued" in log
+    assert "need a restart" in log and "engine.slots" in log
+
+
+def test_bad_config_exits_78_with_one_clear_line(tmp_path: Path, tiny_model: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[model]\npath = "{tiny_model}"\n[engine]\nslotz = 3\n')
+    for cmd in ("check-config", "serve"):
+        r = subprocess.run([sys.executable, "-m", "forged", cmd, "--config", str(bad)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 78
+        assert r.stderr.strip() == f"forged: {bad}: engine.slotz: unknown key"
+    bad.write_text('[model]\npath = "/nonexistent.gguf"\n')
+    r = subprocess.run([sys.executable, "-m", "forged", "check-config", "--config", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "model.path: no such file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "forged", "serve", "--config", str(bad),
+                        "--model", str(tiny_model), "--listen", "nonsense"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "HOST:PORT" in r.stderr
