@@ -9,7 +9,7 @@ MODEL       := models/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP       := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: setup system-deps model run test lint unit bench clean
+.PHONY: setup system-deps deb-deps model run test lint unit bench deb clean
 
 setup: system-deps $(STAMP) model
 
@@ -35,8 +35,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check forged tests bench
 	$(BIN)/mypy
 
-test: setup lint
+test: setup lint deb
 	$(BIN)/pytest
+
+deb-deps:
+	@scripts/system-deps.sh deb
+
+deb: setup deb-deps
+	scripts/build-deb.sh build/deb
 
 bench: setup
 	$(BIN)/python -m bench.run

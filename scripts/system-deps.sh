@@ -2,6 +2,10 @@
 # Debian packages the build and the tests need. Installs only what is missing.
 set -eu
 needed="build-essential cmake git python3-venv python3-dev curl systemd procps"
+if [ "${1:-}" = deb ]; then
+    # Building the .deb and booting it in a container.
+    needed="$needed debhelper dh-virtualenv python3.11-venv python3.11-dev dpkg-dev fakeroot lintian debootstrap systemd-container"
+fi
 missing=""
 for p in $needed; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

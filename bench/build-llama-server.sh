@@ -1,0 +1,23 @@
+#!/bin/sh
+# Build llama.cpp's llama-server from the vendored sources of the llama-cpp-python sdist
+# that forged pins, into a cache folder outside the repo, for the comparison benchmark.
+# Usage: bench/build-llama-server.sh [CACHE_DIR]   (prints the binary's path)
+set -eu
+version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+cache=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/forged-bench}
+bin="$cache/llama.cpp-$version/build/bin/llama-server"
+if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+mkdir -p "$cache"
+cd "$cache"
+if [ ! -d "llama.cpp-$version" ]; then
+    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d sdist >&2
+    tar -xzf "sdist/llama_cpp_python-$version.tar.gz"
+    mv "llama_cpp_python-$version/vendor/llama.cpp" "llama.cpp-$version"
+    rm -rf "llama_cpp_python-$version"
+fi
+cd "llama.cpp-$version"
+# The UI flags stop the build from downloading its web UI (no network here).
+cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >&2
+cmake --build build --target llama-server -j "$(nproc)" >&2
+echo "$bin"

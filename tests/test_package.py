@@ -1,0 +1,177 @@
+"""The .deb packages in a booted systemd (systemd-nspawn), loopback only.
+
+Runs the admin's whole life cycle in order: install, socket activation, requests,
+reload, restart under load, watchdog, broken config, remove and purge. The tests of
+this module share one container and must run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.nspawn import BootedContainer
+
+pytestmark = pytest.mark.package
+
+DEB_DIR = ROOT / "build" / "deb"
+API = "http://127.0.0.1:8080"
+
+
+def _debs() -> list[Path]:
+    debs = sorted(DEB_DIR.glob("forged*_*.deb"))
+    if len(debs) != 2:
+        pytest.fail(f"build the packages first (make deb): found {debs} in {DEB_DIR}")
+    return debs
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootedContainer]:
+    debs = _debs()
+    pristine = Path(subprocess.run([str(ROOT / "scripts" / "nspawn-root.sh")], check=True,
+                                   capture_output=True, text=True, timeout=600).stdout.strip())
+    c = BootedContainer(pristine, tmp_path_factory.mktemp("nspawn"))
+    try:
+        for deb in debs:
+            c.copy_in(deb, f"/root/debs/{deb.name}")
+        c.wait_booted()
+        yield c
+    finally:
+        c.close()
+
+
+def status_text(box: BootedContainer) -> str:
+    return box.run("systemctl show -p StatusText --value forged").stdout.strip()
+
+
+def n_restarts(box: BootedContainer) -> int:
+    return int(box.run("systemctl show -p NRestarts --value forged").stdout.strip())
+
+
+def wait_until(pred: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_1_install(box: BootedContainer) -> None:
+    box.run("dpkg -i /root/debs/*.deb", timeout=300)
+    assert box.run("test -x /usr/bin/forged && getent passwd forged").stdout.startswith("forged:")
+    assert box.run("systemctl is-enabled forged.socket").stdout.strip() == "enabled"
+    assert box.run("systemctl is-active forged.socket").stdout.strip() == "active"
+    # started by the socket, not at install
+    assert box.run("systemctl is-active forged", check=False).stdout.strip() == "inactive"
+    stat = box.run("stat -c '%U:%G %a' /etc/forged/forged.toml").stdout.strip()
+    assert stat == "root:forged 640"
+
+
+def test_2_first_connection_starts_the_service(box: BootedContainer) -> None:
+    r = box.run(f"curl -sf --max-time 120 {API}/health", timeout=150)
+    assert json.loads(r.stdout) == {"status": "ok"}
+    assert box.run("systemctl is-active forged").stdout.strip() == "active"
+    wait_until(lambda: "streams" in status_text(box), 30, "a STATUS= line")
+
+
+def test_3_completion_and_streamed_chat(box: BootedContainer) -> None:
+    body = json.dumps({"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+    r = box.run(f"curl -sf --max-time 60 {API}/v1/completions "
+                f"-H 'Content-Type: application/json' -d '{body}'")
+    out = json.loads(r.stdout)
+    assert out["usage"]["completion_tokens"] > 0 and out["choices"][0]["text"]
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "stream": True})
+    r = box.run(f"curl -sfN --max-time 60 {API}/v1/chat/completions "
+                f"-H 'Content-Type: application/json' -d '{body}'")
+    frames = [line for line in r.stdout.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]" and len(frames) >= 3
+
+
+def test_4_reload_applies_a_new_limit_and_keeps_streams(box: BootedContainer) -> None:
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True,
+                       "stream": True})
+    box.run(f"(curl -sN --max-time 120 {API}/v1/completions -d '{body}' > /root/stream.txt"
+            " 2>&1; echo done > /root/stream.done) >/dev/null 2>&1 &")
+    time.sleep(1.0)
+    box.run("sed -i 's/^max_queued = 256/max_queued = 300/' /etc/forged/forged.toml")
+    box.run("systemctl reload forged")
+    admin = "curl -sf --unix-socket /run/forged/admin.sock http://admin/stats"
+    wait_until(lambda: json.loads(box.run(admin).stdout)["limits"]["max_queued"] == 300, 30,
+               "the reloaded limit")
+    wait_until(lambda: box.run("test -f /root/stream.done", check=False).returncode == 0, 120,
+               "the stream to end")
+    assert box.run("tail -c 200 /root/stream.txt").stdout.rstrip().endswith("data: [DONE]")
+    assert box.run("systemctl is-active forged").stdout.strip() == "active"
+
+
+def test_5_restart_refuses_no_connection(box: BootedContainer) -> None:
+    # 10 connections a second for 12 seconds; curl exits 7 on a refused connection.
+    box.run("(for i in $(seq 120); do curl -s -o /dev/null --max-time 60 "
+            f"-w '%{{exitcode}} %{{http_code}}\\n' {API}/health >> /root/loop.txt & "
+            "sleep 0.1; done; wait; echo done > /root/loop.done) >/dev/null 2>&1 &")
+    time.sleep(3)
+    box.run("systemctl restart forged", timeout=120)
+    wait_until(lambda: box.run("test -f /root/loop.done", check=False).returncode == 0, 120,
+               "the client loop")
+    results = box.run("cat /root/loop.txt").stdout.split("\n")
+    results = [r for r in results if r]
+    assert len(results) == 120
+    refused = [r for r in results if r.split()[0] == "7"]
+    assert not refused, results
+    assert all(r.split()[0] == "0" for r in results), results
+    assert {r.split()[1] for r in results} <= {"200", "503"}
+
+
+def test_6_watchdog_restarts_a_stopped_daemon(box: BootedContainer) -> None:
+    # A drop-in shortens the watchdog for the test; the shipped unit is unchanged.
+    box.run("mkdir -p /etc/systemd/system/forged.service.d && printf "
+            "'[Service]\\nWatchdogSec=4\\n' > /etc/systemd/system/forged.service.d/test.conf"
+            " && systemctl daemon-reload && systemctl restart forged", timeout=120)
+    box.run(f"curl -sf --max-time 60 {API}/health")
+    before = n_restarts(box)
+    pid = box.run("systemctl show -p MainPID --value forged").stdout.strip()
+    box.run(f"kill -STOP {pid}")
+    wait_until(lambda: n_restarts(box) > before, 60, "a watchdog restart")
+    wait_until(lambda: box.run(f"curl -sf --max-time 5 {API}/health", check=False)
+               .returncode == 0, 90, "the restarted daemon")
+    assert "watchdog" in box.run("journalctl -u forged --no-pager").stdout.lower()
+    box.run("rm -rf /etc/systemd/system/forged.service.d && systemctl daemon-reload")
+
+
+def test_7_broken_config_fails_clearly_without_a_restart_loop(box: BootedContainer) -> None:
+    box.run("cp /etc/forged/forged.toml /root/good.toml && "
+            "sed -i 's/^\\[server\\]$/[server]\\nbogus = 1/' /etc/forged/forged.toml")
+    box.run("systemctl restart forged", check=False, timeout=120)
+    time.sleep(8)  # Restart=on-failure would have retried within RestartSec=2
+    state = box.run("systemctl show -p ActiveState --value forged").stdout.strip()
+    assert state == "failed", state
+    status = box.run("systemctl show -p ExecMainStatus --value forged").stdout.strip()
+    assert status == "78"
+    assert n_restarts(box) == 0  # a manual restart resets the counter; none since
+    journal = box.run("journalctl -u forged --no-pager").stdout
+    assert re.search(r"/etc/forged/forged.toml: server.bogus: unknown key", journal), journal
+    box.run("cp /root/good.toml /etc/forged/forged.toml && systemctl reset-failed forged")
+
+
+def test_8_remove_keeps_the_conffile_and_purge_removes_it(box: BootedContainer) -> None:
+    box.run("mkdir -p /var/lib/forged && echo x > /var/lib/forged/state")
+    box.run("systemctl stop forged.socket forged", timeout=120)
+    box.run("dpkg -r forged forged-model-smollm2", timeout=300)
+    assert box.run("test -f /etc/forged/forged.toml", check=False).returncode == 0
+    assert box.run("test -e /usr/lib/forged", check=False).returncode != 0
+    assert box.run("test -e /usr/bin/forged", check=False).returncode != 0
+    assert box.run("test -e /usr/share/forged/models", check=False).returncode != 0
+    box.run("dpkg -P forged forged-model-smollm2", timeout=300)
+    assert box.run("test -e /etc/forged", check=False).returncode != 0
+    assert box.run("test -e /var/lib/forged", check=False).returncode != 0
+    # Debian policy: the system user stays, so files it owned elsewhere keep an owner.
+    assert box.run("getent passwd forged", check=False).returncode == 0
