@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ class _LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage().replace('"', "'")
         line = f'level={record.levelname.lower()} logger={record.name} msg="{msg}"'
+        for key, value in getattr(record, "fields", {}).items():
+            text = str(value)
+            line += f" {key}=" + (f'"{text}"' if " " in text or not text else text)
         if record.exc_info:
             line += ' exc="' + self.formatException(record.exc_info).replace("\n", " | ") + '"'
         return line
@@ -64,6 +68,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from forged.errors import ForgedError
+    from forged.status import fetch_stats, render
+
+    admin = args.admin or fc.load(Path(args.config)).server.admin_listen
+    try:
+        stats = fetch_stats(admin)
+    except ForgedError as exc:
+        print(f"forged: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2) if args.json else render(stats))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from forged.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
                                 else None)
@@ -78,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     check.set_defaults(func=cmd_check_config)
+    status = sub.add_parser("status", help="summarise a running daemon")
+    status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    status.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "
+                        "(default: server.admin_listen from the config)")
+    status.add_argument("--json", action="store_true", help="print the raw statistics")
+    status.set_defaults(func=cmd_status)
+    from forged.bench import add_arguments
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server")
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return p
 
 

@@ -144,8 +144,8 @@ async def test_disconnect_frees_the_sequence_within_a_step(
 ) -> None:
     with trio.fail_after(30):
         async with start_daemon(tiny_model) as d:
-            # Slow steps (50 ms) make "within one step" measurable on a tiny model.
-            step = 0.05
+            # Slow steps (200 ms) make "within one step" measurable on a tiny model.
+            step = 0.2
             d.daemon.pool.slow_steps(0, step)
             body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 2000,
                                "ignore_eos": True, "stream": True}).encode()

@@ -27,6 +27,7 @@ from forged.engine.prompts import Prompter
 from forged.http.admin import create_admin_app
 from forged.http.api import create_app
 from forged.http.state import AppState
+from forged.metrics import Metrics
 
 log = logging.getLogger("forged")
 
@@ -77,7 +78,8 @@ class Daemon:
         prompter = await trio.to_thread.run_sync(
             Prompter, self.cfg.model.path, self.cfg.model.chat_template)
         try:
-            state = self.state = AppState(self.cfg, self.pool, prompter)
+            metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
+            state = self.state = AppState(self.cfg, self.pool, prompter, metrics)
             async with trio.open_nursery() as engine:
                 await engine.start(self.pool.run)
                 async with trio.open_nursery() as aux:

@@ -76,11 +76,15 @@ class RequestStream:
         self.rid = rid
         self.admitted = False
         self.finished = False
+        # When each piece of text reached the daemon: TTFT and inter-token latency.
+        self.delta_times: list[float] = []
         self._events: list[fr.Event] = []
         self._error: ForgedError | None = None
         self._wake = trio.Event()
 
     def push(self, ev: fr.Event) -> None:
+        if isinstance(ev, fr.Delta) or (isinstance(ev, fr.Done) and ev.text):
+            self.delta_times.append(time.monotonic())
         if isinstance(ev, fr.Admitted):
             self.admitted = True
         elif isinstance(ev, fr.Done | fr.Failed):
@@ -343,12 +347,20 @@ class EnginePool:
     def in_flight(self) -> int:
         return sum(len(w.pending) for w in self.workers)
 
-    def statistics(self) -> dict[str, object]:
+    def totals(self) -> dict[str, float]:
+        """Worker statistics summed over the ready workers."""
         keys: set[str] = set()
         for w in self.workers:
             keys.update(w.stats)
         totals = {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
         totals.pop("step_ms", None)
+        return totals
+
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers)
+
+    def statistics(self) -> dict[str, object]:
+        totals = self.totals()
         return {
             "workers": [
                 {"index": w.index, "pid": w.pid, "ready": w.ready, "restarts": w.restarts,

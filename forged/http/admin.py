@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -31,12 +32,17 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
             "draining": state.draining,
             "open_streams": len(state.streams),
             "limits": msgspec.to_builtins(state.cfg.limits),
+            "last_minute": state.metrics.last_minute(),
             "engine": state.pool.statistics(),
         }
 
     @app.get("/stats")
     async def stats() -> Response:
         return Response(_json.encode(_status()), content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,36 +9,29 @@ frees its sequence at the worker's next step.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from forged import errors as e
 from forged.engine import frames as fr
-from forged.engine.pool import Job, RequestStream
+from forged.engine.pool import Job
 from forged.engine.scheduler import BATCH, INTERACTIVE
 from forged.http import errors as he
 from forged.http import sse
+from forged.http.generate import Outcome, generate, priority_name
+from forged.http.responses import error_response, json_response
 from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
 from forged.http.state import AppState
 
-_json = msgspec.json.Encoder()
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status=status, content_type="application/json")
-
-
-def error_response(err: he.HTTPError) -> Response:
-    return Response(err.encode(), status=err.status, headers=err.headers())
+access_log = logging.getLogger("forged.access")
 
 
 def create_app(state: AppState) -> QuartTrio:
@@ -52,11 +45,19 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.before_request
     async def _request_id() -> None:
-        request.environ_rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex  # type: ignore[attr-defined]
+        g.request_id = uuid.uuid4().hex
+        g.started = time.monotonic()
 
     @app.after_request
-    async def _add_request_id(resp: Response) -> Response:
-        resp.headers["X-Request-Id"] = getattr(request, "environ_rid", "")
+    async def _account(resp: Response) -> Response:
+        resp.headers["X-Request-Id"] = g.get("request_id", "")
+        rule = request.url_rule.rule if request.url_rule is not None else "other"
+        priority = g.get("priority", "none")
+        state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
+        if not g.get("generation"):  # a generation logs its own line when it ends
+            access_log.info("%s %s", rule, resp.status_code, extra={"fields": {
+                "request_id": g.get("request_id", ""), "status": resp.status_code,
+                "duration": f"{time.monotonic() - g.get('started', time.monotonic()):.3f}"}})
         return resp
 
     @app.errorhandler(HTTPException)
@@ -91,7 +92,7 @@ def create_app(state: AppState) -> QuartTrio:
         except msgspec.MsgspecError as exc:
             return error_response(he.from_decode_error(exc))
         prompt = await _completion_prompt(state, req)
-        return await _generate(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+        return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -101,8 +102,8 @@ def create_app(state: AppState) -> QuartTrio:
         except msgspec.MsgspecError as exc:
             return error_response(he.from_decode_error(exc))
         prompt = await _chat_prompt(state, req)
-        return await _generate(state, req, prompt, req.max_completion_tokens or req.max_tokens,
-                               sse.ChatFormat)
+        return await _run(state, req, prompt, req.max_completion_tokens or req.max_tokens,
+                          sse.ChatFormat)
 
     return app
 
@@ -227,106 +228,11 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-async def _generate(state: AppState, req: Any, prompt: list[int], requested: int | None,
-                    fmt: type[sse.Format]) -> Response:
+async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
+               fmt: type[sse.Format]) -> Response:
     job = _job(state, req, prompt, requested)
-    out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
-    stack = AsyncExitStack()
-    try:
-        rs = await stack.enter_async_context(state.pool.open_request(job))
-        scope = state.streams.open()
-        try:
-            with scope:
-                first = await _until_admitted(state, rs)
-        finally:
-            state.streams.close(scope)
-        if scope.cancelled_caught:
-            raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
-        raise
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(state, rs, stack, first, out, include_usage)
-        return Response(body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    async with stack:
-        return json_response(await _collect(rs, first, out))
-
-
-async def _until_admitted(state: AppState, rs: RequestStream) -> list[fr.Event]:
-    """Wait for the worker to admit the request, so that a full queue is an honest 503."""
-    events: list[fr.Event] = []
-    while True:
-        batch = await rs.receive()
-        for ev in batch:
-            if isinstance(ev, fr.Failed):
-                raise _failure(state, ev)
-        events.extend(batch)
-        if rs.admitted or rs.finished:
-            return events
-
-
-def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
-    retry = state.cfg.limits.retry_after
-    match ev.code:
-        case "overloaded":
-            return e.Overloaded(ev.message, retry)
-        case "queue_timeout":
-            return e.QueueTimeout(ev.message, retry)
-        case "bad_request":
-            return e.BadRequest(ev.message)
-        case _:
-            return e.EngineError(ev.message)
-
-
-async def _collect(rs: RequestStream, events: list[fr.Event], out: sse.Format) -> dict[str, Any]:
-    parts: list[str] = []
-    while True:
-        for ev in events:
-            match ev:
-                case fr.Delta(text=text):
-                    parts.append(text)
-                case fr.Done():
-                    parts.append(ev.text)
-                    return out.whole("".join(parts), ev)
-                case fr.Failed():
-                    raise e.EngineError(ev.message)
-        events = await rs.receive()
-
-
-async def _stream(state: AppState, rs: RequestStream, stack: AsyncExitStack,
-                  events: list[fr.Event], out: sse.Format, include_usage: bool
-                  ) -> AsyncIterator[bytes]:
-    """The SSE body. Its ``finally`` closes the request, whoever ends the stream."""
-    try:
-        if head := out.start():
-            yield head
-        while True:
-            for ev in events:
-                match ev:
-                    case fr.Delta(text=text):
-                        yield out.delta(text)
-                    case fr.Done():
-                        yield out.finish(ev, include_usage)
-                        return
-                    case fr.Failed():
-                        yield sse.error_event(he.from_exception(e.EngineError(ev.message)))
-                        return
-            scope = state.streams.open()
-            try:
-                with scope:
-                    events = await rs.receive()
-            finally:
-                state.streams.close(scope)
-            if scope.cancelled_caught:
-                yield sse.error_event(he.http_error(
-                    503, "the server is shutting down; the stream was cut short",
-                    "server_error", None, "draining", state.cfg.limits.retry_after))
-                return
-    except e.ForgedError as exc:
-        yield sse.error_event(he.from_exception(exc))
-    finally:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
+    g.priority = priority_name(job)
+    g.generation = True
+    rule = request.url_rule.rule if request.url_rule is not None else "other"
+    outcome = Outcome(g.request_id, rule, g.priority, started=g.started)
+    return await generate(state, req, job, fmt, outcome)

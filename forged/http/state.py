@@ -11,6 +11,7 @@ import trio
 from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
+from forged.metrics import Metrics
 
 
 @dataclass
@@ -42,6 +43,7 @@ class AppState:
     cfg: Config
     pool: EnginePool
     prompter: Prompter
+    metrics: Metrics
     started: float = field(default_factory=time.time)
     draining: bool = False
     streams: StreamDeadlines = field(default_factory=StreamDeadlines)

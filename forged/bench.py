@@ -1,0 +1,340 @@
+"""``forged bench``: the appliance's load tester, for any OpenAI-compatible server.
+
+It measures what callers feel: time to first token, inter-token latency and end-to-end
+latency at p50/p95/p99, plus requests/s, output tokens/s and errors by status.
+
+* closed loop: ``--concurrency 1,8,32`` keeps that many requests in flight (a sweep);
+* open loop: ``--rate R`` sends Poisson arrivals at R requests/s, whatever the answers;
+* prompt mixes: ``short``, ``mixed`` (25% ~700-token code prompts), ``shared-prefix``
+  (one ~1,500-token repo context) and ``chat``;
+* ``--compare URL`` runs the same load against a second server in the same run,
+  alternating, and prints forged ÷ other ratios.
+
+Every run is bounded by ``--requests`` and ``--duration`` and stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+MIXES = ("short", "mixed", "shared-prefix", "chat")
+_WORDS = ("def", "return", "self", "value", "items", "index", "result", "config", "for",
+          "in", "if", "else", "None", "True", "len", "range", "dict", "list", "key", "data",
+          "request", "response", "stream", "token", "cache", "worker", "queue", "limit")
+
+
+def _code(rng: random.Random, lines: int) -> str:
+    out = []
+    for i in range(lines):
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 7)))
+        out.append(f"    {words}  # line {i}")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    kind: str  # short or long
+    body: dict[str, Any]
+
+
+def make_prompts(mix: str, n: int, max_tokens: int, seed: int = 0) -> list[Prompt]:
+    """``n`` request bodies of a mix; the same seed gives the same sequence."""
+    rng = random.Random(seed)
+    context = "# repository context\n" + _code(random.Random(1234), 110) + "\n"
+    out = []
+    for i in range(n):
+        question = f"# Question {i}: explain what {rng.choice(_WORDS)} does here.\n"
+        if mix == "short" or (mix == "mixed" and rng.random() >= 0.25):
+            kind, text = "short", f"def task_{i}():\n" + _code(rng, 2) + "\n" + question
+        elif mix == "mixed":
+            kind, text = "long", f"# file {i}\n" + _code(rng, 52) + "\n" + question
+        elif mix == "shared-prefix":
+            kind, text = "long", context + question
+        else:
+            kind, text = "short", question
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if mix == "chat":
+            body["messages"] = [{"role": "system", "content": "You are a coding assistant."},
+                                {"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        out.append(Prompt(kind, body))
+    return out
+
+
+@dataclass
+class Sample:
+    kind: str
+    status: int
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    out_tokens: int = 0
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
+                      prompt: Prompt) -> Sample:
+    body = dict(prompt.body)
+    if model:
+        body["model"] = model
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    s = Sample(prompt.kind, 0)
+    t0 = last = time.monotonic()
+    try:
+        async with client.stream("POST", base + path, json=body) as r:
+            s.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return s
+            chunks = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    s.out_tokens = int(data["usage"].get("completion_tokens", 0))
+                if "error" in data:
+                    s.status = 599  # the stream started, then ended with an error event
+                    continue
+                if not _has_text(data):
+                    continue
+                now = time.monotonic()
+                if s.ttft is None:
+                    s.ttft = now - t0
+                else:
+                    s.itl.append(now - last)
+                last = now
+                chunks += 1
+            s.out_tokens = s.out_tokens or chunks
+    except httpx.HTTPError:
+        s.status = 598  # transport error: refused, reset, timed out
+    s.e2e = time.monotonic() - t0
+    return s
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    for c in chunk.get("choices") or []:
+        if c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    data = sorted(values)
+    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
+
+
+def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.status == 200]
+    ttft = [s.ttft for s in ok if s.ttft is not None]
+    short_ttft = [s.ttft for s in ok if s.ttft is not None and s.kind == "short"]
+    itl = [g for s in ok for g in s.itl]
+    e2e = [s.e2e for s in ok]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if s.status != 200:
+            errors[str(s.status)] = errors.get(str(s.status), 0) + 1
+    out: dict[str, Any] = {"requests": len(samples), "ok": len(ok), "errors": errors,
+                           "wall_s": wall, "req_per_s": len(ok) / wall if wall else 0.0,
+                           "out_tok_per_s": sum(s.out_tokens for s in ok) / wall if wall else 0}
+    for name, vals in (("ttft", ttft), ("short_ttft", short_ttft), ("itl", itl), ("e2e", e2e)):
+        for q in (50, 95, 99):
+            out[f"{name}_p{q}"] = _pct(vals, q)
+    out["decode_tok_per_s"] = (1 / out["itl_p50"]) if out["itl_p50"] else None
+    return out
+
+
+class _Progress:
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.tty = sys.stderr.isatty()
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.tty:
+            width = 30
+            filled = int(width * self.done / max(1, self.total))
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
+                   rate: float | None, duration: float, model: str | None,
+                   label: str = "") -> dict[str, Any]:
+    """One bounded run: closed loop at ``concurrency`` or open loop at ``rate``."""
+    samples: list[Sample] = []
+    progress = _Progress(label or base, len(prompts))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    timeout = httpx.Timeout(duration + 60, connect=30)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        with trio.move_on_after(duration):
+            if rate:
+                await _open_loop(client, base, model, prompts, rate, samples, progress)
+            else:
+                await _closed_loop(client, base, model, prompts, concurrency or 1, samples,
+                                   progress)
+    progress.close()
+    return summarise(samples, time.monotonic() - t0)
+
+
+async def _closed_loop(client: httpx.AsyncClient, base: str, model: str | None,
+                       prompts: list[Prompt], concurrency: int, samples: list[Sample],
+                       progress: _Progress) -> None:
+    queue = iter(prompts)
+
+    async def caller() -> None:
+        for p in queue:
+            samples.append(await one_request(client, base, model, p))
+            progress.tick()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(caller)
+
+
+async def _open_loop(client: httpx.AsyncClient, base: str, model: str | None,
+                     prompts: list[Prompt], rate: float, samples: list[Sample],
+                     progress: _Progress) -> None:
+    rng = random.Random(7)
+
+    async def fire(p: Prompt) -> None:
+        samples.append(await one_request(client, base, model, p))
+        progress.tick()
+
+    async with trio.open_nursery() as nursery:
+        for p in prompts:
+            nursery.start_soon(fire, p)
+            await trio.sleep(rng.expovariate(rate))
+
+
+async def model_id(base: str) -> str | None:
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            data = (await c.get(base + "/v1/models")).json()["data"]
+            return str(data[0]["id"]) if data else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+RATIO_KEYS = ("req_per_s", "out_tok_per_s", "ttft_p50", "ttft_p95", "ttft_p99",
+              "short_ttft_p95", "itl_p50", "itl_p99", "e2e_p50", "decode_tok_per_s")
+
+
+def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
+    return {k: (a[k] / b[k]) if a.get(k) and b.get(k) else None for k in RATIO_KEYS}
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    urls = [args.url.rstrip("/")] + ([args.compare.rstrip("/")] if args.compare else [])
+    models = [await model_id(u) for u in urls]
+    levels = [None] if args.rate else [int(c) for c in str(args.concurrency).split(",")]
+    runs: list[dict[str, Any]] = []
+    for level in levels:
+        n = args.requests or max(16, 4 * (level or 1))
+        prompts = make_prompts(args.mix, n, args.max_tokens, args.seed)
+        pair = []
+        for url, model in zip(urls, models, strict=True):  # alternating, same prompts
+            label = f"{url} c={level}" if level else f"{url} rate={args.rate}"
+            summary = await run_load(url, prompts, concurrency=level, rate=args.rate,
+                                     duration=args.duration, model=model, label=label)
+            run = {"url": url, "mix": args.mix, "concurrency": level, "rate": args.rate,
+                   "summary": summary}
+            runs.append(run)
+            pair.append(summary)
+        if len(pair) == 2:
+            runs[-2]["ratio_vs_compare"] = ratios(pair[0], pair[1])
+    return {"runs": runs, "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+def _fmt(v: float | None, unit: str = "s") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}{unit}" if unit == "s" else f"{v:.1f}"
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = []
+    for run in result["runs"]:
+        s = run["summary"]
+        where = f"c={run['concurrency']}" if run["concurrency"] else f"rate={run['rate']}/s"
+        lines.append(f"{run['url']}  {run['mix']}  {where}: {s['ok']}/{s['requests']} ok, "
+                     f"{s['req_per_s']:.2f} req/s, {s['out_tok_per_s']:.1f} out tok/s, "
+                     f"errors {s['errors'] or 'none'}")
+        for name in ("ttft", "itl", "e2e"):
+            lines.append(f"    {name:5s} p50 {_fmt(s[name + '_p50'])}  p95 "
+                         f"{_fmt(s[name + '_p95'])}  p99 {_fmt(s[name + '_p99'])}")
+        if "ratio_vs_compare" in run:
+            r = run["ratio_vs_compare"]
+            lines.append("    ratio (this ÷ compare): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r.items() if v is not None))
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for url in dict.fromkeys(r["url"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["url"] == url and r["concurrency"]]
+        xs = [r["concurrency"] for r in runs]
+        for key, style in (("ttft_p99", "-o"), ("itl_p99", "--s")):
+            ys = [r["summary"][key] for r in runs]
+            ax.plot(xs, ys, style, label=f"{key} {url}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("seconds")
+    ax.set_title("latency versus concurrency")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL")
+    p.add_argument("--compare", help="a second server to run the same load against")
+    p.add_argument("--mix", choices=MIXES, default="mixed")
+    p.add_argument("--concurrency", default="8", help="closed loop: N or a sweep like 1,8,32")
+    p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per run (default: max(16, 4 x concurrency))")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per run at most")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write the results as JSON")
+    p.add_argument("--plot", type=Path, help="write a latency-versus-concurrency PNG")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = trio.run(bench, args)
+    print(report(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+    if args.plot:
+        plot(result, args.plot)
+    return 0

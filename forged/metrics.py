@@ -1,0 +1,149 @@
+"""Prometheus metrics (prometheus-client) and the rolling window behind `forged status`.
+
+Each daemon owns its own registry, so several daemons can live in one test process.
+Engine-side numbers (KV cells, queues, prefix cache) are read from the workers'
+statistics at scrape time by a custom collector; request-side numbers (TTFT,
+inter-token latency, durations, statuses) are observed by the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from forged import __version__
+
+# Interactive use: from 5 ms (a decode step) to a minute (a long queue wait).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+WINDOW_SECONDS = 60.0
+_WINDOW_SAMPLES = 50_000  # bound on the rolling window, whatever the load
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters that live in the workers, read when Prometheus scrapes."""
+
+    def __init__(self, totals: Callable[[], dict[str, float]],
+                 restarts: Callable[[], int]) -> None:
+        self._totals = totals
+        self._restarts = restarts
+
+    def collect(self) -> Iterator[Metric]:
+        t = self._totals()
+
+        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=t.get(key, 0.0))
+
+        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=t.get(key, 0.0))
+
+        yield gauge("forged_running_sequences", "Sequences decoding or prefilling.", "running")
+        queued = GaugeMetricFamily("forged_queued_requests", "Requests waiting for a slot.",
+                                   labels=["priority"])
+        queued.add_metric(["interactive"], t.get("queued_interactive", 0.0))
+        queued.add_metric(["batch"], t.get("queued_batch", 0.0))
+        yield queued
+        yield gauge("forged_queued_prompt_tokens", "Prompt tokens waiting.", "queued_tokens")
+        yield gauge("forged_kv_cells_used", "KV cells in use (running and cached).",
+                    "kv_cells_used")
+        yield gauge("forged_kv_cells_cached", "KV cells only the prefix cache holds.",
+                    "kv_cells_cached")
+        yield gauge("forged_kv_cells_total", "KV cells of all workers.", "kv_cells_total")
+        yield counter("forged_prefix_cache_queries", "Admissions that looked up the cache.",
+                      "prefix_cache_queries")
+        yield counter("forged_prefix_cache_hits", "Admissions that reused a cached prefix.",
+                      "prefix_cache_hits")
+        yield counter("forged_prefix_cache_tokens_saved",
+                      "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
+        yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
+                                  value=self._restarts())
+
+
+@dataclass
+class _Window:
+    """Timestamped samples of the last minute, bounded in count."""
+
+    samples: deque[tuple[float, float]]
+
+    def add(self, value: float, now: float) -> None:
+        self.samples.append((now, value))
+
+    def recent(self, now: float) -> list[float]:
+        cutoff = now - WINDOW_SECONDS
+        while self.samples and self.samples[0][0] < cutoff:
+            self.samples.popleft()
+        return [v for _, v in self.samples]
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    data = sorted(values)
+    if not data:
+        return None
+    k = min(len(data) - 1, max(0, round(q / 100 * (len(data) - 1))))
+    return data[k]
+
+
+class Metrics:
+    def __init__(self, model: str, totals: Callable[[], dict[str, float]],
+                 restarts: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("forged_requests", "Requests answered.",
+                                ["endpoint", "status", "priority"], registry=r)
+        self.ttft = Histogram("forged_time_to_first_token_seconds",
+                              "From request arrival to the first generated text.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("forged_inter_token_latency_seconds",
+                             "Between consecutive pieces of streamed text.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("forged_request_duration_seconds",
+                             "From request arrival to the last byte.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("forged_queue_time_seconds",
+                                    "Time waiting for admission.", ["priority"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("forged_prompt_tokens", "Prompt tokens of requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("forged_generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.cancellations = Counter("forged_cancellations", "Requests ended early.",
+                                     ["reason"], registry=r)
+        info = Gauge("forged_build_info", "Version and model (always 1).",
+                     ["version", "model"], registry=r)
+        info.labels(__version__, model).set(1)
+        r.register(_EngineCollector(totals, restarts))
+        self._ttft_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+        self._itl_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+        self._tokens_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self._ttft_window.add(seconds, time.monotonic())
+
+    def observe_itl(self, gaps: list[float]) -> None:
+        now = time.monotonic()
+        for gap in gaps:
+            self.itl.observe(gap)
+            self._itl_window.add(gap, now)
+
+    def observe_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+        self._tokens_window.add(float(n), time.monotonic())
+
+    def last_minute(self) -> dict[str, float | None]:
+        now = time.monotonic()
+        ttft, itl = self._ttft_window.recent(now), self._itl_window.recent(now)
+        tokens = self._tokens_window.recent(now)
+        return {
+            "window_seconds": WINDOW_SECONDS,
+            "tokens_per_second": sum(tokens) / WINDOW_SECONDS,
+            "requests": float(len(ttft)),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
+        }

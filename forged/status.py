@@ -1,0 +1,76 @@
+"""``forged status``: a human summary of a running daemon, read from its admin listener."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from typing import Any
+
+from forged.errors import ForgedError
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("admin", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET /stats from ``admin`` (``unix:PATH`` or ``HOST:PORT``)."""
+    if admin.startswith("unix:"):
+        conn: http.client.HTTPConnection = _UnixHTTPConnection(admin[5:], timeout)
+    else:
+        host, _, port = admin.rpartition(":")
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    try:
+        conn.request("GET", "/stats")
+        resp = conn.getresponse()
+        data: dict[str, Any] = json.loads(resp.read())
+        return data
+    except (OSError, ValueError) as exc:
+        raise ForgedError(f"cannot read the admin listener at {admin}: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f} s"
+
+
+def _uptime(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return f"{d}d {h:02d}h {m:02d}m" if d else f"{h}h {m:02d}m {s:02d}s"
+
+
+def render(stats: dict[str, Any]) -> str:
+    eng = stats["engine"]
+    t = eng["totals"]
+    lm = stats["last_minute"]
+    used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
+    queued = int(t.get("queued_interactive", 0) + t.get("queued_batch", 0))
+    state = "draining" if stats["draining"] else ("ready" if stats["ready"] else "not ready")
+    lines = [
+        f"forged {stats['version']}  model {stats['model']}  {state}, "
+        f"up {_uptime(eng['uptime'])}",
+        f"streams     {stats['open_streams']} open; {int(t.get('running', 0))} running, "
+        f"{queued} queued ({int(t.get('queued_tokens', 0))} prompt tokens)",
+        f"KV cache    {100 * used / total:.0f}% used ({int(used)} / {int(total)} cells, "
+        f"{int(t.get('kv_cells_cached', 0))} held as prefix cache)",
+        f"throughput  {lm['tokens_per_second']:.1f} tok/s over the last minute "
+        f"({int(lm['requests'])} requests)",
+        f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",
+        f"ITL         p50 {_seconds(lm['itl_p50'])}   p99 {_seconds(lm['itl_p99'])}",
+    ]
+    for w in eng["workers"]:
+        ready = "ready" if w["ready"] else "starting"
+        lines.append(f"worker {w['index']}    pid {w['pid']} {ready}, {w['pending']} requests, "
+                     f"{w['restarts']} restarts")
+    return "\n".join(lines)

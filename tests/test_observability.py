@@ -1,0 +1,151 @@
+"""Metrics, access logs, `forged status` and `forged bench` against a running daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
+          "step_tokens": 64}
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, tiny_model: Path) -> Iterator[DaemonProcess]:
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", tiny_model, port, engine=ENGINE),
+                      port, extra=["--test-hooks"])
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+
+
+def admin(d: DaemonProcess) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")),
+                        base_url="http://admin", timeout=30)
+
+
+def scrape(d: DaemonProcess) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with admin(d) as a:
+        text = a.get("/metrics").text
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def types(d: DaemonProcess) -> dict[str, str]:
+    with admin(d) as a:
+        return {f.name: f.type for f in text_string_to_metric_families(a.get("/metrics").text)}
+
+
+def total(m: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str) -> float:
+    return sum(m.get(name, {}).values())
+
+
+def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
+    t = types(daemon)
+    expected = {
+        "forged_requests": "counter", "forged_time_to_first_token_seconds": "histogram",
+        "forged_inter_token_latency_seconds": "histogram",
+        "forged_request_duration_seconds": "histogram", "forged_queue_time_seconds": "histogram",
+        "forged_prompt_tokens": "counter", "forged_generation_tokens": "counter",
+        "forged_running_sequences": "gauge", "forged_queued_requests": "gauge",
+        "forged_queued_prompt_tokens": "gauge", "forged_kv_cells_used": "gauge",
+        "forged_kv_cells_total": "gauge", "forged_prefix_cache_queries": "counter",
+        "forged_prefix_cache_hits": "counter", "forged_prefix_cache_tokens_saved": "counter",
+        "forged_cancellations": "counter", "forged_worker_restarts": "counter",
+        "forged_build_info": "gauge",
+    }
+    for name, kind in expected.items():
+        assert t.get(name) == kind, (name, t.get(name))
+    m = scrape(daemon)
+    assert total(m, "forged_kv_cells_total") == 4096
+    info = next(iter(m["forged_build_info"]))
+    assert dict(info)["model"] == "tiny"
+    # the API port serves none of it
+    assert httpx.get(daemon.url + "/metrics").status_code == 404
+
+
+def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonProcess) -> None:
+    with httpx.Client(base_url=daemon.url, timeout=30) as c:
+        for _ in range(3):
+            assert c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5,
+                                                   "ignore_eos": True}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": 1}).status_code == 400
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave mid-stream: the connection closes here
+    m = scrape(daemon)
+    req = m["forged_requests_total"]
+    assert req[(("endpoint", "/v1/completions"), ("priority", "interactive"),
+                ("status", "200"))] == 4
+    assert req[(("endpoint", "/v1/completions"), ("priority", "none"), ("status", "400"))] == 1
+    assert total(m, "forged_generation_tokens_total") >= 15
+    assert m["forged_time_to_first_token_seconds_count"][()] >= 3
+    assert m["forged_inter_token_latency_seconds_count"][()] >= 12
+    deadline = __import__("time").monotonic() + 10
+    while True:
+        m = scrape(daemon)
+        if total(m, "forged_running_sequences") == 0 and \
+                total(m, "forged_cancellations_total") == 1:
+            break
+        assert __import__("time").monotonic() < deadline, m.get("forged_cancellations_total")
+    assert m["forged_cancellations_total"][(("reason", "client_gone"),)] == 1
+    assert total(m, "forged_kv_cells_used") == total(m, "forged_kv_cells_cached")
+    assert total(m, "forged_prefix_cache_hits_total") >= 2  # the repeated "hello"
+    log = daemon.log.read_text()
+    assert "logger=forged.access" in log and "completion_tokens=5" in log
+    assert "hello" not in log  # prompts are never logged
+
+
+def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
+    with httpx.Client(base_url=daemon.url, timeout=30) as c:
+        for _ in range(4):
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "ignore_eos": True})
+    admin_addr = f"unix:{daemon.config.parent / 'admin.sock'}"
+    out = subprocess.run([sys.executable, "-m", "forged", "status", "--admin", admin_addr],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "model tiny" in out and "ready" in out
+    assert "(4 requests)" in out
+    assert "TTFT        p50" in out and "worker 0" in out
+    raw = json.loads(subprocess.run(
+        [sys.executable, "-m", "forged", "status", "--admin", admin_addr, "--json"],
+        capture_output=True, text=True, timeout=30, check=True).stdout)
+    assert raw["last_minute"]["requests"] == 4
+    assert raw["last_minute"]["tokens_per_second"] == pytest.approx(24 / 60)
+
+
+def test_forged_bench_smoke(daemon: DaemonProcess, tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "forged", "bench", "--url", daemon.url, "--mix", "mixed",
+         "--concurrency", "1,4", "--requests", "8", "--max-tokens", "8", "--duration", "60",
+         "--out", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert [run["concurrency"] for run in result["runs"]] == [1, 4]
+    for run in result["runs"]:
+        s = run["summary"]
+        assert s["ok"] == 8 and s["errors"] == {}
+        assert 0 < s["ttft_p50"] <= s["ttft_p99"] < 60
+        assert s["out_tok_per_s"] > 0 and s["itl_p50"] is not None
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert "ttft" in r.stdout
