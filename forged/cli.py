@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -41,11 +43,35 @@ def setup_logging(level: str) -> None:
 
 
 def _load(args: argparse.Namespace) -> fc.Config:
+    from forged.auth import KeyStore
+
     cfg = fc.load(Path(args.config))
     cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
                             model=getattr(args, "model", None))
     fc.check_model(args.config, cfg)
+    KeyStore.load(Path(cfg.auth.keys_file))  # a broken keys file is a config error too
     return cfg
+
+
+class StateDirError(Exception):
+    pass
+
+
+def check_state_dir(path: str) -> None:
+    """Prove the state directory is writable now, rather than fail later mid-request."""
+    probe = Path(path) / ".forged-write-test"
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        raise StateDirError(f"state directory {path} is not usable: "
+                            f"{exc.strerror or exc}") from exc
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -59,6 +85,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     setup_logging(cfg.log.level)
+    try:
+        check_state_dir(cfg.server.state_dir)
+    except StateDirError as exc:
+        print(f"forged: {exc}", file=sys.stderr)
+        return fc.EX_CANTCREAT
     daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
     try:
         trio.run(daemon.run)
@@ -88,6 +119,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    from forged.auth import add_key
+
+    path = Path(args.keys_file or fc.load(Path(args.config)).auth.keys_file)
+    key = add_key(path, args.name, max_streams=args.max_streams, max_queued=args.max_queued,
+                  priority=args.priority)
+    print(key)
+    print(f"forged: added key {args.name!r} to {path}; it is shown only this once. "
+          "Run `systemctl reload forged` to apply it.", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
                                 else None)
@@ -102,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     check.set_defaults(func=cmd_check_config)
+    keys = sub.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="create a key, print it once, store its hash")
+    add.add_argument("name")
+    add.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    add.add_argument("--keys-file", help="default: auth.keys_file from the config")
+    add.add_argument("--max-streams", type=int, default=16)
+    add.add_argument("--max-queued", type=int, default=32)
+    add.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    add.set_defaults(func=cmd_keys_add)
     status = sub.add_parser("status", help="summarise a running daemon")
     status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     status.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "

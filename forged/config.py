@@ -16,6 +16,7 @@ import msgspec
 
 DEFAULT_CONFIG_PATH = Path("/etc/forged/forged.toml")
 EX_CONFIG = 78
+EX_CANTCREAT = 73
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
@@ -30,10 +31,14 @@ class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
     drain_timeout: Seconds = 30.0
-    keep_alive_timeout: Seconds = 75.0
+    # Seconds an idle connection, or one still sending its request headers, stays open.
+    keep_alive_timeout: Seconds = 30.0
+    # Seconds allowed to receive a request body.
     read_timeout: Seconds = 30.0
     max_body_bytes: Positive = 4 * 1024 * 1024
     status_interval: Seconds = 5.0
+    # Where forged keeps state; checked to be writable at startup (exit 73 if not).
+    state_dir: str = "/var/lib/forged"
 
 
 class ModelConfig(_Section, frozen=True):
@@ -88,6 +93,11 @@ class LimitsConfig(_Section, frozen=True):
     retry_after: Annotated[int, msgspec.Meta(ge=1)] = 2
 
 
+class AuthConfig(_Section, frozen=True):
+    # API keys (SHA-256 hashes), written by `forged keys add`. No keys: an open API.
+    keys_file: str = "/etc/forged/keys.toml"
+
+
 class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # Log prompts and completions (never do this on a shared appliance).
@@ -99,6 +109,7 @@ class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
     log: LogConfig = LogConfig()
 
     @property
@@ -195,6 +206,7 @@ def with_overrides(
 # Keys whose change needs a restart: they shape the model or the KV cache.
 RESTART_KEYS = (
     "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
+    "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.flash_attn", "engine.max_running",
 )

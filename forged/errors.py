@@ -37,6 +37,14 @@ class QueueTimeout(Overloaded):
     pass
 
 
+class RateLimited(Overloaded):
+    """This API key is over one of its own limits; other keys are unaffected."""
+
+
+class Unauthorized(ForgedError):
+    pass
+
+
 class Unavailable(ForgedError):
     """No worker can take the request now (loading, restarting or draining)."""
 

@@ -33,7 +33,8 @@ def make_config(model: Path, tmp: Path, **sections: dict[str, Any]) -> fc.Config
     """A config on loopback with ephemeral ports; ``sections`` override keys."""
     raw: dict[str, dict[str, Any]] = {
         "server": {"listen": "127.0.0.1:0", "admin_listen": f"unix:{tmp}/admin.sock",
-                   "drain_timeout": 5.0},
+                   "drain_timeout": 5.0, "state_dir": str(tmp / "state")},
+        "auth": {"keys_file": str(tmp / "keys.toml")},
         "model": {"path": str(model)},
         "engine": {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
                    "step_tokens": 64, "heartbeat_timeout": 10.0, "restart_backoff": 0.1},

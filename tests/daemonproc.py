@@ -23,7 +23,8 @@ def free_port() -> int:
 def write_config(path: Path, model: Path, port: int, **sections: dict[str, Any]) -> Path:
     raw: dict[str, dict[str, Any]] = {
         "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"unix:{path.parent}/admin.sock",
-                   "drain_timeout": 10.0},
+                   "drain_timeout": 10.0, "state_dir": str(path.parent / "state")},
+        "auth": {"keys_file": str(path.parent / "keys.toml")},
         "model": {"path": str(model)},
     }
     for name, values in sections.items():

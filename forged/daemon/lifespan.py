@@ -21,6 +21,7 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
 from forged import config as fc
+from forged.auth import KeyStore
 from forged.daemon.notify import Notifier, watchdog_interval
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
@@ -44,8 +45,13 @@ def _hyper_config(state: AppState, bind: str) -> HyperConfig:
     s = state.cfg.server
     hc = HyperConfig()
     hc.bind = [bind]
+    # Also bounds slow headers: hypercorn counts a connection as idle until a request's
+    # headers are complete.
     hc.keep_alive_timeout = s.keep_alive_timeout
-    hc.read_timeout = int(s.read_timeout)
+    # Not hypercorn's read_timeout: it times every socket read, also while a response
+    # streams and the client (rightly) sends nothing, and so would cut long SSE streams.
+    # Slow bodies are bounded by Quart's BODY_TIMEOUT (server.read_timeout) instead.
+    hc.read_timeout = None
     hc.graceful_timeout = s.drain_timeout + 5.0
     hc.backlog = 1024
     hc.accesslog = None
@@ -72,6 +78,10 @@ class Daemon:
         self.pool = EnginePool(cfg, test_hooks=test_hooks)
         self._shutdown = trio.Event()
         self.state: AppState | None = None
+        self.keys = KeyStore.load(Path(cfg.auth.keys_file))
+        if not self.keys.enabled:
+            log.warning("no API keys in %s: the API is open to anyone who can reach it",
+                        cfg.auth.keys_file)
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -79,7 +89,8 @@ class Daemon:
             Prompter, self.cfg.model.path, self.cfg.model.chat_template)
         try:
             metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
-            state = self.state = AppState(self.cfg, self.pool, prompter, metrics)
+            state = self.state = AppState(self.cfg, self.pool, prompter, metrics,
+                                          keys=self.keys)
             async with trio.open_nursery() as engine:
                 await engine.start(self.pool.run)
                 async with trio.open_nursery() as aux:
@@ -155,12 +166,20 @@ class Daemon:
             log.warning("reload: these changes need a restart and were not applied: %s",
                         ", ".join(restart))
             new = _keep_restart_keys(self.cfg, new)
+        try:
+            keys = KeyStore.load(Path(new.auth.keys_file))
+        except fc.ConfigError as exc:
+            log.error("reload refused, keeping the running config and keys: %s", exc)
+            self.notifier.ready(_status_line(self.state))
+            return
         self.cfg = new
         self.state.cfg = new
+        self.state.keys = keys
         self.pool.set_limits(new)
         logging.getLogger().setLevel(new.log.level.upper())
         live = [k for k in changed if k not in restart]
-        log.info("reloaded %s; applied: %s", self.config_path, ", ".join(live) or "nothing")
+        log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
+                 ", ".join(live) or "nothing", len(keys.by_hash))
         self.notifier.ready(_status_line(self.state))
 
     async def _status_loop(self, state: AppState) -> None:

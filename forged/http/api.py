@@ -10,9 +10,10 @@ frees its sequence at the worker's next step.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -21,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from forged import errors as e
+from forged.auth import KeyEntry
 from forged.engine import frames as fr
 from forged.engine.pool import Job
 from forged.engine.scheduler import BATCH, INTERACTIVE
@@ -29,9 +31,10 @@ from forged.http import sse
 from forged.http.generate import Outcome, generate, priority_name
 from forged.http.responses import error_response, json_response
 from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
-from forged.http.state import AppState
+from forged.http.state import AppState, KeyUsage
 
 access_log = logging.getLogger("forged.access")
+T = TypeVar("T")
 
 
 def create_app(state: AppState) -> QuartTrio:
@@ -47,6 +50,15 @@ def create_app(state: AppState) -> QuartTrio:
     async def _request_id() -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
+        if state.keys.enabled and request.path.startswith("/v1/"):
+            key = state.keys.lookup(request.headers.get("Authorization"))
+            if key is None:
+                # Drain the (size- and time-bounded) body first, so the client's
+                # keep-alive connection stays usable for its next, authorised request.
+                await request.get_data(cache=False)
+                raise e.Unauthorized("Incorrect or missing API key: send "
+                                     "'Authorization: Bearer <key>'.")
+            g.key = key
 
     @app.after_request
     async def _account(resp: Response) -> Response:
@@ -55,16 +67,22 @@ def create_app(state: AppState) -> QuartTrio:
         priority = g.get("priority", "none")
         state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
         if not g.get("generation"):  # a generation logs its own line when it ends
+            key = g.get("key")
             access_log.info("%s %s", rule, resp.status_code, extra={"fields": {
                 "request_id": g.get("request_id", ""), "status": resp.status_code,
+                "key": key.name if key else "-",
                 "duration": f"{time.monotonic() - g.get('started', time.monotonic()):.3f}"}})
         return resp
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 400
-        return error_response(he.http_error(status, exc.description or exc.name,
+        resp = error_response(he.http_error(status, exc.description or exc.name,
                                             "invalid_request_error"))
+        if status in (408, 413):
+            # The rest of the body was never read: this connection cannot be reused.
+            resp.headers["Connection"] = "close"
+        return resp
 
     @app.errorhandler(e.ForgedError)
     async def _domain_error(exc: e.ForgedError) -> Response:
@@ -88,7 +106,7 @@ def create_app(state: AppState) -> QuartTrio:
     async def completions() -> Response:
         body = await _read_body(state)
         try:
-            req = completion_decoder.decode(body)
+            req = await _decode(state, completion_decoder, body)
         except msgspec.MsgspecError as exc:
             return error_response(he.from_decode_error(exc))
         prompt = await _completion_prompt(state, req)
@@ -98,7 +116,7 @@ def create_app(state: AppState) -> QuartTrio:
     async def chat_completions() -> Response:
         body = await _read_body(state)
         try:
-            req = chat_decoder.decode(body)
+            req = await _decode(state, chat_decoder, body)
         except msgspec.MsgspecError as exc:
             return error_response(he.from_decode_error(exc))
         prompt = await _chat_prompt(state, req)
@@ -116,6 +134,35 @@ async def _read_body(state: AppState) -> bytes:
     if state.draining:
         raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     return data
+
+
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _json_depth(body: bytes) -> int:
+    """Deepest nesting of arrays and objects, skipping brackets inside strings."""
+    depth = deepest = 0
+    for m in _JSON_TOKENS.finditer(body):
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    limit = state.cfg.limits.max_json_depth
+    # Depth can only pass the limit with more brackets than the limit: scan only then,
+    # and in a thread, since a body of brackets up to max_body_bytes takes a while.
+    if body.count(b"[") + body.count(b"{") > limit and \
+            await trio.to_thread.run_sync(_json_depth, body) > limit:
+        raise e.BadRequest(f"the JSON body is nested deeper than {limit} levels")
+    try:
+        return decoder.decode(body)
+    except RecursionError as exc:  # msgspec's own guard, below our limit's reach
+        raise e.BadRequest("the JSON body is nested too deeply") from exc
 
 
 # --- prompts ---------------------------------------------------------------------------
@@ -189,7 +236,8 @@ def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) ->
         )
     else:
         max_tokens = requested
-    priority = req.priority or lim.default_priority
+    key = g.get("key")
+    priority = req.priority or (key.priority if key else lim.default_priority)
     return Job(
         prompt=prompt, max_tokens=max_tokens,
         priority=BATCH if priority == "batch" else INTERACTIVE,
@@ -234,5 +282,24 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     g.priority = priority_name(job)
     g.generation = True
     rule = request.url_rule.rule if request.url_rule is not None else "other"
-    outcome = Outcome(g.request_id, rule, g.priority, started=g.started)
+    key = g.get("key")
+    outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
+                      key=key.name if key else "-")
+    if key is not None:
+        outcome.usage = _admit_key(state, key)
     return await generate(state, req, job, fmt, outcome)
+
+
+def _admit_key(state: AppState, key: KeyEntry) -> KeyUsage:
+    """Per-key limits: over them this key gets 429 and every other key is unaffected."""
+    usage = state.key_usage.setdefault(key.name, KeyUsage())
+    retry = state.cfg.limits.retry_after
+    if usage.open >= key.max_streams:
+        raise e.RateLimited(f"API key {key.name!r} has {usage.open} requests in flight, "
+                            f"its limit", retry)
+    if usage.queued >= key.max_queued:
+        raise e.RateLimited(f"API key {key.name!r} has {usage.queued} requests queued, "
+                            f"its limit", retry)
+    usage.open += 1
+    usage.queued += 1
+    return usage

@@ -49,6 +49,11 @@ def from_exception(exc: e.ForgedError) -> HTTPError:
             return http_error(400, str(exc), "invalid_request_error", exc.param, exc.code)
         case e.ModelNotFound():
             return http_error(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        case e.Unauthorized():
+            return http_error(401, str(exc), "invalid_request_error", None, "invalid_api_key")
+        case e.RateLimited():
+            return http_error(429, str(exc), "requests", None, "rate_limit_exceeded",
+                              exc.retry_after)
         case e.QueueTimeout():
             return http_error(503, str(exc), "server_error", None, "queue_timeout",
                               exc.retry_after)

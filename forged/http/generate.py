@@ -27,7 +27,7 @@ from forged.engine.scheduler import CLASS_NAMES
 from forged.http import errors as he
 from forged.http import sse
 from forged.http.responses import json_response
-from forged.http.state import AppState
+from forged.http.state import AppState, KeyUsage
 
 access_log = logging.getLogger("forged.access")
 
@@ -47,8 +47,20 @@ class Outcome:
     cached_tokens: int = 0
     queue_time: float | None = None
     ttft: float | None = None
+    key: str = "-"
+    usage: KeyUsage | None = None
+    admitted: bool = False
+
+    def mark_admitted(self) -> None:
+        if not self.admitted and self.usage is not None:
+            self.usage.queued -= 1
+        self.admitted = True
 
     def record(self, state: AppState, rs: RequestStream | None) -> None:
+        if self.usage is not None:  # give the key its places back, exactly once
+            self.mark_admitted()
+            self.usage.open -= 1
+            self.usage = None
         m = state.metrics
         duration = time.monotonic() - self.started
         if rs is not None and rs.delta_times:
@@ -67,7 +79,8 @@ class Outcome:
         access_log.info(
             "%s %s", self.endpoint, self.status,
             extra={"fields": {
-                "request_id": self.request_id, "status": self.status, "end": self.end,
+                "request_id": self.request_id, "key": self.key, "status": self.status,
+                "end": self.end,
                 "priority": self.priority, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens, "ttft": ttft,
@@ -139,6 +152,7 @@ async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
                 outcome.queue_time, outcome.cached_tokens = ev.queue_time, ev.cached
         events.extend(batch)
         if rs.admitted or rs.finished:
+            outcome.mark_admitted()
             return events
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
@@ -39,6 +40,14 @@ class StreamDeadlines:
 
 
 @dataclass
+class KeyUsage:
+    """What one API key has in flight: generating and waiting for a slot."""
+
+    open: int = 0
+    queued: int = 0
+
+
+@dataclass
 class AppState:
     cfg: Config
     pool: EnginePool
@@ -47,6 +56,8 @@ class AppState:
     started: float = field(default_factory=time.time)
     draining: bool = False
     streams: StreamDeadlines = field(default_factory=StreamDeadlines)
+    keys: KeyStore = field(default_factory=KeyStore)
+    key_usage: dict[str, KeyUsage] = field(default_factory=dict)
 
     @property
     def model_ids(self) -> list[str]:

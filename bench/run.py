@@ -1,0 +1,242 @@
+"""The comparison benchmark: forged against llama.cpp's llama-server, one command.
+
+    make bench            # or: .venv/bin/python -m bench.run [--quick]
+
+Builds llama-server from the llama-cpp-python sdist forged pins (cached outside the
+repo), starts forged and two llama-server configurations on loopback with the same
+model, threads and total context, runs the same load against them alternately with
+`forged bench`, and writes bench/results/latest.json plus the tables for
+docs/benchmarks.md (bench/results/benchmarks.md). Every run is bounded in requests and
+time; the whole benchmark takes about 30 minutes on 2 cores (``--quick``: about 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from forged.bench import make_prompts, ratios, run_load
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+RESULTS = ROOT / "bench" / "results"
+THREADS = 2
+CONTEXT = 32768  # total KV cells for every server; llama-server -np 16 gets 2048 per slot
+MAX_TOKENS = 64
+
+
+class LlamaServer:
+    def __init__(self, binary: str, extra: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [binary, "-m", str(MODEL), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(CONTEXT),
+             "-fa", "off", "--host", "127.0.0.1", "--port", str(self.port), *extra],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("llama-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
+
+
+def rss_kb(pid: int) -> int:
+    """Resident memory of a process and its children (the worker), in KiB."""
+    total = 0
+    pids = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        pids += [int(c) for c in children]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+class RssSampler:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.samples.append(rss_kb(self.pid))
+
+    def __enter__(self) -> RssSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def level_requests(c: int, quick: bool) -> int:
+    return max(16, min(256, (2 if quick else 3) * c))
+
+
+async def compare(a: str, b: str, mix: str, c: int, quick: bool) -> dict[str, Any]:
+    prompts = make_prompts(mix, level_requests(c, quick), MAX_TOKENS, seed=c)
+    duration = 120.0 if quick else 240.0
+    sa = await run_load(a, prompts, concurrency=c, rate=None, duration=duration, model=None,
+                        label=f"forged {mix} c={c}")
+    sb = await run_load(b, prompts, concurrency=c, rate=None, duration=duration, model=None,
+                        label=f"llama-server {mix} c={c}")
+    return {"mix": mix, "concurrency": c, "forged": sa, "llama_server": sb,
+            "ratio": ratios(sa, sb)}
+
+
+async def overload(url: str, pid: int, capacity: float, seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"capacity_req_per_s": capacity}
+    for factor in (1, 4):
+        rate = capacity * factor
+        prompts = make_prompts("mixed", int(rate * seconds), MAX_TOKENS, seed=factor)
+        with RssSampler(pid) as rss:
+            summary = await run_load(url, prompts, concurrency=None, rate=rate,
+                                     duration=seconds + 30, model=None,
+                                     label=f"overload {factor}x")
+        out[f"{factor}x"] = {"summary": summary, "rss_kb_max": max(rss.samples, default=0),
+                             "rss_kb_median": statistics.median(rss.samples or [0])}
+    return out
+
+
+async def rejection_latency(url: str, n: int = 400) -> dict[str, Any]:
+    """Fill the queue, then time the 503s: rejections must be answered at once."""
+    import httpx
+
+    lat: list[float] = []
+    statuses: dict[int, int] = {}
+    async with httpx.AsyncClient(timeout=60) as client:
+        body = {"prompt": "x " * 600, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+        async def one() -> None:
+            t0 = time.monotonic()
+            r = await client.post(url + "/v1/completions", json=body)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if r.status_code in (429, 503):
+                assert "retry-after" in r.headers
+                lat.append(time.monotonic() - t0)
+
+        with trio.move_on_after(120):
+            async with trio.open_nursery() as nursery:
+                for _ in range(n):
+                    nursery.start_soon(one)
+                    await trio.sleep(0.002)
+    lat.sort()
+    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
+    return {"statuses": statuses, "rejections": len(lat), "rejection_p99_s": p99}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer requests and levels")
+    args = ap.parse_args()
+    binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
+                            capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    levels = [1, 8, 32] if args.quick else [1, 8, 32, 128]
+    tmp = Path(tempfile.mkdtemp())
+    port = free_port()
+    engine = {"threads": THREADS, "kv_cells": CONTEXT, "max_context": 8192}
+    forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine), port)
+    best = LlamaServer(binary, ["-np", "16", "-b", "256", "-ub", "256"], tmp / "best.log")
+    default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
+    result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
+                              "context": CONTEXT, "max_tokens": MAX_TOKENS, "runs": []}
+    try:
+        forged.wait_ready()
+        best.wait_ready()
+        default.wait_ready()
+        for mix in ("mixed", "shared-prefix"):
+            for c in levels:
+                run = trio.run(compare, forged.url, best.url, mix, c, args.quick)
+                run["against"] = "llama-server -np 16 -b 256 -ub 256"
+                result["runs"].append(run)
+                print(json.dumps({k: run[k] for k in ("mix", "concurrency", "ratio")}))
+                (RESULTS / "partial.json").write_text(json.dumps(result, indent=2))
+            run = trio.run(compare, forged.url, default.url, mix, 32, args.quick)
+            run["against"] = "llama-server -np 16"
+            result["runs"].append(run)
+        capacity = next(r["forged"]["req_per_s"] for r in result["runs"]
+                        if r["mix"] == "mixed" and r["concurrency"] == 32)
+        result["overload"] = trio.run(overload, forged.url, forged.proc.pid, capacity,
+                                      20.0 if args.quick else 60.0)
+        result["rejections"] = trio.run(rejection_latency, forged.url)
+    finally:
+        forged.stop()
+        best.stop()
+        default.stop()
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / "benchmarks.md").write_text(tables(result))
+    print(tables(result))
+
+
+def _r(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def tables(result: dict[str, Any]) -> str:
+    lines = ["| workload | C | vs | req/s | out tok/s | TTFT p50 | TTFT p95 | TTFT p99 | "
+             "short TTFT p95 | ITL p50 | ITL p99 | forged ITL p99 | llama-server ITL p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        r = run["ratio"]
+        vs = "best" if "-b 256" in run["against"] else "default"
+        lines.append(
+            f"| {run['mix']} | {run['concurrency']} | {vs} | {_r(r['req_per_s'])} | "
+            f"{_r(r['out_tok_per_s'])} | {_r(r['ttft_p50'])} | {_r(r['ttft_p95'])} | "
+            f"{_r(r['ttft_p99'])} | {_r(r['short_ttft_p95'])} | {_r(r['itl_p50'])} | "
+            f"{_r(r['itl_p99'])} | {_s(run['forged']['itl_p99'])} | "
+            f"{_s(run['llama_server']['itl_p99'])} |")
+    ov = result.get("overload")
+    if ov:
+        lines += ["", "| load | ok | errors | RSS max (MiB) |", "|---|---|---|---|"]
+        for f in ("1x", "4x"):
+            s = ov[f]["summary"]
+            lines.append(f"| {f} ({ov['capacity_req_per_s'] * int(f[0]):.2f} req/s) | "
+                         f"{s['ok']} | {s['errors'] or 'none'} | "
+                         f"{ov[f]['rss_kb_max'] / 1024:.0f} |")
+    rej = result.get("rejections")
+    if rej:
+        lines += ["", f"Rejections: {rej['rejections']} answered with Retry-After, p99 "
+                  f"{_s(rej['rejection_p99_s'])}; statuses {rej['statuses']}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

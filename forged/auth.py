@@ -1,0 +1,111 @@
+"""API keys: stored as SHA-256 hashes with a name and per-key limits.
+
+The keys file (``auth.keys_file``, by default ``/etc/forged/keys.toml``, mode 0640,
+root:forged) holds one ``[[key]]`` table per key. ``forged keys add NAME`` writes
+one and prints the key once; only its hash is ever stored. With no key configured
+the API is open (the daemon logs a warning); with any key, every ``/v1/`` request
+needs ``Authorization: Bearer <key>``.
+
+Keys are high-entropy random strings, so an unsalted SHA-256 is enough: the hash
+cannot be reversed, and lookups by hash take the same time for every wrong key.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from forged.config import ConfigError
+
+KEY_PREFIX = "fgd-"
+
+
+class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$")]
+    sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    # Requests of this key generating at once; more get 429.
+    max_streams: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # Requests of this key waiting for a slot; more get 429.
+    max_queued: Annotated[int, msgspec.Meta(ge=0)] = 32
+    priority: Literal["interactive", "batch"] = "interactive"
+
+
+class KeysFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    key: list[KeyEntry] = []
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class KeyStore:
+    by_hash: dict[str, KeyEntry] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.by_hash)
+
+    def lookup(self, authorization: str | None) -> KeyEntry | None:
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        return self.by_hash.get(hash_key(authorization[7:].strip()))
+
+    @classmethod
+    def load(cls, path: Path) -> KeyStore:
+        """Read the keys file; a missing file means no keys (an open API)."""
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return cls()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+        try:
+            entries = msgspec.toml.decode(raw, type=KeysFile).key
+        except msgspec.MsgspecError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{path}: key names must be unique")
+        return cls({e.sha256: e for e in entries})
+
+
+def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
+            priority: Literal["interactive", "batch"]) -> str:
+    """Append a new key to ``path`` and return it; it is never written in clear."""
+    store = KeyStore.load(path)
+    if any(e.name == name for e in store.by_hash.values()):
+        raise ConfigError(f"{path}: a key named {name!r} exists already")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    entry = KeyEntry(name=name, sha256=hash_key(key), max_streams=max_streams,
+                     max_queued=max_queued, priority=priority)
+    msgspec.convert(msgspec.to_builtins(entry), KeyEntry)  # validates the name
+    block = (f'\n[[key]]\nname = "{name}"\nsha256 = "{entry.sha256}"\n'
+             f"max_streams = {max_streams}\nmax_queued = {max_queued}\n"
+             f'priority = "{priority}"\n')
+    new = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    with os.fdopen(fd, "a") as f:
+        if new:
+            f.write("# forged API keys: SHA-256 hashes only. Add with `forged keys add NAME`;\n"
+                    "# revoke by deleting a [[key]] table, then `systemctl reload forged`.\n")
+        f.write(block)
+    if new:
+        _give_to_forged_group(path)
+    return key
+
+
+def _give_to_forged_group(path: Path) -> None:
+    try:
+        gid = grp.getgrnam("forged").gr_gid
+    except KeyError:
+        return  # a development machine without the forged group
+    os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
+    os.chmod(path, 0o640)

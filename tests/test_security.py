@@ -1,0 +1,352 @@
+"""Keys, limits on input, slow clients, disconnect storms, overload, bad state dirs,
+and a fuzzer posting thousands of generated bodies to every endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
+          "step_tokens": 64}
+
+
+def start(tmp: Path, model: Path, **sections: dict[str, Any]) -> DaemonProcess:
+    port = free_port()
+    sections.setdefault("engine", ENGINE)
+    d = DaemonProcess(write_config(tmp / "forged.toml", model, port, **sections), port,
+                      extra=["--test-hooks"])
+    d.wait_ready()
+    return d
+
+
+def admin_stats(d: DaemonProcess) -> dict[str, Any]:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")),
+                      base_url="http://admin", timeout=30) as a:
+        data: dict[str, Any] = a.get("/stats").json()
+        return data
+
+
+def add_key(tmp: Path, name: str, *extra: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "forged", "keys", "add", name, "--keys-file",
+                        str(tmp / "keys.toml"), *extra], capture_output=True, text=True,
+                       timeout=30, check=True)
+    return r.stdout.strip()
+
+
+# --- API keys ----------------------------------------------------------------------------
+
+
+def test_keys_are_required_limited_per_key_and_revoked_on_reload(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    alice = add_key(tmp_path, "alice", "--max-streams", "2")
+    bob = add_key(tmp_path, "bob")
+    stored = (tmp_path / "keys.toml").read_text()
+    assert alice not in stored and bob not in stored  # hashes only
+    assert oct((tmp_path / "keys.toml").stat().st_mode & 0o777) == "0o640"
+    d = start(tmp_path, tiny_model)
+    try:
+        with httpx.Client(base_url=d.url, timeout=30) as c:
+            body = {"prompt": "x", "max_tokens": 3}
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": alice}):
+                r = c.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/health").status_code == 200  # health stays open
+            ok = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {bob}"})
+            assert ok.status_code == 200
+
+            # alice may hold 2 streams; the third gets 429, bob is unaffected
+            d_admin = admin_stats(d)
+            assert d_admin["ready"]
+            with httpx.Client(base_url=d.url, timeout=60) as c2:
+                long = {"prompt": "go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+                auth = {"Authorization": f"Bearer {alice}"}
+                streams = [c2.stream("POST", "/v1/completions", json=long, headers=auth)
+                           for _ in range(2)]
+                opened = [s.__enter__() for s in streams]
+                try:
+                    assert all(r.status_code == 200 for r in opened)
+                    r = c.post("/v1/completions", json=body, headers=auth)
+                    assert r.status_code == 429
+                    assert r.headers["retry-after"] == "2"
+                    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+                    r = c.post("/v1/completions", json=body,
+                               headers={"Authorization": f"Bearer {bob}"})
+                    assert r.status_code == 200
+                finally:
+                    for s in streams:
+                        s.__exit__(None, None, None)
+
+            # revoke bob: remove his table and reload
+            text = (tmp_path / "keys.toml").read_text()
+            start_bob = text.index('[[key]]\nname = "bob"')
+            (tmp_path / "keys.toml").write_text(text[:start_bob])
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while c.post("/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {bob}"}).status_code != 401:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert c.post("/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {alice}"}).status_code == 200
+    finally:
+        d.stop()
+    log = d.log.read_text()
+    assert alice not in log and bob not in log
+    assert "key=alice" in log
+
+
+# --- slow clients --------------------------------------------------------------------------
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path: Path, tiny_model: Path) -> None:
+    d = start(tmp_path, tiny_model, server={"read_timeout": 1.0, "keep_alive_timeout": 1.0})
+    try:
+        # headers that never finish
+        s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert s.recv(65536) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+        s.close()
+        # a body that never arrives
+        s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        t0 = time.monotonic()
+        reply = s.recv(65536)
+        assert time.monotonic() - t0 < 5
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b'"error"' in reply
+        s.close()
+        # a stream that lasts longer than both timeouts is not cut: the client is idle
+        # while it reads, by design
+        with httpx.Client(transport=httpx.HTTPTransport(
+                uds=str(d.config.parent / "admin.sock")), base_url="http://admin") as a:
+            a.post("/debug/slow-steps", params={"seconds": 0.02})
+        with httpx.Client(base_url=d.url, timeout=60) as c, c.stream(
+                "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 150,
+                                                 "ignore_eos": True, "stream": True}) as r:
+            t0 = time.monotonic()
+            frames = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - t0 > 2.5
+        assert frames[-1] == "data: [DONE]"
+        assert httpx.get(d.url + "/health").status_code == 200
+    finally:
+        d.stop()
+
+
+# --- storms and overload ---------------------------------------------------------------------
+
+
+def test_a_thousand_dropped_streams_leave_nothing_held(tmp_path: Path, tiny_model: Path) -> None:
+    d = start(tmp_path, tiny_model)
+    rng = random.Random(3)
+    body = json.dumps({"prompt": "storm", "max_tokens": 500, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    async def client(delay: float) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", d.port)
+        try:
+            await stream.send_all(request)
+            with trio.move_on_after(delay):
+                while await stream.receive_some(65536):
+                    pass
+        finally:
+            await stream.aclose()
+
+    async def storm() -> None:
+        with trio.fail_after(120):
+            for _wave in range(10):  # 10 waves of 100: bounded in count and time
+                async with trio.open_nursery() as n:
+                    for _ in range(100):
+                        n.start_soon(client, rng.uniform(0.0, 0.3))
+
+    try:
+        trio.run(storm)
+        deadline = time.monotonic() + 20
+        while True:
+            st = admin_stats(d)
+            t = st["engine"]["totals"]
+            if t.get("running") == 0 and t.get("queued_interactive") == 0 \
+                    and st["engine"]["in_flight"] == 0:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.1)
+        assert t["kv_cells_active"] == 0
+        assert st["open_streams"] == 0
+        assert httpx.get(d.url + "/health").status_code == 200
+    finally:
+        d.stop()
+
+
+def _rss(pid: int) -> int:
+    total = 0
+    pids = [pid] + [int(p) for p in
+                    Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in pids:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_open_loop_overload_answers_200_or_503_and_memory_stays_flat(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    from forged.bench import make_prompts, run_load
+
+    d = start(tmp_path, tiny_model, limits={"max_queued": 16, "queue_timeout": 2.0},
+              engine={**ENGINE, "max_running": 4})
+    try:
+        d_pid = d.proc.pid
+        admin_stats(d)
+        # slow the worker so that 4x its capacity is a modest request rate
+        with httpx.Client(transport=httpx.HTTPTransport(
+                uds=str(d.config.parent / "admin.sock")), base_url="http://admin") as a:
+            a.post("/debug/slow-steps", params={"seconds": 0.01})
+        prompts = make_prompts("short", 60, 16, seed=1)
+        base = trio.run(lambda: run_load(d.url, prompts, concurrency=4, rate=None,
+                                         duration=60, model=None))
+        rss_1x = _rss(d_pid)
+        capacity = base["req_per_s"]
+        prompts = make_prompts("short", int(capacity * 4 * 8), 16, seed=2)
+        over = trio.run(lambda: run_load(d.url, prompts, concurrency=None, rate=capacity * 4,
+                                         duration=40, model=None))
+        rss_4x = _rss(d_pid)
+        assert set(over["errors"]) <= {"503"}, over["errors"]
+        assert over["errors"].get("503", 0) > 0  # it was overloaded, and said so
+        assert over["ok"] > 0
+        assert rss_4x < rss_1x * 1.10 + 20 * 1024, (rss_1x, rss_4x)
+        assert httpx.get(d.url + "/health").status_code == 200
+    finally:
+        d.stop()
+
+
+# --- startup faults --------------------------------------------------------------------------
+
+
+def test_unwritable_state_dir_is_a_clear_error(tmp_path: Path, tiny_model: Path) -> None:
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("x")
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, free_port(),
+                       server={"state_dir": str(blocked / "state")})
+    r = subprocess.run([sys.executable, "-m", "forged", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 73
+    assert "state directory" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    # a full disk: /dev/full accepts no byte
+    if os.path.exists("/dev/full"):
+        full = tmp_path / "full"
+        full.mkdir()
+        os.symlink("/dev/full", full / ".forged-write-test")
+        cfg = write_config(tmp_path / "forged.toml", tiny_model, free_port(),
+                           server={"state_dir": str(full)})
+        r = subprocess.run([sys.executable, "-m", "forged", "serve", "--config", str(cfg)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 73 and "No space left" in r.stderr, r.stderr
+
+
+# --- fuzzing -------------------------------------------------------------------------------
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                    st.floats(allow_nan=False), st.text(max_size=20))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
+          "min_p", "stop", "stream", "stream_options", "logit_bias", "n", "seed",
+          "ignore_eos", "priority", "presence_penalty", "max_completion_tokens"]
+good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
+                                      "content": st.one_of(st.text(max_size=30), values)})
+structured = st.fixed_dictionaries({}, optional={
+    "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 60000), max_size=5),
+                        values),
+    "messages": st.one_of(st.lists(good_message, max_size=3), values),
+    "max_tokens": st.one_of(st.integers(-3, 5000), values),
+    "temperature": st.one_of(st.floats(-1, 3), values),
+    "stream": st.one_of(st.booleans(), values),
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=10), values),
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200),
+                                            max_size=3), values),
+    "top_p": values, "n": values, "seed": values, "priority": values, "model": values,
+    "stream_options": values, "ignore_eos": values,
+})
+bodies = st.one_of(
+    structured.map(lambda d: {**d, "max_tokens": 4} if isinstance(d.get("max_tokens"), int)
+                   and d["max_tokens"] > 4 else d),
+    st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
+    values,
+)
+raw = st.one_of(st.binary(max_size=200),
+                bodies.map(lambda v: json.dumps(v).encode()),
+                bodies.map(lambda v: json.dumps(v).encode()[: random.randint(0, 60)]))
+ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/models"),
+             ("GET", "/v1/completions")]
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+                ) -> Iterator[DaemonProcess]:
+    d = start(tmp_path_factory.mktemp("fuzz"), tiny_model,
+              engine={**ENGINE, "max_running": 16}, limits={"max_queued": 1024})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(fuzz_daemon: DaemonProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fuzz_daemon.url, timeout=60) as c:
+        yield c
+
+
+FUZZ_COUNT = {"n": 0}
+
+
+@settings(max_examples=5200, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(body=raw, endpoint=st.sampled_from(ENDPOINTS))
+def test_fuzz_every_endpoint_never_5xx(fuzz_client: httpx.Client, body: bytes,
+                                       endpoint: tuple[str, str]) -> None:
+    method, path = endpoint
+    r = fuzz_client.request(method, path, content=body,
+                            headers={"Content-Type": "application/json"})
+    FUZZ_COUNT["n"] += 1
+    assert r.status_code < 500, (path, body, r.status_code, r.text)
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        frames = [line for line in r.text.splitlines() if line]
+        assert frames[-1] == "data: [DONE]"
+        for f in frames[:-1]:
+            json.loads(f.removeprefix("data: "))
+    else:
+        data = r.json()
+        if r.status_code >= 400:
+            assert set(data["error"]) == {"message", "type", "param", "code"}
+
+
+def test_fuzz_ran_enough_and_left_the_daemon_healthy(fuzz_daemon: DaemonProcess) -> None:
+    assert FUZZ_COUNT["n"] >= 5000
+    assert httpx.get(fuzz_daemon.url + "/health").status_code == 200
+    t = admin_stats(fuzz_daemon)["engine"]["totals"]
+    assert t["running"] == 0 and t["kv_cells_active"] == 0
