@@ -108,7 +108,7 @@ def level_requests(c: int, quick: bool) -> int:
 
 async def compare(a: str, b: str, mix: str, c: int, quick: bool) -> dict[str, Any]:
     prompts = make_prompts(mix, level_requests(c, quick), MAX_TOKENS, seed=c)
-    duration = 120.0 if quick else 240.0
+    duration = 120.0 if quick else 180.0
     sa = await run_load(a, prompts, concurrency=c, rate=None, duration=duration, model=None,
                         label=f"forged {mix} c={c}")
     sb = await run_load(b, prompts, concurrency=c, rate=None, duration=duration, model=None,
@@ -161,6 +161,8 @@ async def rejection_latency(url: str, n: int = 400) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer requests and levels")
+    ap.add_argument("--layout", choices=["per_slot", "unified"], default="per_slot",
+                    help="forged's engine.kv_layout (default: the shipped one)")
     args = ap.parse_args()
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -168,11 +170,18 @@ def main() -> None:
     levels = [1, 8, 32] if args.quick else [1, 8, 32, 128]
     tmp = Path(tempfile.mkdtemp())
     port = free_port()
-    engine = {"threads": THREADS, "kv_cells": CONTEXT, "max_context": 8192}
+    # Same model, threads and total context as llama-server; per_slot also matches its
+    # 16 slots of CONTEXT / 16 cells.
+    engine: dict[str, Any] = {"threads": THREADS, "kv_cells": CONTEXT, "kv_layout": args.layout}
+    if args.layout == "per_slot":
+        engine.update(slots=16, max_running=16, max_context=CONTEXT // 16)
+    else:
+        engine.update(slots=64, max_running=32, max_context=8192)
     forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine), port)
     best = LlamaServer(binary, ["-np", "16", "-b", "256", "-ub", "256"], tmp / "best.log")
     default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
     result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
+                              "layout": args.layout,
                               "context": CONTEXT, "max_tokens": MAX_TOKENS, "runs": []}
     try:
         forged.wait_ready()
@@ -197,8 +206,8 @@ def main() -> None:
         forged.stop()
         best.stop()
         default.stop()
-    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "benchmarks.md").write_text(tables(result))
+    (RESULTS / f"latest-{args.layout}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"benchmarks-{args.layout}.md").write_text(tables(result))
     print(tables(result))
 
 

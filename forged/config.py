@@ -55,16 +55,20 @@ class EngineConfig(_Section, frozen=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     threads: Annotated[int, msgspec.Meta(ge=1, le=512)] = 2
     # Total KV cells per worker, shared by every sequence (unified KV cache).
-    kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 16384
+    kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 32768
     # Longest prompt + completion one request may use; 0 means min(kv_cells, n_ctx_train).
-    max_context: Annotated[int, msgspec.Meta(ge=0)] = 8192
+    max_context: Annotated[int, msgspec.Meta(ge=0)] = 2048
     # Sequence slots per worker; idle slots keep their KV as prefix cache.
-    slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 64
+    slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Sequences decoding at once per worker.
-    max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 32
+    max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
     step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 64
     flash_attn: bool = False
+    # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
+    # "unified": one cache shared by all slots (prefixes shared in place, but every
+    # decode step attends over all cells in use). See docs/engine.md.
+    kv_layout: Literal["per_slot", "unified"] = "per_slot"
     # Cells kept free of reservations, so llama.cpp's slot search never runs dry.
     kv_headroom: Annotated[int, msgspec.Meta(ge=0)] = 64
     # Decode cells reserved per request at admission (beyond its prompt). A request
@@ -152,6 +156,10 @@ def _check(path: Path, cfg: Config) -> None:
             f"{path}: engine.step_tokens: must be at least engine.slots ({eng.slots})")
     if eng.max_context > eng.kv_cells:
         raise ConfigError(f"{path}: engine.max_context: must not exceed engine.kv_cells")
+    if eng.kv_layout == "per_slot" and eng.max_context > eng.kv_cells // eng.slots:
+        raise ConfigError(
+            f"{path}: engine.max_context: with kv_layout = \"per_slot\" it must not exceed "
+            f"kv_cells / slots ({eng.kv_cells // eng.slots})")
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
 
@@ -209,6 +217,7 @@ RESTART_KEYS = (
     "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.flash_attn", "engine.max_running",
+    "engine.kv_layout",
 )
 
 

@@ -36,7 +36,9 @@ def make_config(model: Path, tmp: Path, **sections: dict[str, Any]) -> fc.Config
                    "drain_timeout": 5.0, "state_dir": str(tmp / "state")},
         "auth": {"keys_file": str(tmp / "keys.toml")},
         "model": {"path": str(model)},
+        # The unified layout: tiny-model tests use long generations on few cells.
         "engine": {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
+                   "kv_layout": "unified",
                    "step_tokens": 64, "heartbeat_timeout": 10.0, "restart_backoff": 0.1},
     }
     for name, values in sections.items():

@@ -257,3 +257,35 @@ async def test_admin_is_not_on_the_api_port(tiny_model: Path,
                 assert st["ready"] and st["engine"]["workers"][0]["ready"]
 
 
+
+
+async def test_per_slot_prefix_copy_gives_the_same_text(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    """kv_layout = per_slot: a running request's prefix is reused by copying its stream;
+    the text must equal what the same request gives on an empty cache."""
+    engine = {"kv_layout": "per_slot", "kv_cells": 8 * 512, "slots": 8, "max_running": 8,
+              "max_context": 512}
+    shared = "The shared repository context: " + "def f(x): return x * 2\n" * 6
+    body = {"prompt": shared + "Question B", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine=engine) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            alone = (await c.post("/v1/completions", json=body)).json()
+        async with start_daemon(tiny_model, engine=engine) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            d.daemon.pool.slow_steps(0, 0.01)
+            async def request_a() -> None:
+                await c.post("/v1/completions", json={
+                    "prompt": shared + "Question A", "max_tokens": 300, "ignore_eos": True})
+
+            async with trio.open_nursery() as n:
+                n.start_soon(request_a)
+                await until(lambda: d.stats().get("running", 0) == 1
+                            and d.stats().get("prefilling", 1) == 0)
+                copied = (await c.post("/v1/completions", json=body)).json()
+                n.cancel_scope.cancel()
+    assert copied["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert copied["choices"][0]["text"] == alone["choices"][0]["text"]

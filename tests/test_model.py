@@ -17,8 +17,9 @@ from tests.daemonproc import DaemonProcess, free_port, write_config
 
 pytestmark = pytest.mark.model
 
-ENGINE = {"kv_cells": 16384, "max_context": 8192, "slots": 64, "max_running": 32,
-          "step_tokens": 64, "threads": 2, "flash_attn": False}
+# The shipped defaults: 16 slots of 2,048 cells each (kv_layout = "per_slot").
+ENGINE = {"kv_cells": 32768, "kv_layout": "per_slot", "max_context": 2048, "slots": 16,
+          "max_running": 16, "step_tokens": 64, "threads": 2, "flash_attn": False}
 
 
 def _start(real_model: Path, tmp: Path) -> Iterator[DaemonProcess]:
@@ -98,7 +99,9 @@ def test_greedy_output_equals_llama_cpp_python(fresh_daemon: DaemonProcess, real
     client = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key="none", max_retries=0)
     ours = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt,
                                      max_tokens=32, temperature=0).choices[0].text
-    llm = llama_cpp.Llama(str(real_model), n_ctx=ENGINE["kv_cells"], n_batch=128, n_ubatch=128,
+    # forged's per-slot stream is kv_cells / slots cells: the same context for the oracle.
+    n_ctx = int(ENGINE["kv_cells"]) // int(ENGINE["slots"])
+    llm = llama_cpp.Llama(str(real_model), n_ctx=n_ctx, n_batch=64, n_ubatch=64,
                           n_threads=2, flash_attn=False, verbose=False)
     try:
         ref = llm.create_completion(prompt, temperature=0, max_tokens=32)

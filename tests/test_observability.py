@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
-ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
+ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
+          "max_running": 8,
           "step_tokens": 64}
 
 

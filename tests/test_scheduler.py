@@ -231,3 +231,57 @@ def test_common_prefix() -> None:
     assert common_prefix(a, [*a[:700], -1]) == 700
     assert common_prefix([], a) == 0
     assert common_prefix([1, 2], [1, 3]) == 1
+
+
+# --- per-slot streams (kv_layout = "per_slot") -------------------------------------------
+
+
+def per_slot(**kw: int) -> SchedulerLimits:
+    base = dict(kv_cells=8 * 256, slots=8, max_running=4, step_tokens=64, per_slot_cells=256)
+    base.update(kw)
+    return SchedulerLimits(**base)  # type: ignore[arg-type]
+
+
+def test_per_slot_requests_must_fit_their_own_stream() -> None:
+    s = Scheduler(per_slot())
+    with pytest.raises(ValueError):
+        s.submit(req(1, n=200, max_tokens=100), 0.0)
+    s.submit(req(2, n=200, max_tokens=56), 0.0)  # exactly 256
+
+
+def test_per_slot_prefix_is_copied_as_a_whole_stream_then_trimmed() -> None:
+    s = Scheduler(per_slot())
+    shared = list(range(40))
+    s.submit(SeqRequest(1, [*shared, 900], 50), 0.0)
+    run_step(s, 0.0)
+    s.submit(SeqRequest(2, [*shared, 950], 50), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    assert SeqCp(src=0, dst=1, n=40, whole=True) in plan.ops
+    chunk = next(c for c in plan.chunks if c.rid == 2)
+    assert chunk.pos == 40 and chunk.tokens == [950]
+    # a copy is new cells in the destination's stream
+    s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, 1.0)
+    assert s.ledger.used == 42 + 41
+
+
+def test_per_slot_short_prefixes_are_recomputed_not_copied() -> None:
+    s = Scheduler(per_slot(min_copy_tokens=16))
+    s.submit(SeqRequest(1, [*range(10), 900], 50), 0.0)
+    run_step(s, 0.0)
+    s.submit(SeqRequest(2, [*range(10), 950], 50), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqCp)]
+    chunk = next(c for c in plan.chunks if c.rid == 2)
+    assert chunk.pos == 0 and len(chunk.tokens) == 11
+
+
+def test_per_slot_idle_slot_is_reused_in_place() -> None:
+    s = Scheduler(per_slot())
+    shared = list(range(60))
+    s.submit(SeqRequest(1, [*shared, 900, 901], 2), 0.0)
+    while s.is_running(1) or s.n_queued:
+        run_step(s, 0.0)
+    s.submit(SeqRequest(2, [*shared, 950], 2), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None and plan.ops == [SeqRm(0, 60)]

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
-ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 8,
+ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
+          "max_running": 8,
           "step_tokens": 64}
 
 

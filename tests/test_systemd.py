@@ -25,7 +25,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
-ENGINE = {"kv_cells": 4096, "max_context": 2048, "slots": 16, "max_running": 16,
+ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
+          "max_running": 16,
           "step_tokens": 64, "restart_backoff": 0.1}
 
 

@@ -241,6 +241,12 @@ class Context(_Closing):
     def seq_cp(self, src: int, dst: int, n: int) -> None:
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
 
+    def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
+        """Per-slot streams: copy all of ``src``'s stream (llama.cpp asserts that a
+        cross-stream copy is whole), then drop what ``dst`` does not share."""
+        ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self.seq_rm(dst, n)
+
     def clear(self) -> None:
         ll.llama_memory_clear(self._mem, True)
 

@@ -49,6 +49,7 @@ class Init(_Frame, tag="init"):
     max_queued: int
     max_queued_tokens: int
     heartbeat_interval: float
+    per_slot_cells: int = 0
     test_hooks: bool = False
 
 

@@ -224,6 +224,7 @@ class EnginePool:
             flash_attn=e.flash_attn, kv_headroom=e.kv_headroom,
             decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
             max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
+            per_slot_cells=e.kv_cells // e.slots if e.kv_layout == "per_slot" else 0,
             test_hooks=self.test_hooks,
         )
         await stream.send_all(fr.encode(init))

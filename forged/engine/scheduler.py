@@ -54,6 +54,15 @@ class SchedulerLimits:
     decode_reservation: int = 1 << 30
     max_queued: int = 256
     max_queued_tokens: int = 1 << 20
+    # 0: one unified KV cache (prefixes shared in place). N > 0: every slot owns a
+    # stream of N cells (llama.cpp's kv_unified=false); a prefix is reused by copying
+    # the source slot's whole stream, which beats recomputing it past a few tokens.
+    per_slot_cells: int = 0
+    min_copy_tokens: int = 16
+
+    @property
+    def per_slot(self) -> bool:
+        return self.per_slot_cells > 0
 
 
 @dataclass
@@ -113,11 +122,14 @@ class SeqRm:
 
 @dataclass(frozen=True)
 class SeqCp:
-    """``llama_memory_seq_cp(src, dst, 0, n)``."""
+    """``llama_memory_seq_cp(src, dst, 0, n)``; with ``whole``, a per-slot copy: the
+    entire stream of ``src`` (llama.cpp copies streams only whole), then
+    ``seq_rm(dst, n, -1)``."""
 
     src: int
     dst: int
     n: int
+    whole: bool = False
 
 
 MemOp = SeqRm | SeqCp
@@ -208,7 +220,8 @@ class Scheduler:
             self.n_queued and self._queued_tokens + len(req.prompt) > lim.max_queued_tokens
         ):
             raise QueueFull
-        if not req.prompt or len(req.prompt) + req.max_tokens > lim.kv_cells - lim.kv_headroom:
+        room = lim.per_slot_cells if lim.per_slot else lim.kv_cells - lim.kv_headroom
+        if not req.prompt or len(req.prompt) + req.max_tokens > room:
             raise ValueError("request can never fit in the KV cache")
         self._queues[req.priority].append((req, now))
         self._queued_tokens += len(req.prompt)
@@ -246,7 +259,8 @@ class Scheduler:
 
     def set_limits(self, limits: SchedulerLimits) -> None:
         """Apply reloadable limits; the KV and slot geometry cannot change live."""
-        if (limits.kv_cells, limits.slots) != (self.limits.kv_cells, self.limits.slots):
+        geometry = (limits.kv_cells, limits.slots, limits.per_slot_cells)
+        if geometry != (self.limits.kv_cells, self.limits.slots, self.limits.per_slot_cells):
             raise ValueError("kv_cells and slots need a restart")
         self.limits = limits
 
@@ -284,6 +298,8 @@ class Scheduler:
 
     def _overflows(self, chunks: list[Chunk]) -> bool:
         lim = self.limits
+        if lim.per_slot:
+            return False  # every sequence fits its own stream, checked at submit
         growth = sum(len(c.tokens) for c in chunks)
         return self.ledger.used + growth > lim.kv_cells - lim.kv_headroom
 
@@ -353,6 +369,8 @@ class Scheduler:
         dst = src if src is not None and self._slots[src].rid is None else self._free_slot(src)
         if dst is None:
             return False
+        if dst != src and self.limits.per_slot and n < self.limits.min_copy_tokens:
+            src, n = None, 0  # copying a whole stream costs more than a short prefill
         if not self._make_room(req, n, src, dst):
             return False
         self.cache_queries += 1
@@ -366,8 +384,12 @@ class Scheduler:
             self._evict(slot)
             if n:
                 assert src is not None
-                self._ops.append(SeqCp(src, dst, n))
-                self.ledger.share(src, dst, n)
+                if self.limits.per_slot:
+                    self._ops.append(SeqCp(src, dst, n, whole=True))
+                    self.ledger.extend(dst, n)  # a copy: new cells in dst's own stream
+                else:
+                    self._ops.append(SeqCp(src, dst, n))
+                    self.ledger.share(src, dst, n)
                 slot.tokens = self._slots[src].tokens[:n]
         slot.rid, slot.last_used = req.rid, now
         self._running[req.rid] = _Running(req, dst, now, next_prompt=n, cached=n)
@@ -402,6 +424,8 @@ class Scheduler:
 
     def _make_room(self, req: SeqRequest, n: int, src: int | None, dst: int) -> bool:
         """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet."""
+        if self.limits.per_slot:
+            return True  # the slot's own stream holds the request, checked at submit
         need = len(req.prompt) - n + min(req.max_tokens, self.limits.decode_reservation)
         victims = sorted(
             (s for s in self._slots if s.rid is None and s.sid not in (src, dst) and s.tokens),

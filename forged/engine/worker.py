@@ -66,6 +66,7 @@ class Worker:
         self.ctx = Context(self.model, ContextParams(
             n_ctx=init.kv_cells, n_seq_max=init.slots, n_batch=init.step_tokens,
             threads=init.threads, flash_attn=init.flash_attn,
+            kv_unified=init.per_slot_cells == 0,
         ))
         self.sched = Scheduler(self._limits(init.max_queued, init.max_queued_tokens,
                                             init.decode_reservation))
@@ -86,7 +87,7 @@ class Worker:
             kv_cells=i.kv_cells, slots=i.slots, max_running=i.max_running,
             step_tokens=i.step_tokens, kv_headroom=i.kv_headroom,
             decode_reservation=reservation, max_queued=max_queued,
-            max_queued_tokens=max_queued_tokens,
+            max_queued_tokens=max_queued_tokens, per_slot_cells=i.per_slot_cells,
         )
 
     # --- input ------------------------------------------------------------------------
@@ -167,6 +168,8 @@ class Worker:
             match op:
                 case SeqRm(seq=seq, p0=p0):
                     self.ctx.seq_rm(seq, p0)
+                case SeqCp(src=src, dst=dst, n=n, whole=True):
+                    self.ctx.seq_cp_stream(src, dst, n)
                 case SeqCp(src=src, dst=dst, n=n):
                     self.ctx.seq_cp(src, dst, n)
         if not plan.chunks:

@@ -66,4 +66,5 @@ class AppState:
     @property
     def max_context(self) -> int:
         e = self.cfg.engine
-        return e.max_context or min(e.kv_cells, self.prompter.n_ctx_train)
+        room = e.kv_cells // e.slots if e.kv_layout == "per_slot" else e.kv_cells
+        return e.max_context or min(room, self.prompter.n_ctx_train)
