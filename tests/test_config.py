@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from forged import config as fc
+from tests.conftest import ROOT
+
+SHIPPED = ROOT / "etc" / "forged" / "forged.toml"
+
+
+def test_shipped_config_spells_out_every_default_with_a_comment() -> None:
+    raw = msgspec.toml.decode(SHIPPED.read_bytes())
+    assert raw == msgspec.to_builtins(fc.Config())  # every key, every default
+    lines = SHIPPED.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith("#"):
+            assert lines[i - 1].startswith("#"), f"no comment above {line!r}"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[engine]\nslotz = 1\n", "engine.slotz: unknown key"),
+    ("[bogus]\n", "bogus: unknown key"),
+    ("[engine]\nslots = 'x'\n", "engine.slots: Expected `int`, got `str`"),
+    ("[engine]\nslots = 0\n", "engine.slots: Expected `int` >= 1"),
+    ("[engine]\nslots = 32\nstep_tokens = 16\nmax_running = 8\n", "must be at least engine.slots"),
+    ("[engine]\nmax_context = 4096\n", "must not exceed kv_cells / slots (2048)"),
+    ("[server]\nlisten = 'nowhere'\n", "server.listen: expected HOST:PORT"),
+    ("not toml at all [", "Expected '=' after a key"),
+])
+def test_bad_configs_name_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "forged.toml"
+    p.write_text(text)
+    with pytest.raises(fc.ConfigError) as err:
+        fc.load(p)
+    assert str(err.value).startswith(f"{p}: ")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    cfg = fc.with_overrides(fc.Config(), listen="127.0.0.1:9999", model="/m.gguf")
+    assert cfg.server.listen == "127.0.0.1:9999" and cfg.model.path == "/m.gguf"
+    with pytest.raises(fc.ConfigError):
+        fc.with_overrides(fc.Config(), listen="nope")
+
+
+def test_changed_keys_and_restart_keys() -> None:
+    a = fc.Config()
+    b = msgspec.structs.replace(a, limits=msgspec.structs.replace(a.limits, max_queued=3),
+                                engine=msgspec.structs.replace(a.engine, slots=8))
+    assert fc.changed_keys(a, b) == ["engine.slots", "limits.max_queued"]
+    assert "engine.slots" in fc.RESTART_KEYS and "limits.max_queued" not in fc.RESTART_KEYS
