@@ -86,6 +86,9 @@ class LimitsConfig(_Section, frozen=True):
     max_queued: Annotated[int, msgspec.Meta(ge=0)] = 256
     max_queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
     queue_timeout: Seconds = 60.0
+    # Seconds a queued request may be overtaken by shorter prompts (shortest first);
+    # after that it is admitted before them.
+    overtake_window: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
     # max_tokens when the caller does not set one (clipped to the context).
     default_max_tokens: Positive = 1024
     max_stop: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8

@@ -97,7 +97,8 @@ def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonP
     assert req[(("endpoint", "/v1/completions"), ("priority", "none"), ("status", "400"))] == 1
     assert total(m, "forged_generation_tokens_total") >= 15
     assert m["forged_time_to_first_token_seconds_count"][()] >= 3
-    assert m["forged_inter_token_latency_seconds_count"][()] >= 12
+    # (the tiny model's text often holds back partial UTF-8, so fewer pieces than tokens)
+    assert m["forged_inter_token_latency_seconds_count"][()] >= 6
     deadline = __import__("time").monotonic() + 10
     while True:
         m = scrape(daemon)

@@ -285,3 +285,33 @@ def test_per_slot_idle_slot_is_reused_in_place() -> None:
     s.submit(SeqRequest(2, [*shared, 950], 2), 1.0)
     plan = s.plan(1.0)
     assert plan is not None and plan.ops == [SeqRm(0, 60)]
+
+
+def test_queued_short_prompts_are_admitted_first_until_the_window_ends() -> None:
+    s = Scheduler(limits(max_running=1))
+    s.submit(req(1, n=5, max_tokens=1), 0.0)
+    s.plan(0.0)  # request 1 holds the only running place
+    s.submit(req(2, n=700, start=100), 0.1)
+    s.submit(req(3, n=30, start=2000), 0.2)
+    s.submit(req(4, n=10, start=3000), 0.3)
+    s.finish(1)
+    s.plan(1.0)
+    assert s.is_running(4)  # shortest first
+    s.finish(4)
+    s.plan(11.0)  # request 2 has now waited past the window: it goes before 3
+    assert s.is_running(2)
+
+
+def test_per_slot_steps_carry_one_prompt_chunk() -> None:
+    s = Scheduler(per_slot(step_tokens=64))
+    s.submit(req(1, n=5, max_tokens=50), 0.0)
+    s.submit(req(2, n=9, max_tokens=50, start=100), 0.0)
+    s.submit(req(3, n=40, max_tokens=50, start=200), 0.0)
+    plan = s.plan(0.0)
+    assert plan is not None
+    assert [c.rid for c in plan.chunks] == [1]  # shortest first, alone
+    s.commit(plan, {1: 7}, 0.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    prompt_chunks = [c for c in plan.chunks if len(c.tokens) > 1 or c.rid != 1]
+    assert [c.rid for c in prompt_chunks] == [2]

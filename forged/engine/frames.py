@@ -50,6 +50,7 @@ class Init(_Frame, tag="init"):
     max_queued_tokens: int
     heartbeat_interval: float
     per_slot_cells: int = 0
+    overtake_window: float = 10.0
     test_hooks: bool = False
 
 
@@ -73,6 +74,7 @@ class SetLimits(_Frame, tag="limits"):
     max_queued: int
     max_queued_tokens: int
     decode_reservation: int
+    overtake_window: float
 
 
 class Shutdown(_Frame, tag="shutdown"):

@@ -204,19 +204,20 @@ class EnginePool:
                 child.close()
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
             try:
-                await self._handshake(w, stream, proc.pid)
+                buf = await self._handshake(w, stream, proc.pid)
                 w.ready, w.down_since = True, None
                 task_status.started()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._writer, w, stream)
-                    await self._reader(w, stream)
+                    await self._reader(w, stream, buf)
                     nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     await self._stop_process(proc, stream, polite=not w.wedged)
                 w.wedged = False
 
-    async def _handshake(self, w: _Worker, stream: trio.SocketStream, pid: int) -> None:
+    async def _handshake(self, w: _Worker, stream: trio.SocketStream, pid: int
+                         ) -> fr.FrameBuffer:
         e, lim = self.cfg.engine, self.cfg.limits
         init = fr.Init(
             model_path=self.cfg.model.path, kv_cells=e.kv_cells, slots=e.slots,
@@ -225,31 +226,37 @@ class EnginePool:
             decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
             max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
             per_slot_cells=e.kv_cells // e.slots if e.kv_layout == "per_slot" else 0,
+            overtake_window=lim.overtake_window,
             test_hooks=self.test_hooks,
         )
         await stream.send_all(fr.encode(init))
         buf = fr.FrameBuffer()
+        frames: list[fr.FromWorker] = []
+        # Ready, then a first Step with statistics: only then is the worker "ready", so
+        # /health, /stats and /metrics never show a worker without numbers.
         with trio.fail_after(e.startup_timeout):
-            while True:
+            while len(frames) < 2:
                 data = await stream.receive_some(1 << 16)
                 if not data:
                     raise ValueError("the worker exited while loading the model")
-                bodies = buf.feed(data)
-                if bodies:
-                    frame = fr.from_worker_decoder.decode(bodies[0])
-                    if not isinstance(frame, fr.Ready):
-                        raise ValueError("the worker's first frame was not ready")
-                    w.pid, w.last_heard = frame.pid, time.monotonic()
-                    log.info("worker %d ready (pid %d)", w.index, frame.pid)
-                    return
+                frames += [fr.from_worker_decoder.decode(b) for b in buf.feed(data)]
+        ready, first = frames[0], frames[1]
+        if not isinstance(ready, fr.Ready) or not isinstance(first, fr.Step):
+            raise ValueError("the worker did not start with ready and statistics")
+        w.pid, w.last_heard = ready.pid, time.monotonic()
+        for step in frames[1:]:
+            if isinstance(step, fr.Step):
+                self._dispatch(w, step)
+        log.info("worker %d ready (pid %d)", w.index, ready.pid)
+        return buf  # it may hold the start of the next frame: the reader goes on with it
 
     async def _writer(self, w: _Worker, stream: trio.SocketStream) -> None:
         while True:
             frames = await w.outbox.take()
             await stream.send_all(b"".join(fr.encode(f) for f in frames))
 
-    async def _reader(self, w: _Worker, stream: trio.SocketStream) -> None:
-        buf = fr.FrameBuffer()
+    async def _reader(self, w: _Worker, stream: trio.SocketStream, buf: fr.FrameBuffer
+                      ) -> None:
         while True:
             with trio.move_on_after(self.cfg.engine.heartbeat_timeout) as silent:
                 data = await stream.receive_some(1 << 20)
@@ -326,7 +333,8 @@ class EnginePool:
         self.cfg = cfg
         frame = fr.SetLimits(max_queued=cfg.limits.max_queued,
                              max_queued_tokens=cfg.limits.max_queued_tokens,
-                             decode_reservation=cfg.engine.decode_reservation)
+                             decode_reservation=cfg.engine.decode_reservation,
+                             overtake_window=cfg.limits.overtake_window)
         for w in self.workers:
             if w.ready:
                 w.outbox.put(frame)

@@ -59,6 +59,9 @@ class SchedulerLimits:
     # the source slot's whole stream, which beats recomputing it past a few tokens.
     per_slot_cells: int = 0
     min_copy_tokens: int = 16
+    # A queued request may be overtaken by shorter prompts of its class for this long;
+    # after that it goes first (shortest-first admission, with aging against starvation).
+    overtake_window: float = 10.0
 
     @property
     def per_slot(self) -> bool:
@@ -286,7 +289,12 @@ class Scheduler:
     def _layout(self) -> list[Chunk]:
         chunks = self._decode_chunks()
         budget = self.limits.step_tokens - len(chunks)
-        for run in sorted(self._prefilling(), key=self._prefill_order):
+        # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
+        # the same number of tokens from every sequence, so two prompt chunks of
+        # different lengths would cost a micro-batch (a full pass over the weights) per
+        # token of the shorter. One prompt chunk per step keeps it to two.
+        prefill_seqs = 1 if self.limits.per_slot else len(self._running)
+        for run in sorted(self._prefilling(), key=self._prefill_order)[:prefill_seqs]:
             if budget <= 0:
                 break
             take = min(budget, len(run.req.prompt) - run.next_prompt)
@@ -356,13 +364,23 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         for q in self._queues:
             while q and len(self._running) < self.limits.max_running:
-                req, queued_at = q[0]
+                item = self._next_in(q, now)
+                req, queued_at = item
                 if not self._try_admit(req, now):
-                    return  # strict order: a big request is not overtaken in its class
-                q.popleft()
+                    return  # it waits for room; nothing behind it may pass meanwhile
+                q.remove(item)
                 self._queued_tokens -= len(req.prompt)
                 self._events.append(Admitted(req.rid, self._running[req.rid].cached,
                                              now - queued_at))
+
+    def _next_in(self, q: deque[tuple[SeqRequest, float]], now: float
+                 ) -> tuple[SeqRequest, float]:
+        """Shortest prompt first, so a one-line question does not wait for a slot behind
+        700-token files; but a request that has waited ``overtake_window`` goes first."""
+        head = q[0]
+        if now - head[1] >= self.limits.overtake_window:
+            return head
+        return min(q, key=lambda item: (len(item[0].prompt), item[1]))
 
     def _try_admit(self, req: SeqRequest, now: float) -> bool:
         src, n = self._best_prefix(req.prompt)

@@ -69,7 +69,7 @@ class Worker:
             kv_unified=init.per_slot_cells == 0,
         ))
         self.sched = Scheduler(self._limits(init.max_queued, init.max_queued_tokens,
-                                            init.decode_reservation))
+                                            init.decode_reservation, init.overtake_window))
         self.reqs: dict[int, _Req] = {}
         self.events: list[fr.Event] = []
         self.inbuf = fr.FrameBuffer()
@@ -81,13 +81,15 @@ class Worker:
         self._steps = 0
         self._tokens_out = 0
 
-    def _limits(self, max_queued: int, max_queued_tokens: int, reservation: int) -> SchedulerLimits:
+    def _limits(self, max_queued: int, max_queued_tokens: int, reservation: int,
+                overtake_window: float) -> SchedulerLimits:
         i = self.init
         return SchedulerLimits(
             kv_cells=i.kv_cells, slots=i.slots, max_running=i.max_running,
             step_tokens=i.step_tokens, kv_headroom=i.kv_headroom,
             decode_reservation=reservation, max_queued=max_queued,
             max_queued_tokens=max_queued_tokens, per_slot_cells=i.per_slot_cells,
+            overtake_window=overtake_window,
         )
 
     # --- input ------------------------------------------------------------------------
@@ -111,7 +113,8 @@ class Worker:
                 self._drop(rid)
             case fr.SetLimits():
                 self.sched.set_limits(self._limits(
-                    frame.max_queued, frame.max_queued_tokens, frame.decode_reservation))
+                    frame.max_queued, frame.max_queued_tokens, frame.decode_reservation,
+                    frame.overtake_window))
             case fr.Shutdown():
                 self.running = False
             case fr.Hang(seconds=s) if self.init.test_hooks:
@@ -313,6 +316,7 @@ def main(argv: list[str]) -> int:
         return 1
     sock.sendall(fr.encode(fr.Ready(pid=os.getpid(), n_ctx_train=worker.model.n_ctx_train,
                                     kv_cells=init.kv_cells)))
+    worker.flush(time.monotonic(), force=True)  # statistics before the first request
     try:
         worker.run()
     except (BrokenPipeError, ConnectionResetError):

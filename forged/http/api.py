@@ -53,9 +53,7 @@ def create_app(state: AppState) -> QuartTrio:
         if state.keys.enabled and request.path.startswith("/v1/"):
             key = state.keys.lookup(request.headers.get("Authorization"))
             if key is None:
-                # Drain the (size- and time-bounded) body first, so the client's
-                # keep-alive connection stays usable for its next, authorised request.
-                await request.get_data(cache=False)
+                await _drain_body()  # keep the client's keep-alive connection usable
                 raise e.Unauthorized("Incorrect or missing API key: send "
                                      "'Authorization: Bearer <key>'.")
             g.key = key
@@ -63,6 +61,8 @@ def create_app(state: AppState) -> QuartTrio:
     @app.after_request
     async def _account(resp: Response) -> Response:
         resp.headers["X-Request-Id"] = g.get("request_id", "")
+        if "Connection" not in resp.headers and not await _drain_body():
+            resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
         priority = g.get("priority", "none")
         state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
@@ -124,6 +124,17 @@ def create_app(state: AppState) -> QuartTrio:
                           sse.ChatFormat)
 
     return app
+
+
+async def _drain_body() -> bool:
+    """Read and drop an unread request body (bounded by the body size and time limits),
+    so that a keep-alive connection stays usable after an early error: hypercorn
+    neither reuses nor closes a connection whose last request body was left unread."""
+    try:
+        await request.get_data(cache=False)
+    except HTTPException:
+        return False
+    return True
 
 
 async def _read_body(state: AppState) -> bytes:
