@@ -66,32 +66,36 @@ class LlamaServer:
 
 
 def rss_kb(pid: int) -> int:
-    """Resident memory of a process and its children (the worker), in KiB."""
-    total = 0
-    pids = [pid]
+    """Resident memory of one process, in KiB."""
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(c) for c in children]
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
     except OSError:
         pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+    return 0
+
+
+def worker_pid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    except (OSError, IndexError):
+        return 0
 
 
 class RssSampler:
+    """The daemon's RSS (the front door: connections, queues) and, separately, its
+    worker's (llama.cpp: the model and a KV cache allocated once, touched as used)."""
+
     def __init__(self, pid: int) -> None:
         self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self.worker_samples: list[int] = []
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             self.samples.append(rss_kb(self.pid))
+            self.worker_samples.append(rss_kb(worker_pid(self.pid)))
 
     def __enter__(self) -> RssSampler:
         self._t.start()
@@ -117,6 +121,12 @@ async def compare(a: str, b: str, mix: str, c: int, quick: bool) -> dict[str, An
             "ratio": ratios(sa, sb)}
 
 
+async def compare_warmup(url: str) -> None:
+    prompts = make_prompts("mixed", 32, MAX_TOKENS, seed=99)
+    await run_load(url, prompts, concurrency=16, rate=None, duration=180, model=None,
+                   label="warm-up")
+
+
 async def overload(url: str, pid: int, capacity: float, seconds: float) -> dict[str, Any]:
     out: dict[str, Any] = {"capacity_req_per_s": capacity}
     for factor in (1, 4):
@@ -127,7 +137,9 @@ async def overload(url: str, pid: int, capacity: float, seconds: float) -> dict[
                                      duration=seconds + 30, model=None,
                                      label=f"overload {factor}x")
         out[f"{factor}x"] = {"summary": summary, "rss_kb_max": max(rss.samples, default=0),
-                             "rss_kb_median": statistics.median(rss.samples or [0])}
+                             "rss_kb_median": statistics.median(rss.samples or [0]),
+                             "worker_rss_kb_max": max(rss.worker_samples, default=0),
+                             "rejection_p99_s": summary.get("reject_p99")}
     return out
 
 
@@ -137,14 +149,20 @@ async def rejection_latency(url: str, n: int = 400) -> dict[str, Any]:
 
     lat: list[float] = []
     statuses: dict[int, int] = {}
-    async with httpx.AsyncClient(timeout=60) as client:
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=90, limits=limits) as client:
         body = {"prompt": "x " * 600, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
         async def one() -> None:
             t0 = time.monotonic()
-            r = await client.post(url + "/v1/completions", json=body)
+            try:
+                r = await client.post(url + "/v1/completions", json=body)
+            except httpx.HTTPError:
+                statuses[598] = statuses.get(598, 0) + 1
+                return
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-            if r.status_code in (429, 503):
+            # Door rejections (queue full), not requests that timed out in the queue.
+            if r.status_code in (429, 503) and r.json()["error"]["code"] == "overloaded":
                 assert "retry-after" in r.headers
                 lat.append(time.monotonic() - t0)
 
@@ -155,7 +173,8 @@ async def rejection_latency(url: str, n: int = 400) -> dict[str, Any]:
                     await trio.sleep(0.002)
     lat.sort()
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
-    return {"statuses": statuses, "rejections": len(lat), "rejection_p99_s": p99}
+    return {"statuses": statuses, "rejections": len(lat), "rejection_p99_s": p99,
+            "rejection_p50_s": lat[len(lat) // 2] if lat else None}
 
 
 def main() -> None:
@@ -163,7 +182,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests and levels")
     ap.add_argument("--layout", choices=["per_slot", "unified"], default="per_slot",
                     help="forged's engine.kv_layout (default: the shipped one)")
+    ap.add_argument("--rejections", action="store_true",
+                    help="only measure how fast a full queue answers 503")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the comparison runs of bench/results/partial.json and run "
+                         "only the overload part")
     args = ap.parse_args()
+    if args.rejections:
+        trio.run(_rejections_only)
+        return
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -177,17 +204,23 @@ def main() -> None:
         engine.update(slots=16, max_running=16, max_context=CONTEXT // 16)
     else:
         engine.update(slots=64, max_running=32, max_context=8192)
-    forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine), port)
+    limits = {"max_queued": 32, "queue_timeout": 20.0} if args.resume else {}
+    forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine,
+                                        limits=limits), port)
     best = LlamaServer(binary, ["-np", "16", "-b", "256", "-ub", "256"], tmp / "best.log")
     default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
     result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
                               "layout": args.layout,
                               "context": CONTEXT, "max_tokens": MAX_TOKENS, "runs": []}
+    if args.resume:
+        result = json.loads((RESULTS / "partial.json").read_text())
+        # The overload part: a short queue, so that 4x capacity meets it within a minute.
+        result["overload_limits"] = {"max_queued": 32, "queue_timeout": 20.0}
     try:
         forged.wait_ready()
         best.wait_ready()
         default.wait_ready()
-        for mix in ("mixed", "shared-prefix"):
+        for mix in () if args.resume else ("mixed", "shared-prefix"):
             for c in levels:
                 run = trio.run(compare, forged.url, best.url, mix, c, args.quick)
                 run["against"] = "llama-server -np 16 -b 256 -ub 256"
@@ -197,10 +230,15 @@ def main() -> None:
             run = trio.run(compare, forged.url, default.url, mix, 32, args.quick)
             run["against"] = "llama-server -np 16"
             result["runs"].append(run)
+            (RESULTS / "partial.json").write_text(json.dumps(result, indent=2))
         capacity = next(r["forged"]["req_per_s"] for r in result["runs"]
                         if r["mix"] == "mixed" and r["concurrency"] == 32)
+        # Warm up: every slot used once, so the worker's KV pages are all touched
+        # before the 1x baseline (llama.cpp allocates the cache once, pages fill as used).
+        trio.run(compare_warmup, forged.url)
         result["overload"] = trio.run(overload, forged.url, forged.proc.pid, capacity,
                                       20.0 if args.quick else 60.0)
+        (RESULTS / "partial.json").write_text(json.dumps(result, indent=2))
         result["rejections"] = trio.run(rejection_latency, forged.url)
     finally:
         forged.stop()
@@ -209,6 +247,22 @@ def main() -> None:
     (RESULTS / f"latest-{args.layout}.json").write_text(json.dumps(result, indent=2))
     (RESULTS / f"benchmarks-{args.layout}.md").write_text(tables(result))
     print(tables(result))
+
+
+async def _rejections_only() -> None:
+    tmp = Path(tempfile.mkdtemp())
+    port = free_port()
+    engine = {"threads": THREADS, "kv_cells": CONTEXT}
+    d = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine,
+                                   limits={"max_queued": 32, "queue_timeout": 20.0}), port)
+    try:
+        d.wait_ready()
+        out = await rejection_latency(d.url)
+    finally:
+        d.stop()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "rejections.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
 
 
 def _r(v: float | None) -> str:

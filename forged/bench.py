@@ -78,6 +78,7 @@ def make_prompts(mix: str, n: int, max_tokens: int, seed: int = 0) -> list[Promp
 class Sample:
     kind: str
     status: int
+    retry_after: bool = False
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float = 0.0
@@ -96,7 +97,9 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
         async with client.stream("POST", base + path, json=body) as r:
             s.status = r.status_code
             if r.status_code != 200:
+                s.retry_after = "retry-after" in r.headers
                 await r.aread()
+                s.e2e = time.monotonic() - t0
                 return s
             chunks = 0
             async for line in r.aiter_lines():
@@ -155,6 +158,9 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = _pct(vals, q)
     out["decode_tok_per_s"] = (1 / out["itl_p50"]) if out["itl_p50"] else None
+    rejected = [s for s in samples if s.status in (429, 503)]
+    out["reject_p99"] = _pct([s.e2e for s in rejected], 99)
+    out["rejections_with_retry_after"] = sum(s.retry_after for s in rejected)
     return out
 
 
