@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from forged.bench import make_prompts, ratios, run_load
-from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.daemonproc import DaemonProcess, free_port, health_ok, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,16 +47,11 @@ class LlamaServer:
             stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
-        import urllib.request
-
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
+            if health_ok(self.url, timeout=2):
+                return
+            time.sleep(0.3)
         raise TimeoutError("llama-server did not start")
 
     def stop(self) -> None:

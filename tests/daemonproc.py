@@ -37,6 +37,15 @@ def write_config(path: Path, model: Path, port: int, **sections: dict[str, Any])
     return path
 
 
+def health_ok(url: str, timeout: float = 1.0) -> bool:
+    """Whether ``url``/health answers 200 now."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 class DaemonProcess:
     def __init__(self, config: Path, port: int, env: dict[str, str] | None = None,
                  extra: list[str] | None = None) -> None:
@@ -55,12 +64,9 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"forged exited {self.proc.returncode}: {self.log.read_text()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
+            if health_ok(self.url):
+                return
+            time.sleep(0.1)
         raise TimeoutError(f"forged not ready: {self.log.read_text()}")
 
     def stop(self, timeout: float = 30.0) -> int:
