@@ -60,9 +60,7 @@ def _hyper_config(state: AppState, bind: str) -> HyperConfig:
 
 
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
-    stats = state.pool.statistics()
-    t = stats["totals"]
-    assert isinstance(t, dict)
+    t = state.pool.totals()
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
     return (f"{len(state.streams)} streams, {int(t.get('running', 0))} running, "
             f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
@@ -186,9 +184,8 @@ class Daemon:
         last_tokens, last_t = 0.0, time.monotonic()
         while True:
             await trio.sleep(self.cfg.server.status_interval)
-            totals = state.pool.statistics()["totals"]
-            assert isinstance(totals, dict)
-            tokens, now = float(totals.get("tokens_generated", 0.0)), time.monotonic()
+            totals = state.pool.totals()
+            tokens, now = totals.get("tokens_generated", 0.0), time.monotonic()
             rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t = tokens, now
             self.notifier.status(_status_line(state, rate))

@@ -108,7 +108,6 @@ class Admitted(msgspec.Struct, tag="admitted", tag_field="e", forbid_unknown_fie
 class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=True):
     rid: int
     text: str
-    n_tokens: int
 
 
 FinishReason = Literal["stop", "length"]

@@ -64,6 +64,14 @@ class KVLedger:
             freed += max(0, b.refs[seq] - others)
         return freed
 
+    def cells_seen_by(self, seqs: set[int]) -> int:
+        """Live cells that at least one of ``seqs`` sees (shared cells counted once)."""
+        seen: dict[int, int] = {}
+        for seq in seqs:
+            for b in self._blocks.get(seq, ()):
+                seen[id(b)] = max(seen.get(id(b), 0), b.refs[seq])
+        return sum(seen.values())
+
     def extend(self, seq: int, n: int) -> None:
         """``seq`` wrote ``n`` new cells at its next positions (prefill or decode)."""
         if n <= 0:

@@ -140,7 +140,6 @@ class _Worker:
         self.stats: dict[str, float] = {}
         self.last_heard = 0.0
         self.wedged = False
-        self.down_since: float | None = time.monotonic()
 
     @property
     def queued(self) -> int:
@@ -186,7 +185,7 @@ class EnginePool:
                     raise RuntimeError(f"worker {w.index} failed to start: {fault}") from exc
                 why = f"the worker failed: {fault}"
             first = False
-            w.ready, w.pid, w.down_since = False, None, time.monotonic()
+            w.ready, w.pid = False, None
             w.lose_all(why)
             w.restarts += 1
             log.warning("worker %d lost (%s); restarting", w.index, why)
@@ -205,7 +204,7 @@ class EnginePool:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
             try:
                 buf = await self._handshake(w, stream, proc.pid)
-                w.ready, w.down_since = True, None
+                w.ready = True
                 task_status.started()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._writer, w, stream)

@@ -511,9 +511,6 @@ class Scheduler:
     def n_running(self) -> int:
         return len(self._running)
 
-    def generated(self, rid: int) -> int:
-        return self._running[rid].generated
-
     def is_running(self, rid: int) -> bool:
         return rid in self._running
 
@@ -539,10 +536,4 @@ class Scheduler:
 
     def _active_cells(self) -> int:
         """Cells that some running sequence sees (the rest is evictable cache)."""
-        running = {r.slot for r in self._running.values()}
-        seen: dict[int, int] = {}
-        blocks = self.ledger._blocks  # read-only peek; the ledger owns this structure
-        for sid in running:
-            for b in blocks.get(sid, ()):
-                seen[id(b)] = max(seen.get(id(b), 0), b.refs[sid])
-        return sum(seen.values())
+        return self.ledger.cells_seen_by({r.slot for r in self._running.values()})

@@ -237,7 +237,7 @@ class Worker:
         elif req.generated >= req.sub.max_tokens:
             self._finish(rid, "length", text + req.text.flush())
         elif text:
-            self.events.append(fr.Delta(rid=rid, text=text, n_tokens=1))
+            self.events.append(fr.Delta(rid=rid, text=text))
 
     def _finish(self, rid: int, reason: fr.FinishReason, text: str) -> None:
         req = self.reqs[rid]
