@@ -315,3 +315,118 @@ def test_per_slot_steps_carry_one_prompt_chunk() -> None:
     assert plan is not None
     prompt_chunks = [c for c in plan.chunks if len(c.tokens) > 1 or c.rid != 1]
     assert [c.rid for c in prompt_chunks] == [2]
+
+
+# --- sessions -------------------------------------------------------------------------
+
+
+def finish_all(s: Scheduler, now: float) -> None:
+    while s.n_running or s.n_queued:
+        run_step(s, now)
+
+
+def turn(history: list[int], new: list[int]) -> list[int]:
+    """The next turn's prompt: everything so far (prompt + the 2 tokens produced)."""
+    return [*history, 7, new[0], *new[1:]]
+
+
+@pytest.mark.parametrize("layout", [limits, per_slot])
+def test_session_resumes_computing_only_the_new_tokens(layout: type) -> None:
+    s = Scheduler(layout(slots=2, max_running=2))
+    first = list(range(100, 140))
+    s.submit(SeqRequest(1, first, 2, session="alice"), 0.0)
+    finish_all(s, 0.0)
+    # anonymous traffic with other prompts fills the other slot and would reuse Alice's
+    for rid in (2, 3):
+        s.submit(SeqRequest(rid, list(range(1000 * rid, 1000 * rid + 30)), 2), 1.0)
+        finish_all(s, 1.0)
+    second = turn(first, [500, 501, 502])
+    before = s.prompt_tokens_computed
+    s.submit(SeqRequest(4, second, 2, session="alice"), 2.0)
+    finish_all(s, 2.0)
+    # the prompt and the one token fed back were kept: only the 3 new tokens ran
+    assert s.prompt_tokens_computed - before == len(second) - 41
+    st = s.statistics()
+    assert st["session_resumes"] == 1 and st["sessions_pinned"] == 1
+
+
+def test_anonymous_requests_do_not_take_over_a_pinned_session_slot() -> None:
+    s = Scheduler(per_slot(slots=2, max_running=2))
+    system = list(range(100, 160))
+    s.submit(SeqRequest(1, [*system, 1, 2], 2, session="alice"), 0.0)
+    finish_all(s, 0.0)
+    # shares Alice's 60-token system prompt: it copies it instead of truncating her turn
+    s.submit(SeqRequest(2, [*system, 3], 2), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None and SeqCp(src=0, dst=1, n=60, whole=True) in plan.ops
+    finish_all(s, 1.0)
+    assert s._slots[0].session == "alice"
+    assert len(s._slots[0].tokens) == 63
+
+
+def test_sessions_go_last_and_least_recently_used_first_under_pressure() -> None:
+    s = Scheduler(per_slot(slots=3, max_running=3))
+    for rid, (name, t) in enumerate([("a", 0.0), ("b", 1.0)], start=1):
+        s.submit(SeqRequest(rid, list(range(100 * rid, 100 * rid + 20)), 2, session=name), t)
+        finish_all(s, t)
+    s.submit(SeqRequest(3, list(range(900, 920)), 2), 2.0)  # anonymous cache, newest
+    finish_all(s, 2.0)
+    # a new prompt needs a slot: the anonymous cache goes although it is the newest
+    s.submit(SeqRequest(4, list(range(5000, 5020)), 2), 3.0)
+    finish_all(s, 3.0)
+    assert {sl.session for sl in s._slots} == {"a", "b", None}
+    # two more need slots while slot of request 4 is running: then session "a" (LRU) goes
+    s.submit(SeqRequest(5, list(range(6000, 6020)), 50), 4.0)
+    s.submit(SeqRequest(6, list(range(7000, 7020)), 50), 4.0)
+    run_step(s, 4.0)
+    assert {sl.session for sl in s._slots} == {"b", None}
+
+
+def test_a_session_unpins_after_its_ttl() -> None:
+    s = Scheduler(per_slot(slots=2, max_running=2, session_ttl=60))
+    s.submit(SeqRequest(1, list(range(100, 120)), 2, session="a"), 0.0)
+    finish_all(s, 0.0)
+    s.submit(SeqRequest(2, list(range(200, 220)), 2), 10.0)
+    finish_all(s, 10.0)
+    assert s.statistics()["sessions_pinned"] == 1
+    s.plan(100.0)
+    assert s.statistics()["sessions_pinned"] == 0
+    # now the older session slot is an ordinary LRU victim
+    s.submit(SeqRequest(3, list(range(300, 320)), 2), 100.0)
+    finish_all(s, 100.0)
+    assert all(sl.session is None for sl in s._slots)
+
+
+def test_only_a_sessions_latest_turn_is_pinned() -> None:
+    s = Scheduler(per_slot(slots=3, max_running=3))
+    s.submit(SeqRequest(1, list(range(100, 120)), 50, session="a"), 0.0)
+    s.submit(SeqRequest(2, list(range(200, 220)), 2, session="a"), 0.0)
+    finish_all(s, 0.0)
+    assert [sl.session for sl in s._slots].count("a") == 1
+
+
+def test_a_step_without_decoders_takes_the_bigger_prefill_budget() -> None:
+    s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=64))
+    s.submit(req(1, n=150, max_tokens=5), 0.0)
+    plan = run_step(s, 0.0)
+    assert plan is not None and plan.n_tokens == 64  # nobody decodes: nothing to stall
+    run_step(s, 0.0)
+    run_step(s, 0.0)  # 150 = 64 + 64 + 22: decoding now
+    s.submit(req(2, n=150, max_tokens=5, start=1000), 0.0)
+    plan = run_step(s, 0.0)
+    assert plan is not None and plan.n_tokens == 16  # request 1 decodes: the ITL bound
+
+
+def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
+    s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=16, overtake_window=10))
+    s.submit(req(1, n=200, max_tokens=50), 0.0)
+    s.submit(req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
+    now, rid = 0.0, 10
+    while s.is_running(1) and s._running[1].phase.value == "prefill":
+        # a new short prompt every step, each shorter than what is left of request 1
+        s.submit(req(rid, n=5, max_tokens=1, start=2000 + 10 * rid), now)
+        run_step(s, now)
+        now, rid = now + 0.5, rid + 1
+        assert now < 60, "request 1's prefill starved"
+    # it waited at most the overtake window, then took the prompt chunk every step
+    assert now <= 10.0 + 0.5 * (200 // 15 + 2)

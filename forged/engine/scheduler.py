@@ -27,6 +27,12 @@ Slots (sequence ids) keep their KV after a request ends; those idle slots are th
 prefix cache. A new request reuses the longest cached prefix of any slot, running or
 idle, through ``seq_cp`` (unified KV makes that free), and idle slots are evicted
 least recently used when cells or slots are needed.
+
+Sessions: a request may name its conversation (``session``). When it ends, its slot is
+pinned to that session for ``session_ttl`` seconds, so the next turn finds its whole
+history cached and computes only the new tokens. Pinned slots are evicted only after
+every unpinned idle cache, least recently used first; losing one costs the next turn a
+recompute, never a wrong answer, because the prompt always carries the full history.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class SchedulerLimits:
     slots: int
     max_running: int
     step_tokens: int
+    # The budget of a step in which no sequence is decoding: nobody's stream can stall,
+    # so a lone prompt is computed in bigger, cheaper chunks. 0: step_tokens.
+    prefill_step_tokens: int = 0
     kv_headroom: int = 0
     # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
     decode_reservation: int = 1 << 30
@@ -62,6 +71,9 @@ class SchedulerLimits:
     # A queued request may be overtaken by shorter prompts of its class for this long;
     # after that it goes first (shortest-first admission, with aging against starvation).
     overtake_window: float = 10.0
+    # A finished request's KV stays pinned to its ``session`` for this long: idle
+    # caches without a live session are evicted first.
+    session_ttl: float = 600.0
 
     @property
     def per_slot(self) -> bool:
@@ -77,6 +89,8 @@ class SeqRequest:
     deadline: float = float("inf")
     # Keep the KV after the request ends, so later requests can reuse it.
     cache: bool = True
+    # A conversation's name: its KV is kept, pinned, for the next turn.
+    session: str | None = None
 
 
 class Phase(enum.Enum):
@@ -89,6 +103,7 @@ class _Running:
     req: SeqRequest
     slot: int
     admitted_at: float
+    submitted_at: float  # when its caller's request first queued: the age that counts
     next_prompt: int  # index of the first prompt token not yet in the KV cache
     cached: int  # prompt tokens reused from the prefix cache
     phase: Phase = Phase.PREFILL
@@ -110,6 +125,7 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     rid: int | None = None
     last_used: float = 0.0
+    session: str | None = None  # the session whose latest turn this KV holds
 
 
 # --- what the scheduler tells the worker ------------------------------------------
@@ -213,6 +229,8 @@ class Scheduler:
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.prompt_tokens_computed = 0
+        self.session_resumes = 0
+        self._now = 0.0
 
     # --- events in ---------------------------------------------------------------
 
@@ -223,6 +241,7 @@ class Scheduler:
             self.n_queued and self._queued_tokens + len(req.prompt) > lim.max_queued_tokens
         ):
             raise QueueFull
+        self._now = now
         room = lim.per_slot_cells if lim.per_slot else lim.kv_cells - lim.kv_headroom
         if not req.prompt or len(req.prompt) + req.max_tokens > room:
             raise ValueError("request can never fit in the KV cache")
@@ -249,6 +268,12 @@ class Scheduler:
         slot.rid = None
         if not run.req.cache:
             self._evict(slot)
+        elif run.req.session is not None:
+            # Only the latest turn is pinned; an earlier one is ordinary cache now.
+            for other in self._slots:
+                if other.session == run.req.session:
+                    other.session = None
+            slot.session = run.req.session
 
     def expire(self, now: float) -> list[int]:
         """Drop queued requests whose deadline passed; they are also reported as events."""
@@ -275,6 +300,7 @@ class Scheduler:
 
     def plan(self, now: float) -> StepPlan | None:
         """Admit what fits, then lay out one decode step. ``None`` when idle."""
+        self._now = now
         self._admit(now)
         chunks = self._layout()
         while self._overflows(chunks):
@@ -288,7 +314,9 @@ class Scheduler:
 
     def _layout(self) -> list[Chunk]:
         chunks = self._decode_chunks()
-        budget = self.limits.step_tokens - len(chunks)
+        lim = self.limits
+        budget = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
+                  ) - len(chunks)
         # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
         # the same number of tokens from every sequence, so two prompt chunks of
         # different lengths would cost a micro-batch (a full pass over the weights) per
@@ -315,8 +343,16 @@ class Scheduler:
         idle = [s for s in self._slots if s.rid is None and s.tokens]
         if not idle:
             return False
-        self._evict(min(idle, key=lambda s: s.last_used))
+        self._evict(min(idle, key=self._eviction_order))
         return True
+
+    def _pinned(self, slot: _Slot) -> bool:
+        return slot.session is not None and (
+            self._now - slot.last_used < self.limits.session_ttl)
+
+    def _eviction_order(self, slot: _Slot) -> tuple[bool, float]:
+        """Idle caches go before pinned sessions, each least recently used first."""
+        return self._pinned(slot), slot.last_used
 
     def preempt_one(self) -> bool:
         """Give back the cells of the least urgent running request (batch, newest first).
@@ -339,7 +375,7 @@ class Scheduler:
         slot.rid = None
         self._evict(slot)
         again = SeqRequest(run.req.rid, prompt, max(1, left), run.req.priority, cache=run.req.cache)
-        self._queues[run.req.priority].appendleft((again, run.admitted_at))
+        self._queues[run.req.priority].appendleft((again, run.submitted_at))
         self._queued_tokens += len(prompt)
         self._events.append(Preempted(run.req.rid))
         return True
@@ -366,7 +402,7 @@ class Scheduler:
             while q and len(self._running) < self.limits.max_running:
                 item = self._next_in(q, now)
                 req, queued_at = item
-                if not self._try_admit(req, now):
+                if not self._try_admit(req, queued_at, now):
                     return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(req.prompt)
@@ -382,9 +418,10 @@ class Scheduler:
             return head
         return min(q, key=lambda item: (len(item[0].prompt), item[1]))
 
-    def _try_admit(self, req: SeqRequest, now: float) -> bool:
-        src, n = self._best_prefix(req.prompt)
-        dst = src if src is not None and self._slots[src].rid is None else self._free_slot(src)
+    def _try_admit(self, req: SeqRequest, queued_at: float, now: float) -> bool:
+        src, n = self._best_prefix(req.prompt, req.session)
+        dst = src if src is not None and self._reusable(self._slots[src], req) else (
+            self._free_slot(src))
         if dst is None:
             return False
         if dst != src and self.limits.per_slot and n < self.limits.min_copy_tokens:
@@ -395,6 +432,9 @@ class Scheduler:
         if n:
             self.cache_hits += 1
             self.cache_tokens_saved += n
+            assert src is not None
+            if req.session is not None and self._slots[src].session == req.session:
+                self.session_resumes += 1
         slot = self._slots[dst]
         if dst == src:
             self._truncate(slot, n)
@@ -410,19 +450,27 @@ class Scheduler:
                     self.ledger.share(src, dst, n)
                 slot.tokens = self._slots[src].tokens[:n]
         slot.rid, slot.last_used = req.rid, now
-        self._running[req.rid] = _Running(req, dst, now, next_prompt=n, cached=n)
+        self._running[req.rid] = _Running(req, dst, now, queued_at, next_prompt=n, cached=n)
         return True
 
-    def _best_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
+    def _best_prefix(self, prompt: list[int], session: str | None
+                     ) -> tuple[int | None, int]:
         """The slot sharing the longest prefix with ``prompt``, leaving one token to compute."""
-        best, best_key = None, (0, False)
+        best, best_key = None, (0, False, False)
         limit = len(prompt) - 1  # the last prompt token must run to give logits
         for slot in self._slots:
-            # On equal length an idle slot wins: it is reused in place, with no copy.
-            key = (min(common_prefix(slot.tokens, prompt), limit), slot.rid is None)
+            # On equal length the caller's own session wins, then an idle slot: it is
+            # reused in place, with no copy.
+            key = (min(common_prefix(slot.tokens, prompt), limit),
+                   session is not None and slot.session == session, slot.rid is None)
             if key[0] and key > best_key:
                 best, best_key = slot.sid, key
         return best, best_key[0]
+
+    def _reusable(self, slot: _Slot, req: SeqRequest) -> bool:
+        """May ``req`` take over ``slot`` in place (truncating what it does not share)?
+        Not while it runs, nor while it holds another live session's conversation."""
+        return slot.rid is None and (not self._pinned(slot) or slot.session == req.session)
 
     def _free_slot(self, keep: int | None) -> int | None:
         """An empty slot, else the least recently used idle one (not ``keep``)."""
@@ -430,7 +478,7 @@ class Scheduler:
         if not idle:
             return None
         empty = [s for s in idle if not s.tokens]
-        return (empty or sorted(idle, key=lambda s: s.last_used))[0].sid
+        return (empty or sorted(idle, key=self._eviction_order))[0].sid
 
     def _reserved(self) -> int:
         """Cells promised to running sequences but not written yet."""
@@ -447,7 +495,7 @@ class Scheduler:
         need = len(req.prompt) - n + min(req.max_tokens, self.limits.decode_reservation)
         victims = sorted(
             (s for s in self._slots if s.rid is None and s.sid not in (src, dst) and s.tokens),
-            key=lambda s: s.last_used,
+            key=self._eviction_order,
         )
         free = self._free_cells(dst, src, n)
         while free < need and victims:
@@ -472,6 +520,7 @@ class Scheduler:
             self._ops.append(SeqRm(slot.sid, 0))
             self.ledger.clear(slot.sid)
         slot.tokens = []
+        slot.session = None
 
     def _truncate(self, slot: _Slot, n: int) -> None:
         if len(slot.tokens) > n:
@@ -496,10 +545,13 @@ class Scheduler:
     def _prefilling(self) -> list[_Running]:
         return [r for r in self._running.values() if r.phase is Phase.PREFILL]
 
-    @staticmethod
-    def _prefill_order(run: _Running) -> tuple[int, int, float]:
-        # Interactive first, then shortest remaining prompt, then oldest admission.
-        return (run.req.priority, len(run.req.prompt) - run.next_prompt, run.admitted_at)
+    def _prefill_order(self, run: _Running) -> tuple[int, bool, int, float]:
+        """Interactive first; then whoever has waited past ``overtake_window`` since it
+        was submitted, oldest first; then shortest remaining prompt. Without that aging, a
+        steady trickle of short prompts would hold a long one's prefill back forever."""
+        waited = self._now - run.submitted_at >= self.limits.overtake_window
+        return (run.req.priority, not waited,
+                0 if waited else len(run.req.prompt) - run.next_prompt, run.submitted_at)
 
     # --- introspection ------------------------------------------------------------------
 
@@ -528,6 +580,8 @@ class Scheduler:
             "kv_cells_cached": self.ledger.used - active,
             "kv_cells_reserved": self._reserved(),
             "slots_idle_cached": sum(1 for s in self._slots if s.rid is None and s.tokens),
+            "sessions_pinned": sum(1 for s in self._slots if s.rid is None and self._pinned(s)),
+            "session_resumes": self.session_resumes,
             "prefix_cache_queries": self.cache_queries,
             "prefix_cache_hits": self.cache_hits,
             "prefix_cache_tokens_saved": self.cache_tokens_saved,
