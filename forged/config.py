@@ -64,7 +64,10 @@ class EngineConfig(_Section, frozen=True):
     max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
     step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 64
-    flash_attn: bool = False
+    # Tokens per step while no sequence is decoding (no stream to stall): a lone long
+    # prompt runs in bigger chunks. 0: the same as step_tokens.
+    prefill_step_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 256
+    flash_attn: bool = True
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every
     # decode step attends over all cells in use). See docs/engine.md.
@@ -89,6 +92,9 @@ class LimitsConfig(_Section, frozen=True):
     # Seconds a queued request may be overtaken by shorter prompts (shortest first);
     # after that it is admitted before them.
     overtake_window: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
+    # Seconds a finished turn's KV stays pinned to its `session` (the next turn then
+    # computes only its new tokens); unpinned caches are evicted before pinned ones.
+    session_ttl: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 600.0
     # max_tokens when the caller does not set one (clipped to the context).
     default_max_tokens: Positive = 1024
     max_stop: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
@@ -219,7 +225,8 @@ RESTART_KEYS = (
     "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
     "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
-    "engine.max_context", "engine.step_tokens", "engine.flash_attn", "engine.max_running",
+    "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
+    "engine.flash_attn", "engine.max_running",
     "engine.kv_layout",
 )
 

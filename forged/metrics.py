@@ -61,6 +61,10 @@ class _EngineCollector(Collector):
                       "prefix_cache_hits")
         yield counter("forged_prefix_cache_tokens_saved",
                       "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
+        yield gauge("forged_sessions_pinned", "Idle conversations whose KV is pinned.",
+                    "sessions_pinned")
+        yield counter("forged_session_resumes",
+                      "Turns that resumed their session's cached KV.", "session_resumes")
         yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
                                   value=self._restarts())
 

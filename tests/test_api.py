@@ -289,3 +289,40 @@ async def test_per_slot_prefix_copy_gives_the_same_text(
     assert copied["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
     assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert copied["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+async def test_a_session_resumes_its_conversation_under_cache_pressure(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    """Two slots. Between a conversation's turns, other callers' prompts need both slots:
+    without a session the first turn's KV is the LRU victim; with one it is pinned, and
+    the second turn computes only its new tokens."""
+    engine = {"kv_layout": "per_slot", "kv_cells": 2 * 512, "slots": 2, "max_running": 2,
+              "max_context": 512}
+    first = [{"role": "system", "content": "You review Python code."},
+             {"role": "user", "content": "What does def f(x): return x * 2 do?"}]
+
+    async def conversation(c: httpx.AsyncClient, session: str | None) -> tuple[int, int]:
+        extra = {} if session is None else {"session": session}
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+        one = (await c.post("/v1/chat/completions", json={"messages": first, **body})).json()
+        for i in range(3):  # other callers, other prompts, one after another
+            await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": f"Unrelated question {i} " * 8}],
+                "max_tokens": 4})
+        reply = one["choices"][0]["message"]["content"]
+        second = [*first, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": "And for strings?"}]
+        two = (await c.post("/v1/chat/completions", json={"messages": second, **body})).json()
+        return one["usage"]["prompt_tokens"], two["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine=engine) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            _, cached_anonymous = await conversation(c, None)
+            first_prompt, cached_session = await conversation(c, "review-42")
+            st = d.stats()
+    assert cached_anonymous < 16  # at most the chat template's opening tokens
+    assert cached_session >= first_prompt
+    assert st["session_resumes"] == 1 and st["sessions_pinned"] == 1

@@ -42,6 +42,7 @@ class Init(_Frame, tag="init"):
     slots: int
     max_running: int
     step_tokens: int
+    prefill_step_tokens: int
     threads: int
     flash_attn: bool
     kv_headroom: int
@@ -51,6 +52,7 @@ class Init(_Frame, tag="init"):
     heartbeat_interval: float
     per_slot_cells: int = 0
     overtake_window: float = 10.0
+    session_ttl: float = 600.0
     test_hooks: bool = False
 
 
@@ -63,6 +65,7 @@ class Submit(_Frame, tag="submit"):
     stop: list[str] = []
     ignore_eos: bool = False
     cache: bool = True
+    session: str | None = None
     queue_timeout: float = 60.0
 
 
@@ -75,6 +78,7 @@ class SetLimits(_Frame, tag="limits"):
     max_queued_tokens: int
     decode_reservation: int
     overtake_window: float
+    session_ttl: float = 600.0
 
 
 class Shutdown(_Frame, tag="shutdown"):

@@ -67,6 +67,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     cache: bool = True
+    session: str | None = None
 
 
 class RequestStream:
@@ -220,12 +221,13 @@ class EnginePool:
         e, lim = self.cfg.engine, self.cfg.limits
         init = fr.Init(
             model_path=self.cfg.model.path, kv_cells=e.kv_cells, slots=e.slots,
-            max_running=e.max_running, step_tokens=e.step_tokens, threads=e.threads,
+            max_running=e.max_running, step_tokens=e.step_tokens,
+            prefill_step_tokens=e.prefill_step_tokens, threads=e.threads,
             flash_attn=e.flash_attn, kv_headroom=e.kv_headroom,
             decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
             max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
             per_slot_cells=e.kv_cells // e.slots if e.kv_layout == "per_slot" else 0,
-            overtake_window=lim.overtake_window,
+            overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
             test_hooks=self.test_hooks,
         )
         await stream.send_all(fr.encode(init))
@@ -318,7 +320,7 @@ class EnginePool:
         w.outbox.put(fr.Submit(
             rid=rs.rid, prompt=job.prompt, max_tokens=job.max_tokens, priority=job.priority,
             sampling=job.sampling, stop=job.stop, ignore_eos=job.ignore_eos, cache=job.cache,
-            queue_timeout=self.cfg.limits.queue_timeout,
+            session=job.session, queue_timeout=self.cfg.limits.queue_timeout,
         ))
         try:
             yield rs
@@ -333,7 +335,8 @@ class EnginePool:
         frame = fr.SetLimits(max_queued=cfg.limits.max_queued,
                              max_queued_tokens=cfg.limits.max_queued_tokens,
                              decode_reservation=cfg.engine.decode_reservation,
-                             overtake_window=cfg.limits.overtake_window)
+                             overtake_window=cfg.limits.overtake_window,
+                             session_ttl=cfg.limits.session_ttl)
         for w in self.workers:
             if w.ready:
                 w.outbox.put(frame)

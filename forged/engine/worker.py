@@ -64,12 +64,14 @@ class Worker:
         self.init = init
         self.model = Model(init.model_path)
         self.ctx = Context(self.model, ContextParams(
-            n_ctx=init.kv_cells, n_seq_max=init.slots, n_batch=init.step_tokens,
+            n_ctx=init.kv_cells, n_seq_max=init.slots,
+            n_batch=max(init.step_tokens, init.prefill_step_tokens),
             threads=init.threads, flash_attn=init.flash_attn,
             kv_unified=init.per_slot_cells == 0,
         ))
         self.sched = Scheduler(self._limits(init.max_queued, init.max_queued_tokens,
-                                            init.decode_reservation, init.overtake_window))
+                                            init.decode_reservation, init.overtake_window,
+                                            init.session_ttl))
         self.reqs: dict[int, _Req] = {}
         self.events: list[fr.Event] = []
         self.inbuf = fr.FrameBuffer()
@@ -82,14 +84,15 @@ class Worker:
         self._tokens_out = 0
 
     def _limits(self, max_queued: int, max_queued_tokens: int, reservation: int,
-                overtake_window: float) -> SchedulerLimits:
+                overtake_window: float, session_ttl: float) -> SchedulerLimits:
         i = self.init
         return SchedulerLimits(
             kv_cells=i.kv_cells, slots=i.slots, max_running=i.max_running,
-            step_tokens=i.step_tokens, kv_headroom=i.kv_headroom,
+            step_tokens=i.step_tokens, prefill_step_tokens=i.prefill_step_tokens,
+            kv_headroom=i.kv_headroom,
             decode_reservation=reservation, max_queued=max_queued,
             max_queued_tokens=max_queued_tokens, per_slot_cells=i.per_slot_cells,
-            overtake_window=overtake_window,
+            overtake_window=overtake_window, session_ttl=session_ttl,
         )
 
     # --- input ------------------------------------------------------------------------
@@ -114,7 +117,7 @@ class Worker:
             case fr.SetLimits():
                 self.sched.set_limits(self._limits(
                     frame.max_queued, frame.max_queued_tokens, frame.decode_reservation,
-                    frame.overtake_window))
+                    frame.overtake_window, frame.session_ttl))
             case fr.Shutdown():
                 self.running = False
             case fr.Hang(seconds=s) if self.init.test_hooks:
@@ -137,7 +140,8 @@ class Worker:
             logit_bias=tuple(bias),
         )
         req = SeqRequest(sub.rid, sub.prompt, sub.max_tokens, sub.priority,
-                         deadline=now + sub.queue_timeout, cache=sub.cache)
+                         deadline=now + sub.queue_timeout, cache=sub.cache,
+                         session=sub.session)
         try:
             self.sched.submit(req, now)
         except QueueFull:

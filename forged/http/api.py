@@ -254,6 +254,8 @@ def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) ->
         priority=BATCH if priority == "batch" else INTERACTIVE,
         sampling=_sampling(state, req), stop=_stops(state, req.stop),
         ignore_eos=req.ignore_eos, cache=req.cache_prompt,
+        # One key cannot pin (or unpin) another key's conversations.
+        session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
     )
 
 

@@ -41,6 +41,8 @@ class _Sampling(Struct, kw_only=True):
     cache_prompt: bool = True
     # forged's scheduling class: interactive (default) or batch (agentic fan-out, jobs).
     priority: Literal["interactive", "batch"] | None = None
+    # A conversation's name: its KV stays cached between turns (docs/engine.md).
+    session: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
