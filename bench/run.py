@@ -43,7 +43,7 @@ class LlamaServer:
         self._log = log.open("wb")
         self.proc = subprocess.Popen(
             [binary, "-m", str(MODEL), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(CONTEXT),
-             "-fa", "off", "--host", "127.0.0.1", "--port", str(self.port), *extra],
+             "--host", "127.0.0.1", "--port", str(self.port), *extra],
             stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
@@ -182,6 +182,12 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="keep the comparison runs of bench/results/partial.json and run "
                          "only the overload part")
+    ap.add_argument("--only", action="append", default=[], metavar="MIX:C",
+                    help="run only this comparison against the best llama-server config "
+                         "(repeatable), e.g. mixed:32; no overload part")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a forged config key for this run, e.g. "
+                         "limits.overtake_window=30 (value parsed as JSON if it can be)")
     args = ap.parse_args()
     if args.rejections:
         trio.run(_rejections_only)
@@ -199,9 +205,13 @@ def main() -> None:
         engine.update(slots=16, max_running=16, max_context=CONTEXT // 16)
     else:
         engine.update(slots=64, max_running=32, max_context=8192)
-    limits = {"max_queued": 32, "queue_timeout": 20.0} if args.resume else {}
-    forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine,
-                                        limits=limits), port)
+    limits: dict[str, Any] = {"max_queued": 32, "queue_timeout": 20.0} if args.resume else {}
+    sections = {"engine": engine, "limits": limits}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = _value(value)
+    forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, **sections), port)
     best = LlamaServer(binary, ["-np", "16", "-b", "256", "-ub", "256"], tmp / "best.log")
     default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
     result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
@@ -215,6 +225,9 @@ def main() -> None:
         forged.wait_ready()
         best.wait_ready()
         default.wait_ready()
+        if args.only:
+            _only(args.only, args.set, forged.url, best.url, args.quick)
+            return
         for mix in () if args.resume else ("mixed", "shared-prefix"):
             for c in levels:
                 run = trio.run(compare, forged.url, best.url, mix, c, args.quick)
@@ -242,6 +255,26 @@ def main() -> None:
     (RESULTS / f"latest-{args.layout}.json").write_text(json.dumps(result, indent=2))
     (RESULTS / f"benchmarks-{args.layout}.md").write_text(tables(result))
     print(tables(result))
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _only(which: list[str], overrides: list[str], forged: str, best: str, quick: bool) -> None:
+    """Single comparisons, for trying a setting: ratios printed and kept in only.json."""
+    runs = []
+    for item in which:
+        mix, _, c = item.partition(":")
+        run = trio.run(compare, forged, best, mix, int(c), quick)
+        run["against"], run["overrides"] = "llama-server -np 16 -b 256 -ub 256", overrides
+        runs.append(run)
+        print(json.dumps({k: run[k] for k in ("mix", "concurrency", "overrides", "ratio")}))
+    (RESULTS / "only.json").write_text(json.dumps(runs, indent=2))
+    print(tables({"runs": runs}))
 
 
 async def _rejections_only() -> None:
