@@ -58,21 +58,22 @@ def budget_step(model: Model, threads: int, budget: int, decoders: int) -> float
     return statistics.median(times) * 1000
 
 
-def per_slot_step(model: Model, threads: int, flash_attn: bool, chunk: int) -> float:
-    """Median ms of a step of the shipped layout (16 streams of 2,048 cells): 16 sequences
-    with 128-token contexts decode one token each, plus a ``chunk``-token prompt chunk."""
-    ctx = Context(model, ContextParams(n_ctx=32768, n_seq_max=17, n_batch=256,
+def per_slot_step(model: Model, threads: int, flash_attn: bool, chunks: list[int]) -> float:
+    """Median ms of a step of the shipped layout (16 streams of 2,048 cells): 12 sequences
+    with 128-token contexts decode one token each, plus prompt chunks of these lengths."""
+    ctx = Context(model, ContextParams(n_ctx=32768, n_seq_max=16, n_batch=256,
                                       threads=threads, flash_attn=flash_attn,
                                       kv_unified=False))
     prompt = model.tokenize("def quicksort(items):\n" * 16, add_special=True,
                             parse_special=True)[:128]
-    for s in range(16):
+    for s in range(12):
         ctx.decode([(s, 0, prompt, False)])
     times = []
     for i in range(12):
-        items = [(s, len(prompt) + i, [42], True) for s in range(16)]
-        if chunk:
-            items.append((16, i * chunk, [7] * chunk, True))
+        items = [(s, len(prompt) + i, [42], True) for s in range(12)]
+        for j, n in enumerate(chunks):
+            ctx.seq_rm(12 + j, 0)
+            items.append((12 + j, 0, [7] * n, True))
         t0 = time.perf_counter()
         ctx.decode(items)
         times.append(time.perf_counter() - t0)
@@ -125,11 +126,11 @@ def main() -> None:
     for budget in (32, 64, 128):
         ms = budget_step(model, args.threads, budget, 8)
         print(f"full step, budget {budget:3d} (8 decoding): {ms:6.1f} ms")
-    for fa in (False, True):
-        for chunk in (0, 48):
-            ms = per_slot_step(model, args.threads, fa, chunk)
-            print(f"per-slot step, 16 decoding + {chunk:2d} prompt tokens, flash attention "
-                  f"{'on ' if fa else 'off'}: {ms:6.1f} ms")
+    for fa, chunks in ((False, []), (False, [52]), (True, []), (True, [52]), (True, [26, 26]),
+                       (True, [10, 12, 14, 16]), (True, [120])):
+        ms = per_slot_step(model, args.threads, fa, chunks)
+        print(f"per-slot step, 12 decoding + prompt chunks {chunks}, flash attention "
+              f"{'on' if fa else 'off'}: {ms:6.1f} ms")
     backend = single_stream_backend(model, args.threads)
     model.close()
     print(f"single stream, backend only: {backend:6.1f} tok/s")

@@ -302,19 +302,19 @@ def test_queued_short_prompts_are_admitted_first_until_the_window_ends() -> None
     assert s.is_running(2)
 
 
-def test_per_slot_steps_carry_one_prompt_chunk() -> None:
-    s = Scheduler(per_slot(step_tokens=64))
+def test_per_slot_steps_fill_the_budget_with_a_few_prompt_chunks() -> None:
+    s = Scheduler(per_slot(step_tokens=64, max_prefill_chunks=2))
     s.submit(req(1, n=5, max_tokens=50), 0.0)
     s.submit(req(2, n=9, max_tokens=50, start=100), 0.0)
     s.submit(req(3, n=40, max_tokens=50, start=200), 0.0)
     plan = s.plan(0.0)
     assert plan is not None
-    assert [c.rid for c in plan.chunks] == [1]  # shortest first, alone
-    s.commit(plan, {1: 7}, 0.0)
+    # shortest first, and at most two chunks: each distinct length costs llama.cpp a pass
+    assert [(c.rid, len(c.tokens)) for c in plan.chunks] == [(1, 5), (2, 9)]
+    s.commit(plan, {1: 7, 2: 7}, 0.0)
     plan = s.plan(1.0)
     assert plan is not None
-    prompt_chunks = [c for c in plan.chunks if len(c.tokens) > 1 or c.rid != 1]
-    assert [c.rid for c in prompt_chunks] == [2]
+    assert [(c.rid, len(c.tokens)) for c in plan.chunks] == [(1, 1), (2, 1), (3, 40)]
 
 
 # --- sessions -------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class SchedulerLimits:
     # the source slot's whole stream, which beats recomputing it past a few tokens.
     per_slot_cells: int = 0
     min_copy_tokens: int = 16
+    max_prefill_chunks: int = 4  # per-slot layout: prompt chunks in one step
     # A queued request may be overtaken by shorter prompts of its class for this long;
     # after that it goes first (shortest-first admission, with aging against starvation).
     overtake_window: float = 10.0
@@ -318,10 +319,10 @@ class Scheduler:
         budget = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
                   ) - len(chunks)
         # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
-        # the same number of tokens from every sequence, so two prompt chunks of
-        # different lengths would cost a micro-batch (a full pass over the weights) per
-        # token of the shorter. One prompt chunk per step keeps it to two.
-        prefill_seqs = 1 if self.limits.per_slot else len(self._running)
+        # the same number of tokens from every sequence still in it, so each distinct
+        # chunk length costs one more pass over the weights (~5 ms here, measured in
+        # docs/engine.md). A few chunks per step fill the budget when prompts are short.
+        prefill_seqs = lim.max_prefill_chunks if lim.per_slot else len(self._running)
         for run in sorted(self._prefilling(), key=self._prefill_order)[:prefill_seqs]:
             if budget <= 0:
                 break
