@@ -298,7 +298,9 @@ class EnginePool:
 
     # --- requests --------------------------------------------------------------------
 
-    def _pick(self) -> _Worker:
+    def check_capacity(self) -> None:
+        """Raise what a new request would get if there is no room for it now: called
+        before the request is tokenized too, so a full queue answers at once."""
         if self.draining:
             raise Unavailable("the server is shutting down", self.cfg.limits.retry_after)
         ready = [w for w in self.workers if w.ready]
@@ -309,7 +311,10 @@ class EnginePool:
         if queued >= self.cfg.limits.max_queued:
             raise Overloaded("the server is at capacity; retry later",
                              self.cfg.limits.retry_after)
-        return min(ready, key=lambda w: len(w.pending))
+
+    def _pick(self) -> _Worker:
+        self.check_capacity()
+        return min((w for w in self.workers if w.ready), key=lambda w: len(w.pending))
 
     @asynccontextmanager
     async def open_request(self, job: Job) -> AsyncIterator[RequestStream]:

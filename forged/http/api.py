@@ -105,6 +105,7 @@ def create_app(state: AppState) -> QuartTrio:
     @app.post("/v1/completions")
     async def completions() -> Response:
         body = await _read_body(state)
+        state.pool.check_capacity()  # a full queue answers before any parsing
         try:
             req = await _decode(state, completion_decoder, body)
         except msgspec.MsgspecError as exc:
@@ -115,6 +116,7 @@ def create_app(state: AppState) -> QuartTrio:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         body = await _read_body(state)
+        state.pool.check_capacity()  # a full queue answers before any parsing
         try:
             req = await _decode(state, chat_decoder, body)
         except msgspec.MsgspecError as exc:
