@@ -198,19 +198,21 @@ def test_interactive_is_admitted_before_batch_and_prefilled_first() -> None:
 
 def test_growth_past_the_reservation_preempts_the_newest_and_resumes_it() -> None:
     s = Scheduler(limits(kv_cells=60, decode_reservation=4, step_tokens=16))
-    s.submit(req(1, n=20, max_tokens=30), 0.0)
+    s.submit(req(1, n=20, max_tokens=30, session="s"), 0.0)
     s.submit(req(2, n=20, max_tokens=30, start=500), 1.0)
     run_step(s, 1.0)
     assert s.n_running == 2
     preempted = False
     for step in range(200):
         run_step(s, 2.0 + step)
-        preempted |= any(isinstance(e, Preempted) for e in s.drain_events())
+        preempted |= Preempted(1) in s.drain_events()
         assert s.ledger.used <= 60
         if not s.n_running and not s.n_queued:
             break
     assert preempted
     assert not s.n_running and not s.n_queued
+    # the recomputed request kept its session: its final KV is pinned to it
+    assert [sl.session for sl in s._slots].count("s") == 1
 
 
 def test_batches_never_exceed_the_step_budget() -> None:

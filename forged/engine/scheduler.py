@@ -375,7 +375,8 @@ class Scheduler:
         del self._running[run.req.rid]
         slot.rid = None
         self._evict(slot)
-        again = SeqRequest(run.req.rid, prompt, max(1, left), run.req.priority, cache=run.req.cache)
+        again = SeqRequest(run.req.rid, prompt, max(1, left), run.req.priority,
+                           cache=run.req.cache, session=run.req.session)
         self._queues[run.req.priority].appendleft((again, run.submitted_at))
         self._queued_tokens += len(prompt)
         self._events.append(Preempted(run.req.rid))
