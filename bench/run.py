@@ -34,6 +34,7 @@ RESULTS = ROOT / "bench" / "results"
 THREADS = 2
 CONTEXT = 32768  # total KV cells for every server; llama-server -np 16 gets 2048 per slot
 MAX_TOKENS = 64
+BEST = ["-np", "16", "-b", "256", "-ub", "256"]  # llama-server's best-consistency setting
 
 
 class LlamaServer:
@@ -212,7 +213,7 @@ def main() -> None:
         section, _, name = key.partition(".")
         sections.setdefault(section, {})[name] = _value(value)
     forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, **sections), port)
-    best = LlamaServer(binary, ["-np", "16", "-b", "256", "-ub", "256"], tmp / "best.log")
+    best = LlamaServer(binary, BEST, tmp / "best.log")
     default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
     result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
                               "layout": args.layout,
@@ -231,7 +232,7 @@ def main() -> None:
         for mix in () if args.resume else ("mixed", "shared-prefix"):
             for c in levels:
                 run = trio.run(compare, forged.url, best.url, mix, c, args.quick)
-                run["against"] = "llama-server -np 16 -b 256 -ub 256"
+                run["against"] = "llama-server " + " ".join(BEST)
                 result["runs"].append(run)
                 print(json.dumps({k: run[k] for k in ("mix", "concurrency", "ratio")}))
                 (RESULTS / "partial.json").write_text(json.dumps(result, indent=2))
@@ -270,7 +271,7 @@ def _only(which: list[str], overrides: list[str], forged: str, best: str, quick:
     for item in which:
         mix, _, c = item.partition(":")
         run = trio.run(compare, forged, best, mix, int(c), quick)
-        run["against"], run["overrides"] = "llama-server -np 16 -b 256 -ub 256", overrides
+        run["against"], run["overrides"] = "llama-server " + " ".join(BEST), overrides
         runs.append(run)
         print(json.dumps({k: run[k] for k in ("mix", "concurrency", "overrides", "ratio")}))
     (RESULTS / "only.json").write_text(json.dumps(runs, indent=2))

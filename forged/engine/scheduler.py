@@ -480,7 +480,7 @@ class Scheduler:
         if not idle:
             return None
         empty = [s for s in idle if not s.tokens]
-        return (empty or sorted(idle, key=self._eviction_order))[0].sid
+        return (empty[0] if empty else min(idle, key=self._eviction_order)).sid
 
     def _reserved(self) -> int:
         """Cells promised to running sequences but not written yet."""

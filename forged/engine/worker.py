@@ -69,9 +69,7 @@ class Worker:
             threads=init.threads, flash_attn=init.flash_attn,
             kv_unified=init.per_slot_cells == 0,
         ))
-        self.sched = Scheduler(self._limits(init.max_queued, init.max_queued_tokens,
-                                            init.decode_reservation, init.overtake_window,
-                                            init.session_ttl))
+        self.sched = Scheduler(self._limits(init))
         self.reqs: dict[int, _Req] = {}
         self.events: list[fr.Event] = []
         self.inbuf = fr.FrameBuffer()
@@ -83,16 +81,16 @@ class Worker:
         self._steps = 0
         self._tokens_out = 0
 
-    def _limits(self, max_queued: int, max_queued_tokens: int, reservation: int,
-                overtake_window: float, session_ttl: float) -> SchedulerLimits:
+    def _limits(self, live: fr.Init | fr.SetLimits) -> SchedulerLimits:
+        """The scheduler's limits: geometry from Init, the reloadable rest from ``live``."""
         i = self.init
         return SchedulerLimits(
             kv_cells=i.kv_cells, slots=i.slots, max_running=i.max_running,
             step_tokens=i.step_tokens, prefill_step_tokens=i.prefill_step_tokens,
             kv_headroom=i.kv_headroom,
-            decode_reservation=reservation, max_queued=max_queued,
-            max_queued_tokens=max_queued_tokens, per_slot_cells=i.per_slot_cells,
-            overtake_window=overtake_window, session_ttl=session_ttl,
+            decode_reservation=live.decode_reservation, max_queued=live.max_queued,
+            max_queued_tokens=live.max_queued_tokens, per_slot_cells=i.per_slot_cells,
+            overtake_window=live.overtake_window, session_ttl=live.session_ttl,
         )
 
     # --- input ------------------------------------------------------------------------
@@ -115,9 +113,7 @@ class Worker:
                 self.sched.cancel(rid)
                 self._drop(rid)
             case fr.SetLimits():
-                self.sched.set_limits(self._limits(
-                    frame.max_queued, frame.max_queued_tokens, frame.decode_reservation,
-                    frame.overtake_window, frame.session_ttl))
+                self.sched.set_limits(self._limits(frame))
             case fr.Shutdown():
                 self.running = False
             case fr.Hang(seconds=s) if self.init.test_hooks:
