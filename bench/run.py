@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from forged.bench import make_prompts, ratios, run_load
+from forged.bench import make_prompts, ratios, run_alternating, run_load
 from tests.daemonproc import DaemonProcess, free_port, health_ok, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,12 +103,16 @@ class RssSampler:
 
 
 def level_requests(c: int, quick: bool) -> int:
-    return max(16, min(256, (2 if quick else 3) * c))
+    return max(16 if quick else 32, min(256, (2 if quick else 3) * c))
 
 
 async def compare(a: str, b: str, mix: str, c: int, quick: bool) -> dict[str, Any]:
     prompts = make_prompts(mix, level_requests(c, quick), MAX_TOKENS, seed=c)
     duration = 120.0 if quick else 180.0
+    if c == 1:  # one caller: the servers take turns request by request
+        sa, sb = await run_alternating((a, b), prompts, duration=2 * duration)
+        return {"mix": mix, "concurrency": c, "forged": sa, "llama_server": sb,
+                "ratio": ratios(sa, sb)}
     sa = await run_load(a, prompts, concurrency=c, rate=None, duration=duration, model=None,
                         label=f"forged {mix} c={c}")
     sb = await run_load(b, prompts, concurrency=c, rate=None, duration=duration, model=None,

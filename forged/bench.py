@@ -8,7 +8,7 @@ latency at p50/p95/p99, plus requests/s, output tokens/s and errors by status.
 * prompt mixes: ``short``, ``mixed`` (25% ~700-token code prompts), ``shared-prefix``
   (one ~1,500-token repo context) and ``chat``;
 * ``--compare URL`` runs the same load against a second server in the same run,
-  alternating, and prints forged ÷ other ratios.
+  alternating (request by request at one caller), and prints forged ÷ other ratios.
 
 Every run is bounded by ``--requests`` and ``--duration`` and stops by itself.
 """
@@ -203,6 +203,25 @@ async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
     return summarise(samples, time.monotonic() - t0)
 
 
+async def run_alternating(bases: tuple[str, str], prompts: list[Prompt], *, duration: float,
+                          models: tuple[str | None, str | None] = (None, None),
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One caller, two servers, taking turns request by request (first one, then the
+    other, then the other again): at one caller a drift in the machine's speed then
+    reaches both alike, where two back-to-back runs would each see a different part of
+    it. Each server's rates are over the time it spent answering."""
+    samples: tuple[list[Sample], list[Sample]] = ([], [])
+    busy = [0.0, 0.0]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(duration + 60, connect=30)) as client:
+        with trio.move_on_after(duration):
+            for i, p in enumerate(prompts):
+                for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    s = await one_request(client, bases[k], models[k], p)
+                    samples[k].append(s)
+                    busy[k] += s.e2e
+    return summarise(samples[0], busy[0]), summarise(samples[1], busy[1])
+
+
 async def _closed_loop(client: httpx.AsyncClient, base: str, model: str | None,
                        prompts: list[Prompt], concurrency: int, samples: list[Sample],
                        progress: _Progress) -> None:
@@ -259,6 +278,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         n = args.requests or max(16, 4 * (level or 1))
         prompts = make_prompts(args.mix, n, args.max_tokens, args.seed)
         pair = []
+        if level == 1 and len(urls) == 2:  # one caller: take turns request by request
+            summaries = await run_alternating((urls[0], urls[1]), prompts,
+                                              duration=args.duration,
+                                              models=(models[0], models[1]))
+            for url, summary in zip(urls, summaries, strict=True):
+                runs.append({"url": url, "mix": args.mix, "concurrency": level,
+                             "rate": args.rate, "summary": summary})
+            runs[-2]["ratio_vs_compare"] = ratios(*summaries)
+            continue
         for url, model in zip(urls, models, strict=True):  # alternating, same prompts
             label = f"{url} c={level}" if level else f"{url} rate={args.rate}"
             summary = await run_load(url, prompts, concurrency=level, rate=args.rate,

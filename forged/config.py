@@ -89,9 +89,10 @@ class LimitsConfig(_Section, frozen=True):
     max_queued: Annotated[int, msgspec.Meta(ge=0)] = 256
     max_queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
     queue_timeout: Seconds = 60.0
-    # Seconds a queued request may be overtaken by shorter prompts (shortest first);
-    # after that it is admitted before them.
-    overtake_window: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 10.0
+    # Shortest prompt first, with aging: a prompt of engine.max_context tokens may be
+    # overtaken by shorter ones for at most this many seconds, a shorter one for its
+    # share of it (a tenth of max_context: a tenth of the window). 0: arrival order.
+    overtake_window: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     # Seconds a finished turn's KV stays pinned to its `session` (the next turn then
     # computes only its new tokens); unpinned caches are evicted before pinned ones.
     session_ttl: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 600.0

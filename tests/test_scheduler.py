@@ -289,19 +289,44 @@ def test_per_slot_idle_slot_is_reused_in_place() -> None:
     assert plan is not None and plan.ops == [SeqRm(0, 60)]
 
 
-def test_queued_short_prompts_are_admitted_first_until_the_window_ends() -> None:
-    s = Scheduler(limits(max_running=1))
+def test_queued_prompts_go_shortest_first_with_aging() -> None:
+    # A prompt is served as if it arrived overtake_window x (its share of max_context)
+    # later: a 700-token prompt here by 7 s, a 30-token one by 0.3 s.
+    s = Scheduler(limits(max_running=1, overtake_window=10, max_context=1000))
     s.submit(req(1, n=5, max_tokens=1), 0.0)
     s.plan(0.0)  # request 1 holds the only running place
-    s.submit(req(2, n=700, start=100), 0.1)
-    s.submit(req(3, n=30, start=2000), 0.2)
-    s.submit(req(4, n=10, start=3000), 0.3)
+    s.submit(req(2, n=700, start=100), 0.1)  # counts from 7.1
+    s.submit(req(3, n=30, start=2000), 0.2)  # 0.5
+    s.submit(req(4, n=10, start=3000), 0.3)  # 0.4
     s.finish(1)
     s.plan(1.0)
-    assert s.is_running(4)  # shortest first
+    assert s.is_running(4)  # the shortest goes first
     s.finish(4)
-    s.plan(11.0)  # request 2 has now waited past the window: it goes before 3
-    assert s.is_running(2)
+    s.submit(req(5, n=30, start=4000), 6.5)  # 6.8: still before request 2
+    s.submit(req(6, n=30, start=5000), 7.0)  # 7.3: after it
+    order = []
+    for now in (8.0, 8.1, 8.2, 8.3):
+        s.plan(now)
+        (rid,) = (r for r in (2, 3, 5, 6) if s.is_running(r))
+        order.append(rid)
+        s.finish(rid)
+    assert order == [3, 5, 2, 6]
+
+
+def test_same_length_prompts_are_first_come_first_served() -> None:
+    s = Scheduler(limits(max_running=1, max_context=1000))
+    s.submit(req(1, n=5, max_tokens=1), 0.0)
+    s.plan(0.0)
+    for rid, t in ((2, 0.1), (3, 0.2), (4, 0.3)):
+        s.submit(req(rid, n=40, start=100 * rid), t)
+    s.finish(1)
+    order = []
+    for now in (1.0, 1.1, 1.2):
+        s.plan(now)
+        (rid,) = (r for r in (2, 3, 4) if s.is_running(r))
+        order.append(rid)
+        s.finish(rid)
+    assert order == [2, 3, 4]
 
 
 def test_per_slot_steps_fill_the_budget_with_a_few_prompt_chunks() -> None:
@@ -420,7 +445,8 @@ def test_a_step_without_decoders_takes_the_bigger_prefill_budget() -> None:
 
 
 def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
-    s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=16, overtake_window=10))
+    s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=16, overtake_window=10,
+                           max_context=200))
     s.submit(req(1, n=200, max_tokens=50), 0.0)
     s.submit(req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
     now, rid = 0.0, 10
@@ -430,5 +456,5 @@ def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
         run_step(s, now)
         now, rid = now + 0.5, rid + 1
         assert now < 60, "request 1's prefill starved"
-    # it waited at most the overtake window, then took the prompt chunk every step
+    # it gave way for at most the overtake window, then took the prompt chunk every step
     assert now <= 10.0 + 0.5 * (200 // 15 + 2)

@@ -51,7 +51,8 @@ class Init(_Frame, tag="init"):
     max_queued_tokens: int
     heartbeat_interval: float
     per_slot_cells: int = 0
-    overtake_window: float = 10.0
+    max_context: int = 0
+    overtake_window: float = 30.0
     session_ttl: float = 600.0
     test_hooks: bool = False
 

@@ -227,7 +227,8 @@ class EnginePool:
             decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
             max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
             per_slot_cells=e.kv_cells // e.slots if e.kv_layout == "per_slot" else 0,
-            overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
+            max_context=e.max_context, overtake_window=lim.overtake_window,
+            session_ttl=lim.session_ttl,
             test_hooks=self.test_hooks,
         )
         await stream.send_all(fr.encode(init))

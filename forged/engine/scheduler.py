@@ -15,14 +15,15 @@ what it decides:
 
 Each step, every decoding sequence gets its next token first. The rest of the
 ``step_tokens`` budget goes to prompt chunks (chunked prefill), interactive before
-batch and shortest remaining prompt first, so a short question is not stuck behind a
-700-token file while a long prefill never stalls anyone's stream for more than one
-bounded step. There is no batching window: a request that arrives on an idle worker
-is planned in the very next step.
+batch and shortest remaining prompt first (with aging, ``_virtual_start``), so a short
+question is not stuck behind a 700-token file while a long prefill never stalls
+anyone's stream for more than one bounded step. There is no batching window: a
+request that arrives on an idle worker is planned in the very next step.
 
 Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
 when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
-running sequences have reserved; otherwise it waits, in order, within its class.
+running sequences have reserved; otherwise it waits, in its class, in the same
+shortest-first-with-aging order.
 Slots (sequence ids) keep their KV after a request ends; those idle slots are the
 prefix cache. A new request reuses the longest cached prefix of any slot, running or
 idle, through ``seq_cp`` (unified KV makes that free), and idle slots are evicted
@@ -69,9 +70,12 @@ class SchedulerLimits:
     per_slot_cells: int = 0
     min_copy_tokens: int = 16
     max_prefill_chunks: int = 4  # per-slot layout: prompt chunks in one step
-    # A queued request may be overtaken by shorter prompts of its class for this long;
-    # after that it goes first (shortest-first admission, with aging against starvation).
-    overtake_window: float = 10.0
+    # How long shorter prompts may overtake one of ``max_context`` tokens; a shorter
+    # prompt is overtaken for proportionally less (see ``_virtual_start``).
+    overtake_window: float = 30.0
+    # The largest request a slot takes; 0: the room of one slot (per-slot cells, or the
+    # whole cache).
+    max_context: int = 0
     # A finished request's KV stays pinned to its ``session`` for this long: idle
     # caches without a live session are evicted first.
     session_ttl: float = 600.0
@@ -402,7 +406,8 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         for q in self._queues:
             while q and len(self._running) < self.limits.max_running:
-                item = self._next_in(q, now)
+                item = min(q, key=lambda it: (self._virtual_start(it[1], len(it[0].prompt)),
+                                              it[1]))
                 req, queued_at = item
                 if not self._try_admit(req, queued_at, now):
                     return  # it waits for room; nothing behind it may pass meanwhile
@@ -411,14 +416,21 @@ class Scheduler:
                 self._events.append(Admitted(req.rid, self._running[req.rid].cached,
                                              now - queued_at))
 
-    def _next_in(self, q: deque[tuple[SeqRequest, float]], now: float
-                 ) -> tuple[SeqRequest, float]:
-        """Shortest prompt first, so a one-line question does not wait for a slot behind
-        700-token files; but a request that has waited ``overtake_window`` goes first."""
-        head = q[0]
-        if now - head[1] >= self.limits.overtake_window:
-            return head
-        return min(q, key=lambda item: (len(item[0].prompt), item[1]))
+    def _virtual_start(self, submitted_at: float, prompt_tokens: int) -> float:
+        """When a request counts as submitted, for ordering within its class.
+
+        Shortest first with continuous aging: a prompt is served as if it had arrived
+        ``overtake_window`` times its share of ``max_context`` later. A one-line completion
+        thus goes before a 700-token file that arrived a little earlier, prompts of one
+        length stay first come, first served, and no prompt waits more than
+        ``overtake_window`` longer than it would in arrival order: every later arrival
+        starts later. A hard window (overtake until N seconds, then first) fell back to
+        arrival order exactly when the queue was long, because then everyone was old.
+        """
+        lim = self.limits
+        room = lim.per_slot_cells if lim.per_slot else lim.kv_cells - lim.kv_headroom
+        share = prompt_tokens / max(1, lim.max_context or room)
+        return submitted_at + lim.overtake_window * min(1.0, share)
 
     def _try_admit(self, req: SeqRequest, queued_at: float, now: float) -> bool:
         src, n = self._best_prefix(req.prompt, req.session)
@@ -547,13 +559,12 @@ class Scheduler:
     def _prefilling(self) -> list[_Running]:
         return [r for r in self._running.values() if r.phase is Phase.PREFILL]
 
-    def _prefill_order(self, run: _Running) -> tuple[int, bool, int, float]:
-        """Interactive first; then whoever has waited past ``overtake_window`` since it
-        was submitted, oldest first; then shortest remaining prompt. Without that aging, a
-        steady trickle of short prompts would hold a long one's prefill back forever."""
-        waited = self._now - run.submitted_at >= self.limits.overtake_window
-        return (run.req.priority, not waited,
-                0 if waited else len(run.req.prompt) - run.next_prompt, run.submitted_at)
+    def _prefill_order(self, run: _Running) -> tuple[int, float]:
+        """Interactive first; then by virtual start on what is left of the prompt, so the
+        same aging that orders the queue keeps a steady trickle of short prompts from
+        holding a long prefill back forever."""
+        left = len(run.req.prompt) - run.next_prompt
+        return run.req.priority, self._virtual_start(run.submitted_at, left)
 
     # --- introspection ------------------------------------------------------------------
 

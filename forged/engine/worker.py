@@ -90,6 +90,7 @@ class Worker:
             kv_headroom=i.kv_headroom,
             decode_reservation=live.decode_reservation, max_queued=live.max_queued,
             max_queued_tokens=live.max_queued_tokens, per_slot_cells=i.per_slot_cells,
+            max_context=i.max_context,
             overtake_window=live.overtake_window, session_ttl=live.session_ttl,
         )
 
