@@ -20,12 +20,14 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from forged.bench import make_prompts, ratios, run_alternating, run_load
+from forged.status import fetch_stats
 from tests.daemonproc import DaemonProcess, free_port, health_ok, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,7 +219,7 @@ def main() -> None:
         section, _, name = key.partition(".")
         sections.setdefault(section, {})[name] = _value(value)
     forged = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, **sections), port)
-    best = LlamaServer(binary, BEST, tmp / "best.log")
+    best = LlamaServer(binary, BEST + (["--metrics"] if args.only else []), tmp / "best.log")
     default = LlamaServer(binary, ["-np", "16"], tmp / "default.log")
     result: dict[str, Any] = {"machine": os.uname().nodename, "threads": THREADS,
                               "layout": args.layout,
@@ -231,7 +233,8 @@ def main() -> None:
         best.wait_ready()
         default.wait_ready()
         if args.only:
-            _only(args.only, args.set, forged.url, best.url, args.quick)
+            _only(args.only, args.set, forged.url, f"unix:{tmp}/admin.sock", best.url,
+                  args.quick)
             return
         for mix in () if args.resume else ("mixed", "shared-prefix"):
             for c in levels:
@@ -269,15 +272,49 @@ def _value(text: str) -> Any:
         return text
 
 
-def _only(which: list[str], overrides: list[str], forged: str, best: str, quick: bool) -> None:
-    """Single comparisons, for trying a setting: ratios printed and kept in only.json."""
+def forged_counters(admin: str) -> dict[str, float]:
+    t = fetch_stats(admin)["engine"]["totals"]
+    return {"steps": t["steps"],
+            "tokens": t["prompt_tokens_computed"] + t["tokens_generated"]}
+
+
+def llama_counters(url: str) -> dict[str, float]:
+    """From llama-server's /metrics (started with --metrics)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
+                                    if line and not line.startswith("#"))}
+    return {"steps": m["llamacpp:n_decode_total"],
+            "tokens": m["llamacpp:prompt_tokens_total"] + m["llamacpp:tokens_predicted_total"]}
+
+
+def step_shape(before: dict[str, float], after: dict[str, float], wall: float
+               ) -> dict[str, float]:
+    """How a server batched one run: llama_decode calls, tokens computed per call, and
+    wall time per computed token (both servers compute all the time at saturation)."""
+    steps, tokens = after["steps"] - before["steps"], after["tokens"] - before["tokens"]
+    return {"steps": steps, "tokens_computed": tokens,
+            "tokens_per_step": tokens / steps if steps else 0.0,
+            "ms_per_token": 1000 * wall / tokens if tokens else 0.0}
+
+
+def _only(which: list[str], overrides: list[str], forged: str, admin: str, best: str,
+          quick: bool) -> None:
+    """Single comparisons, for trying a setting: ratios and each server's step shape,
+    printed and kept in only.json."""
     runs = []
     for item in which:
         mix, _, c = item.partition(":")
+        fa, la = forged_counters(admin), llama_counters(best)
         run = trio.run(compare, forged, best, mix, int(c), quick)
+        run["shape"] = {
+            "forged": step_shape(fa, forged_counters(admin), run["forged"]["wall_s"]),
+            "llama_server": step_shape(la, llama_counters(best), run["llama_server"]["wall_s"]),
+        }
         run["against"], run["overrides"] = "llama-server " + " ".join(BEST), overrides
         runs.append(run)
-        print(json.dumps({k: run[k] for k in ("mix", "concurrency", "overrides", "ratio")}))
+        print(json.dumps({k: run[k] for k in ("mix", "concurrency", "overrides", "ratio",
+                                              "shape")}))
     (RESULTS / "only.json").write_text(json.dumps(runs, indent=2))
     print(tables({"runs": runs}))
 

@@ -64,6 +64,10 @@ def render(stats: dict[str, Any]) -> str:
         f"{queued} queued ({int(t.get('queued_tokens', 0))} prompt tokens)",
         f"KV cache    {100 * used / total:.0f}% used ({int(used)} / {int(total)} cells, "
         f"{int(t.get('kv_cells_cached', 0))} held as prefix cache)",
+        f"reuse       prefix cache {int(t.get('prefix_cache_hits', 0))} hits in "
+        f"{int(t.get('prefix_cache_queries', 0))} requests "
+        f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved); sessions "
+        f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
         f"throughput  {lm['tokens_per_second']:.1f} tok/s over the last minute "
         f"({int(lm['requests'])} requests)",
         f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",

@@ -116,14 +116,16 @@ def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonP
 
 def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     with httpx.Client(base_url=daemon.url, timeout=30) as c:
-        for _ in range(4):
-            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "ignore_eos": True})
+        for i in range(4):
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "ignore_eos": True,
+                                             "session": f"s{i % 2}"})
     admin_addr = f"unix:{daemon.config.parent / 'admin.sock'}"
     out = subprocess.run([sys.executable, "-m", "forged", "status", "--admin", admin_addr],
                          capture_output=True, text=True, timeout=30, check=True).stdout
     assert "model tiny" in out and "ready" in out
     assert "(4 requests)" in out
     assert "TTFT        p50" in out and "worker 0" in out
+    assert "in 4 requests" in out and "sessions 2 pinned" in out  # s0 and s1
     raw = json.loads(subprocess.run(
         [sys.executable, "-m", "forged", "status", "--admin", admin_addr, "--json"],
         capture_output=True, text=True, timeout=30, check=True).stdout)
@@ -151,3 +153,21 @@ def test_forged_bench_smoke(daemon: DaemonProcess, tmp_path: Path) -> None:
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 100 and image.shape[1] > 100
     assert "ttft" in r.stdout
+
+
+def test_forged_bench_compare_takes_turns_at_one_caller(daemon: DaemonProcess,
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "forged", "bench", "--url", daemon.url, "--compare",
+         daemon.url + "/", "--concurrency", "1", "--requests", "3", "--max-tokens", "4",
+         "--duration", "60", "--out", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["url"] for run in runs] == [daemon.url, daemon.url]
+    for run in runs:
+        assert run["summary"]["ok"] == 3 and run["summary"]["errors"] == {}
+        # Rates are over each server's own answering time, not the shared wall clock.
+        assert run["summary"]["wall_s"] < 60
+    assert runs[0]["ratio_vs_compare"]["req_per_s"] is not None
