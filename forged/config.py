@@ -63,7 +63,7 @@ class EngineConfig(_Section, frozen=True):
     # Sequences decoding at once per worker.
     max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
-    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 64
+    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 48
     # Tokens per step while no sequence is decoding (no stream to stall): a lone long
     # prompt runs in bigger chunks. 0: the same as step_tokens.
     prefill_step_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 256
