@@ -84,6 +84,11 @@ class SchedulerLimits:
     def per_slot(self) -> bool:
         return self.per_slot_cells > 0
 
+    @property
+    def room(self) -> int:
+        """The cells one request may ever use: its slot's stream, or the whole cache."""
+        return self.per_slot_cells if self.per_slot else self.kv_cells - self.kv_headroom
+
 
 @dataclass
 class SeqRequest:
@@ -247,8 +252,7 @@ class Scheduler:
         ):
             raise QueueFull
         self._now = now
-        room = lim.per_slot_cells if lim.per_slot else lim.kv_cells - lim.kv_headroom
-        if not req.prompt or len(req.prompt) + req.max_tokens > room:
+        if not req.prompt or len(req.prompt) + req.max_tokens > lim.room:
             raise ValueError("request can never fit in the KV cache")
         self._queues[req.priority].append((req, now))
         self._queued_tokens += len(req.prompt)
@@ -428,8 +432,7 @@ class Scheduler:
         arrival order exactly when the queue was long, because then everyone was old.
         """
         lim = self.limits
-        room = lim.per_slot_cells if lim.per_slot else lim.kv_cells - lim.kv_headroom
-        share = prompt_tokens / max(1, lim.max_context or room)
+        share = prompt_tokens / max(1, lim.max_context or lim.room)
         return submitted_at + lim.overtake_window * min(1.0, share)
 
     def _try_admit(self, req: SeqRequest, queued_at: float, now: float) -> bool:
