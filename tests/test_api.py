@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 
+from forged.auth import add_key
 from tests.conftest import DaemonFactory
 
 pytestmark = pytest.mark.trio
@@ -326,3 +327,82 @@ async def test_a_session_resumes_its_conversation_under_cache_pressure(
     assert cached_anonymous < 16  # at most the chat template's opening tokens
     assert cached_session >= first_prompt
     assert st["session_resumes"] == 1 and st["sessions_pinned"] == 1
+
+
+@pytest.mark.parametrize("point", ["submitted", "admitted", "responding", "streaming"])
+async def test_a_client_gone_before_its_first_byte_leaves_nothing_held(
+    point: str, tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """The handler is parked (a test hook) at one point between the request's arrival and
+    its first byte on the wire; the client then drops the connection. The key's place,
+    the engine's sequence and the drain's count must all come back."""
+    key = add_key(tmp_path / "keys.toml", "solo", max_streams=1, max_queued=1,
+                  priority="interactive")
+    auth = {"Authorization": f"Bearer {key}"}
+    body = json.dumps({"prompt": "go on", "max_tokens": 2000, "ignore_eos": True,
+                       "stream": True}).encode()
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                                  base_url="http://admin", timeout=30) as admin:
+            state = d.daemon.state
+            assert state is not None
+            assert (await admin.post("/debug/hold", params={"point": point})).status_code == 200
+            host, port = d.url.removeprefix("http://").rsplit(":", 1)
+            sock = await trio.open_tcp_stream(host, int(port))
+            await sock.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: " +
+                auth["Authorization"].encode() + b"\r\nContent-Length: " +
+                str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert (await admin.get("/debug/held", params={"point": point})).status_code == 200
+            await sock.aclose()  # gone before reading a byte
+
+            def released() -> bool:
+                usage = state.key_usage["solo"]
+                return (usage.open, usage.queued, len(state.streams),
+                        d.daemon.pool.in_flight()) == (0, 0, 0, 0)
+
+            async def engine_idle() -> bool:
+                totals = (await admin.get("/stats")).json()["engine"]["totals"]
+                return bool(totals["running"] == 0 and totals["queued_interactive"] == 0)
+
+            await until(released, limit=10)
+            with trio.fail_after(10):
+                while not await engine_idle():  # noqa: ASYNC110 (another process's state)
+                    await trio.sleep(0.05)
+            async with httpx.AsyncClient(base_url=d.url, headers=auth, timeout=30) as c:
+                r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+
+async def test_drain_lets_whole_completions_finish_then_answers_503(
+    tiny_model: Path, start_daemon: DaemonFactory
+) -> None:
+    """Non-streamed completions are open generations too: a drain counts them, lets
+    them finish until its deadline, and answers the rest with a 503 to retry (not a
+    dropped connection)."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server={"drain_timeout": 3.0}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as c:
+            state = d.daemon.state
+            assert state is not None
+            d.daemon.pool.slow_steps(0, 0.05)  # the long one needs 75 s, the short 0.5 s
+            replies: dict[str, httpx.Response] = {}
+
+            async def one(name: str, max_tokens: int) -> None:
+                replies[name] = await c.post("/v1/completions", json={
+                    "prompt": name, "max_tokens": max_tokens, "ignore_eos": True})
+
+            async with trio.open_nursery() as n:
+                n.start_soon(one, "short", 10)
+                n.start_soon(one, "long", 1500)
+                await until(lambda: d.stats().get("running", 0) == 2, limit=20)
+                assert len(state.streams) == 2
+                d.daemon.begin_drain()
+    short, long = replies["short"], replies["long"]
+    assert short.status_code == 200, short.text
+    assert short.json()["usage"]["completion_tokens"] == 10
+    assert long.status_code == 503, long.text
+    assert long.headers["retry-after"] == "2"
+    assert set(long.json()["error"]) == {"message", "type", "param", "code"}
+    assert "shutting down" in long.json()["error"]["message"]

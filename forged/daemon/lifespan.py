@@ -27,7 +27,7 @@ from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
 from forged.http.admin import create_admin_app
 from forged.http.api import create_app
-from forged.http.state import AppState
+from forged.http.state import AppState, Holds
 from forged.metrics import Metrics
 
 log = logging.getLogger("forged")
@@ -88,7 +88,8 @@ class Daemon:
         try:
             metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
             state = self.state = AppState(self.cfg, self.pool, prompter, metrics,
-                                          keys=self.keys)
+                                          keys=self.keys,
+                                          holds=Holds() if self.test_hooks else None)
             async with trio.open_nursery() as engine:
                 await engine.start(self.pool.run)
                 async with trio.open_nursery() as aux:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -68,6 +69,29 @@ def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
     async def slow_steps() -> Response:
         state.pool.slow_steps(0, float(request.args.get("seconds", "0")))
         return Response(b"{}", content_type="application/json")
+
+    @app.post("/debug/hold")
+    async def hold() -> Response:
+        assert state.holds is not None
+        try:
+            state.holds.arm(request.args.get("point", ""))
+        except ValueError as exc:
+            return Response(_json.encode({"error": str(exc)}), status=400,
+                            content_type="application/json")
+        return Response(b"{}", content_type="application/json")
+
+    @app.get("/debug/held")
+    async def held() -> Response:
+        """Answers once a request is parked at the armed point (504 after ``timeout``)."""
+        assert state.holds is not None
+        reached = state.holds.reached.get(request.args.get("point", ""))
+        if reached is None:
+            return Response(b'{"error": "not armed"}', status=400,
+                            content_type="application/json")
+        with trio.move_on_after(float(request.args.get("timeout", "20"))):
+            await reached.wait()
+        return Response(b"{}", status=200 if reached.is_set() else 504,
+                        content_type="application/json")
 
     @app.post("/debug/hang-worker")
     async def hang_worker() -> Response:

@@ -23,12 +23,14 @@ from werkzeug.exceptions import HTTPException
 
 from forged import errors as e
 from forged.auth import KeyEntry
+from forged.config import Config
 from forged.engine import frames as fr
 from forged.engine.pool import Job
 from forged.engine.scheduler import BATCH, INTERACTIVE
 from forged.http import errors as he
 from forged.http import sse
 from forged.http.generate import Outcome, generate, priority_name
+from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import error_response, json_response
 from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
 from forged.http.state import AppState, KeyUsage
@@ -41,10 +43,11 @@ def create_app(state: AppState) -> QuartTrio:
     app = QuartTrio("forged")
     app.config.update(
         RESPONSE_TIMEOUT=None,  # streams last as long as generation does
-        BODY_TIMEOUT=state.cfg.server.read_timeout,
-        MAX_CONTENT_LENGTH=state.cfg.server.max_body_bytes,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
+    configure(app, state.cfg)
+    # Every request's holdings are released when its ASGI call ends (forged.http.lifetime).
+    app.asgi_app = RequestResources(app.asgi_app)  # type: ignore[method-assign]
 
     @app.before_request
     async def _request_id() -> None:
@@ -60,13 +63,18 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.after_request
     async def _account(resp: Response) -> Response:
+        outcome: Outcome | None = g.get("outcome")
+        if outcome is not None:
+            outcome.responded(resp.status_code)
+            if state.holds is not None:
+                await state.holds.at("responding")
         resp.headers["X-Request-Id"] = g.get("request_id", "")
         if "Connection" not in resp.headers and not await _drain_body():
             resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
         priority = g.get("priority", "none")
         state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
-        if not g.get("generation"):  # a generation logs its own line when it ends
+        if outcome is None:  # a generation logs its own line when it ends
             key = g.get("key")
             access_log.info("%s %s", rule, resp.status_code, extra={"fields": {
                 "request_id": g.get("request_id", ""), "status": resp.status_code,
@@ -126,6 +134,13 @@ def create_app(state: AppState) -> QuartTrio:
                           sse.ChatFormat)
 
     return app
+
+
+def configure(app: QuartTrio, cfg: Config) -> None:
+    """The request limits of ``cfg``: Quart reads them as each request arrives, so a
+    reload applies them to the requests that come after it."""
+    app.config.update(BODY_TIMEOUT=cfg.server.read_timeout,
+                      MAX_CONTENT_LENGTH=cfg.server.max_body_bytes)
 
 
 async def _drain_body() -> bool:
@@ -295,11 +310,13 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
                fmt: type[sse.Format]) -> Response:
     job = _job(state, req, prompt, requested)
     g.priority = priority_name(job)
-    g.generation = True
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")
-    outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
-                      key=key.name if key else "-")
+    outcome = g.outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
+                                  key=key.name if key else "-")
+    # Recorded once, when the request ends, however it ends: this also gives the key
+    # its places back (forged.http.lifetime).
+    resources().callback(outcome.record, state)
     if key is not None:
         outcome.usage = _admit_key(state, key)
     return await generate(state, req, job, fmt, outcome)

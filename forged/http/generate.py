@@ -1,10 +1,11 @@
 """Running one generation for an HTTP request: admission, streaming or collecting,
 and what it leaves behind (metrics, one access-log line).
 
-Resource handling: the engine request is opened in an ``AsyncExitStack`` that is
-closed exactly once, by whoever ends the request: the handler when it fails before
-responding, the JSON path when it returns, or the SSE body's ``finally`` (also when
-the client goes away and quart-trio cancels it).
+Resource handling: what a generation holds (its key's places, its count in the drain,
+the engine request, its access-log record) is entered into the request's resources
+(:mod:`forged.http.lifetime`) as it is taken, and released when the request's ASGI
+call ends, on every path: an error, the end of the response, or a client that leaves
+at any point, also before the SSE body has started. The SSE body only streams.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import trio
 from quart import Response
 
 from forged import errors as e
@@ -26,6 +25,7 @@ from forged.engine.pool import Job, RequestStream
 from forged.engine.scheduler import CLASS_NAMES
 from forged.http import errors as he
 from forged.http import sse
+from forged.http.lifetime import resources
 from forged.http.responses import json_response
 from forged.http.state import AppState, KeyUsage
 
@@ -40,8 +40,9 @@ class Outcome:
     endpoint: str
     priority: str
     started: float = field(default_factory=time.monotonic)
-    status: str = "200"
-    end: str = "ok"  # ok, client_gone, drain, error
+    # Until a response is made, the caller is one that left: 499, client_gone.
+    status: str = "499"
+    end: str = "client_gone"  # ok, client_gone, drain, queue_timeout, error
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -50,19 +51,31 @@ class Outcome:
     key: str = "-"
     usage: KeyUsage | None = None
     admitted: bool = False
+    rs: RequestStream | None = None
 
     def mark_admitted(self) -> None:
         if not self.admitted and self.usage is not None:
             self.usage.queued -= 1
         self.admitted = True
 
-    def record(self, state: AppState, rs: RequestStream | None) -> None:
-        if self.usage is not None:  # give the key its places back, exactly once
+    def responded(self, status: int) -> None:
+        self.status = str(status)
+        if status >= 400 and self.end == "client_gone":
+            self.end = "error"
+
+    def failed(self, exc: e.ForgedError) -> None:
+        if self.end == "client_gone":  # not said more precisely where it was raised
+            self.end = "queue_timeout" if isinstance(exc, e.QueueTimeout) else "error"
+
+    def record(self, state: AppState) -> None:
+        """Called once, by the request's resources when the request ends."""
+        if self.usage is not None:  # give the key its places back
             self.mark_admitted()
             self.usage.open -= 1
             self.usage = None
         m = state.metrics
         duration = time.monotonic() - self.started
+        rs = self.rs
         if rs is not None and rs.delta_times:
             self.ttft = rs.delta_times[0] - self.started
             m.observe_ttft(self.ttft)
@@ -76,53 +89,38 @@ class Outcome:
         if self.end in ("client_gone", "drain", "queue_timeout"):
             m.cancellations.labels(self.end).inc()
         ttft = f"{self.ttft:.3f}" if self.ttft is not None else "-"
-        access_log.info(
-            "%s %s", self.endpoint, self.status,
-            extra={"fields": {
-                "request_id": self.request_id, "key": self.key, "status": self.status,
-                "end": self.end,
-                "priority": self.priority, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens, "ttft": ttft,
-                "duration": f"{duration:.3f}"}},
-        )
+        fields: dict[str, object] = {
+            "request_id": self.request_id, "key": self.key, "status": self.status,
+            "end": self.end,
+            "priority": self.priority, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens, "ttft": ttft,
+            "duration": f"{duration:.3f}"}
+        access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
 
 
 async def generate(state: AppState, req: Any, job: Job, fmt: type[sse.Format],
                    outcome: Outcome) -> Response:
     out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
     outcome.prompt_tokens = len(job.prompt)
-    stack = AsyncExitStack()
-    rs: RequestStream | None = None
+    held = resources()
     try:
-        rs = await stack.enter_async_context(state.pool.open_request(job))
+        held.enter_context(state.streams.counted())
+        rs = outcome.rs = await held.enter_async_context(state.pool.open_request(job))
+        if state.holds is not None:
+            await state.holds.at("submitted")
         first = await _admission(state, rs, outcome)
-    except BaseException as exc:
-        outcome.end = "client_gone" if isinstance(exc, trio.Cancelled) else "error"
-        if isinstance(exc, e.QueueTimeout):
-            outcome.end = "queue_timeout"
-        outcome.status = str(he.from_exception(exc).status) if isinstance(
-            exc, e.ForgedError) else "499"
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
-        outcome.record(state, rs)
-        raise
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(state, rs, stack, first, out, include_usage, outcome)
-        return Response(body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        async with stack:
-            return json_response(await _collect(rs, first, out, outcome))
-    except trio.Cancelled:
-        outcome.end, outcome.status = "client_gone", "499"
-        raise
+        if state.holds is not None:
+            await state.holds.at("admitted")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _stream(state, rs, first, out, include_usage, outcome)
+            return Response(body, content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return json_response(await _collect(state, rs, first, out, outcome))
     except e.ForgedError as exc:
-        outcome.end, outcome.status = "error", str(he.from_exception(exc).status)
+        outcome.failed(exc)
         raise
-    finally:
-        outcome.record(state, rs)
 
 
 async def _admission(state: AppState, rs: RequestStream, outcome: Outcome) -> list[fr.Event]:
@@ -156,6 +154,17 @@ async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
             return events
 
 
+async def _next_events(state: AppState, rs: RequestStream) -> list[fr.Event] | None:
+    """The request's next events, or None once the drain's deadline has passed."""
+    scope = state.streams.open()
+    try:
+        with scope:
+            return await rs.receive()
+        return None
+    finally:
+        state.streams.close(scope)
+
+
 def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
     retry = state.cfg.limits.retry_after
     match ev.code:
@@ -174,10 +183,12 @@ def _done(outcome: Outcome, ev: fr.Done) -> None:
     outcome.cached_tokens = ev.cached_tokens
 
 
-async def _collect(rs: RequestStream, events: list[fr.Event], out: sse.Format,
-                   outcome: Outcome) -> dict[str, Any]:
+async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
+                   out: sse.Format, outcome: Outcome) -> dict[str, Any]:
+    """The whole completion. Counted among the open generations like a stream, it may
+    finish until the drain's deadline; past it the caller gets a 503 to retry."""
     parts: list[str] = []
-    while True:
+    while events is not None:
         for ev in events:
             match ev:
                 case fr.Delta(text=text):
@@ -185,20 +196,27 @@ async def _collect(rs: RequestStream, events: list[fr.Event], out: sse.Format,
                 case fr.Done():
                     parts.append(ev.text)
                     _done(outcome, ev)
+                    outcome.end = "ok"
                     return out.whole("".join(parts), ev)
                 case fr.Failed():
                     raise e.EngineError(ev.message)
-        events = await rs.receive()
+        events = await _next_events(state, rs)
+    outcome.end = "drain"
+    raise e.Unavailable("the server is shutting down; the completion was cut short",
+                        state.cfg.limits.retry_after)
 
 
-async def _stream(state: AppState, rs: RequestStream, stack: AsyncExitStack,
-                  events: list[fr.Event], out: sse.Format, include_usage: bool,
-                  outcome: Outcome) -> AsyncIterator[bytes]:
-    """The SSE body. Its ``finally`` closes the request, whoever ends the stream."""
+async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
+                  out: sse.Format, include_usage: bool, outcome: Outcome
+                  ) -> AsyncIterator[bytes]:
+    """The SSE body. It releases nothing: the request's resources do, also when the
+    client goes away before this body has started."""
+    if state.holds is not None:
+        await state.holds.at("streaming")
     try:
         if head := out.start():
             yield head
-        while True:
+        while events is not None:
             for ev in events:
                 match ev:
                     case fr.Delta(text=text):
@@ -206,33 +224,20 @@ async def _stream(state: AppState, rs: RequestStream, stack: AsyncExitStack,
                     case fr.Done():
                         _done(outcome, ev)
                         yield out.finish(ev, include_usage)
+                        outcome.end = "ok"  # the last frame went out
                         return
                     case fr.Failed():
                         outcome.end = "error"
                         yield sse.error_event(he.from_exception(e.EngineError(ev.message)))
                         return
-            scope = state.streams.open()
-            try:
-                with scope:
-                    events = await rs.receive()
-            finally:
-                state.streams.close(scope)
-            if scope.cancelled_caught:
-                outcome.end = "drain"
-                yield sse.error_event(he.http_error(
-                    503, "the server is shutting down; the stream was cut short",
-                    "server_error", None, "draining", state.cfg.limits.retry_after))
-                return
+            events = await _next_events(state, rs)
+        outcome.end = "drain"
+        yield sse.error_event(he.http_error(
+            503, "the server is shutting down; the stream was cut short",
+            "server_error", None, "draining", state.cfg.limits.retry_after))
     except e.ForgedError as exc:
         outcome.end = "error"
         yield sse.error_event(he.from_exception(exc))
-    except BaseException:
-        outcome.end = "client_gone"
-        raise
-    finally:
-        with trio.CancelScope(shield=True):
-            await stack.aclose()
-        outcome.record(state, rs)
 
 
 def priority_name(job: Job) -> str:

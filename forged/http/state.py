@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -17,10 +19,23 @@ from forged.metrics import Metrics
 
 @dataclass
 class StreamDeadlines:
-    """Lets a drain put a deadline on every open stream at once."""
+    """Lets a drain put a deadline on every open generation at once, streamed or not.
+
+    ``len()`` counts the generations open (``counted()``, held for a request's whole
+    life); each wait for the engine runs in a scope from ``open()``, which carries the
+    drain's deadline once it is set."""
 
     deadline: float = math.inf
     _scopes: set[trio.CancelScope] = field(default_factory=set)
+    _open: int = 0
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        self._open += 1
+        try:
+            yield
+        finally:
+            self._open -= 1
 
     def open(self) -> trio.CancelScope:
         scope = trio.CancelScope(deadline=self.deadline)
@@ -36,7 +51,35 @@ class StreamDeadlines:
             scope.deadline = min(scope.deadline, deadline)
 
     def __len__(self) -> int:
-        return len(self._scopes)
+        return self._open
+
+
+@dataclass
+class Holds:
+    """Test hook (``--test-hooks`` only): park the next request that reaches a named
+    point of its path, so that a test can act (drop the client) while it is there.
+
+    Points: ``submitted`` (the engine has the request, not yet admitted), ``admitted``
+    (admitted, no response made yet), ``responding`` (the response exists, nothing is
+    sent), ``streaming`` (the SSE body has started, nothing is yielded)."""
+
+    POINTS = ("submitted", "admitted", "responding", "streaming")
+
+    armed: set[str] = field(default_factory=set)
+    reached: dict[str, trio.Event] = field(default_factory=dict)
+
+    def arm(self, point: str) -> trio.Event:
+        if point not in self.POINTS:
+            raise ValueError(f"no hold point {point!r}")
+        self.armed.add(point)
+        self.reached[point] = trio.Event()
+        return self.reached[point]
+
+    async def at(self, point: str) -> None:
+        if point in self.armed:
+            self.armed.discard(point)
+            self.reached[point].set()
+            await trio.sleep_forever()  # until the client leaves and the handler is cancelled
 
 
 @dataclass
@@ -58,6 +101,7 @@ class AppState:
     streams: StreamDeadlines = field(default_factory=StreamDeadlines)
     keys: KeyStore = field(default_factory=KeyStore)
     key_usage: dict[str, KeyUsage] = field(default_factory=dict)
+    holds: Holds | None = None  # test hooks only
 
     @property
     def model_ids(self) -> list[str]:
