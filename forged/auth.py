@@ -35,6 +35,10 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # Requests of this key waiting for a slot; more get 429.
     max_queued: Annotated[int, msgspec.Meta(ge=0)] = 32
     priority: Literal["interactive", "batch"] = "interactive"
+    # Keys of one tenant share the prefix cache (what one sent may show in another's
+    # cached_tokens); keys of different tenants never do. By default all keys are one
+    # tenant, as one organisation is.
+    tenant: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9_.@-]*$")] = ""
 
 
 class KeysFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -78,18 +82,18 @@ class KeyStore:
 
 
 def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
-            priority: Literal["interactive", "batch"]) -> str:
+            priority: Literal["interactive", "batch"], tenant: str = "") -> str:
     """Append a new key to ``path`` and return it; it is never written in clear."""
     store = KeyStore.load(path)
     if any(e.name == name for e in store.by_hash.values()):
         raise ConfigError(f"{path}: a key named {name!r} exists already")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     entry = KeyEntry(name=name, sha256=hash_key(key), max_streams=max_streams,
-                     max_queued=max_queued, priority=priority)
+                     max_queued=max_queued, priority=priority, tenant=tenant)
     msgspec.convert(msgspec.to_builtins(entry), KeyEntry)  # validates the name
     block = (f'\n[[key]]\nname = "{name}"\nsha256 = "{entry.sha256}"\n'
              f"max_streams = {max_streams}\nmax_queued = {max_queued}\n"
-             f'priority = "{priority}"\n')
+             f'priority = "{priority}"\n' + (f'tenant = "{tenant}"\n' if tenant else ""))
     new = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     with os.fdopen(fd, "a") as f:

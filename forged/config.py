@@ -62,11 +62,15 @@ class EngineConfig(_Section, frozen=True):
     slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Sequences decoding at once per worker.
     max_running: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
-    # Tokens per llama_decode step: running sequences first, prompt chunks with the rest.
-    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 48
-    # Tokens per step while no sequence is decoding (no stream to stall): a lone long
-    # prompt runs in bigger chunks. 0: the same as step_tokens.
+    # The most tokens one llama_decode step carries: running sequences first, prompt
+    # chunks with the rest, as far as target_step_ms allows.
+    step_tokens: Annotated[int, msgspec.Meta(ge=8, le=8192)] = 256
+    # The same while no sequence is decoding. 0: the same as step_tokens.
     prefill_step_tokens: Annotated[int, msgspec.Meta(ge=0, le=8192)] = 256
+    # A step's predicted duration (the cost model fitted from measured steps) stays
+    # within this: it bounds every stream's inter-token latency while prompts are
+    # computed beside it, and how long a new short prompt waits for the step to end.
+    target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 150.0
     flash_attn: bool = True
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every
@@ -81,8 +85,28 @@ class EngineConfig(_Section, frozen=True):
     heartbeat_interval: Seconds = 1.0
     # A worker that sends nothing for this long is killed and restarted.
     heartbeat_timeout: Seconds = 30.0
+    # Seconds before restarting a worker that died; doubled for each further death in
+    # a row, up to restart_backoff_max.
     restart_backoff: Seconds = 0.5
+    restart_backoff_max: Seconds = 30.0
     startup_timeout: Seconds = 300.0
+
+    @property
+    def per_slot_cells(self) -> int:
+        """Cells of one slot's own stream; 0 in the unified layout."""
+        return self.kv_cells // self.slots if self.kv_layout == "per_slot" else 0
+
+    @property
+    def room(self) -> int:
+        """The most cells one request may use: its slot's stream, or the unified
+        cache less the headroom kept for llama.cpp."""
+        return self.per_slot_cells or self.kv_cells - self.kv_headroom
+
+    @property
+    def heartbeat_late(self) -> float:
+        """Seconds of silence after which no new request is routed to a worker: a few
+        heartbeats, or many steps, whichever is longer."""
+        return max(3 * self.heartbeat_interval, 10 * self.target_step_ms / 1000)
 
 
 class LimitsConfig(_Section, frozen=True):
@@ -164,12 +188,17 @@ def _check(path: Path, cfg: Config) -> None:
         # process if the batch size is smaller than the number of sequences.
         raise ConfigError(
             f"{path}: engine.step_tokens: must be at least engine.slots ({eng.slots})")
-    if eng.max_context > eng.kv_cells:
-        raise ConfigError(f"{path}: engine.max_context: must not exceed engine.kv_cells")
-    if eng.kv_layout == "per_slot" and eng.max_context > eng.kv_cells // eng.slots:
+    if eng.max_context > eng.room:
         raise ConfigError(
-            f"{path}: engine.max_context: with kv_layout = \"per_slot\" it must not exceed "
-            f"kv_cells / slots ({eng.kv_cells // eng.slots})")
+            f"{path}: engine.max_context: must not exceed the cells one request may use "
+            f"({eng.room}: " + ("kv_cells / slots" if eng.per_slot_cells
+                                else "kv_cells - kv_headroom") + ")")
+    if eng.heartbeat_timeout <= eng.heartbeat_late:
+        # A step runs between two heartbeats: a timeout shorter than the longest step
+        # the targets allow would kill healthy workers.
+        raise ConfigError(
+            f"{path}: engine.heartbeat_timeout: must exceed {eng.heartbeat_late:g} s "
+            "(3 x heartbeat_interval, and 10 x target_step_ms)")
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
 

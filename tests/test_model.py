@@ -18,10 +18,10 @@ from tests.daemonproc import DaemonProcess, free_port, write_config
 pytestmark = pytest.mark.model
 
 # The shipped defaults: 16 slots of 2,048 cells each (kv_layout = "per_slot"), flash
-# attention, 64-token steps (256 while nothing decodes).
+# attention, steps of at most 256 tokens bounded by a 150 ms target.
 ENGINE = {"kv_cells": 32768, "kv_layout": "per_slot", "max_context": 2048, "slots": 16,
-          "max_running": 16, "step_tokens": 64, "prefill_step_tokens": 256, "threads": 2,
-          "flash_attn": True}
+          "max_running": 16, "step_tokens": 256, "prefill_step_tokens": 256, "threads": 2,
+          "flash_attn": True, "target_step_ms": 150.0}
 
 
 def _start(real_model: Path, tmp: Path) -> Iterator[DaemonProcess]:
@@ -178,10 +178,32 @@ def test_long_prompt_does_not_stall_running_streams(client: openai.OpenAI) -> No
             f.result()
     decode_step = statistics.median(gaps_before)
     worst = max(gaps_during)
-    # One full step (the whole token budget) costs about budget / prefill rate.
-    full_step = ENGINE["step_tokens"] * prefill["ttft"] / prefill["tokens"]
-    print(f"decode-only step {decode_step * 1000:.0f} ms, full step ~{full_step * 1000:.0f} ms, "
+    # Steps are bounded by the target in the cost model's estimate; the model follows
+    # the machine's speed, so a slow spell stretches steps only until it is refitted.
+    target = float(ENGINE["target_step_ms"]) / 1000
+    print(f"decode-only step {decode_step * 1000:.0f} ms, target {target * 1000:.0f} ms, "
           f"worst gap during prefill {worst * 1000:.0f} ms, prefill of {prefill['tokens']} "
           f"tokens took {prefill['ttft'] * 1000:.0f} ms")
-    assert worst < 2.5 * full_step, "a stream waited for more than about two steps"
+    assert worst < 4 * target, "a stream waited for much more than one bounded step"
     assert worst < prefill["ttft"] / 5, "the prefill was not split across steps"
+
+
+def test_text_held_for_a_stop_string_is_released_at_end_of_sequence(
+        fresh_daemon: DaemonProcess) -> None:
+    client = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key="none", max_retries=0)
+
+    def answer(**kw: object) -> openai.types.chat.ChatCompletion:
+        # No prompt cache: both answers come from the same computation.
+        return client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=64,
+            messages=[{"role": "user", "content": "Say hello."}],
+            extra_body={"cache_prompt": False}, **kw)  # type: ignore[call-overload]
+
+    full = answer()
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop" and text  # it ended with EOS
+    # A stop string that starts with the answer's last character and never completes:
+    # that character is held back until EOS, and must come out then.
+    held = answer(stop=[text[-1] + "\u2603never"])
+    assert held.choices[0].finish_reason == "stop"
+    assert held.choices[0].message.content == text

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
+from forged.engine.costmodel import SEED, CostModel, StepShape, chunk_shape, decode_shape
 from forged.engine.scheduler import (
     BATCH,
     INTERACTIVE,
+    MIN_PREFILL_TOKENS,
     Admitted,
     Expired,
     Preempted,
@@ -113,7 +118,7 @@ def test_queue_is_bounded_in_requests_and_tokens() -> None:
 def test_queued_request_times_out() -> None:
     s = Scheduler(limits(max_running=1))
     s.submit(req(1, max_tokens=100), 0.0)
-    s.submit(req(2, deadline=5.0), 0.0)
+    s.submit(req(2, queue_timeout=5.0), 0.0)
     run_step(s, 0.0)
     assert s.expire(4.9) == []
     assert s.expire(5.0) == [2]
@@ -458,3 +463,255 @@ def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
         assert now < 60, "request 1's prefill starved"
     # it gave way for at most the overtake window, then took the prompt chunk every step
     assert now <= 10.0 + 0.5 * (200 // 15 + 2)
+
+
+# --- steps bounded by time (engine.target_step_ms) ------------------------------------
+
+
+def costed(**kw: float) -> tuple[Scheduler, CostModel]:
+    """A per-slot scheduler whose cost model is the seed exactly (no observations):
+    fixed 8 ms, 2.6 ms per decoder, 3 ms per prompt token, 3 ms per chunk, 3 ms per
+    thousand query-key pairs."""
+    base: dict[str, float] = dict(kv_cells=16 * 1024, slots=16, max_running=16,
+                                  step_tokens=512, per_slot_cells=1024, target_step_ms=150)
+    base.update(kw)
+    cost = CostModel(SEED)
+    return Scheduler(SchedulerLimits(**base), cost), cost  # type: ignore[arg-type]
+
+
+def decoding(s: Scheduler, n: int, now: float = 0.0) -> None:
+    """Start ``n`` short requests and run them to their decode phase."""
+    for rid in range(100, 100 + n):
+        s.submit(req(rid, n=4, max_tokens=1000, start=10 * rid), now)
+    while s.n_queued or s.statistics()["prefilling"]:
+        run_step(s, now)
+
+
+def prompt_tokens(plan: StepPlan | None) -> int:
+    assert plan is not None
+    return sum(len(c.tokens) for c in plan.chunks if not c.sample or len(c.tokens) > 1)
+
+
+@pytest.mark.parametrize("decoders", [0, 2, 8, 15])
+def test_the_step_budget_follows_the_cost_model(decoders: int) -> None:
+    s, cost = costed()
+    decoding(s, decoders)
+    s.submit(req(1, n=900, max_tokens=5), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    # never over the target in the model's own estimate, and not far under it either
+    predicted = cost.predict(plan.shape)
+    assert predicted <= 150
+    one_more = plan.shape.plus(StepShape(prompt_tokens=1, kpairs=1.0))
+    assert cost.predict(one_more) > 150
+
+
+def test_fewer_decoders_leave_bigger_prompt_chunks() -> None:
+    taken = []
+    for decoders in (0, 4, 12):
+        s, _ = costed()
+        decoding(s, decoders)
+        s.submit(req(1, n=900, max_tokens=5), 1.0)
+        taken.append(prompt_tokens(s.plan(1.0)))
+    assert taken[0] > taken[1] > taken[2] > 0
+
+
+def test_decoders_over_the_target_still_leave_minimum_prompt_progress() -> None:
+    s, _ = costed(target_step_ms=20)  # 8 decoders alone are predicted at ~29 ms
+    decoding(s, 8)
+    s.submit(req(1, n=200, max_tokens=5), 1.0)
+    assert prompt_tokens(s.plan(1.0)) == MIN_PREFILL_TOKENS
+
+
+def test_a_step_without_prompt_work_is_decode_only() -> None:
+    s, _ = costed()
+    decoding(s, 6)
+    plan = s.plan(1.0)
+    assert plan is not None and plan.n_tokens == 6 and plan.shape.prompt_tokens == 0
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    return StepShape(decoders=rng.randint(0, 16), prompt_tokens=rng.choice(
+        [0, rng.randint(1, 300)]), chunks=rng.randint(0, 4), kpairs=rng.uniform(0, 60))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.05])
+def test_the_cost_model_fit_converges_on_synthetic_steps(noise: float) -> None:
+    rng = random.Random(7)
+    true = CostModel((11.0, 1.7, 2.2, 4.5, 1.2))
+    model = CostModel()  # seeded with other values
+    for _ in range(400):
+        shape = random_shape(rng)
+        model.observe(shape, true.predict(shape) * rng.uniform(1 - noise, 1 + noise))
+    if not noise:  # the coefficients themselves, up to the seed's faint pull
+        for fitted, want in zip(model.coef, true.coef, strict=True):
+            assert fitted == pytest.approx(want, rel=0.1)
+    for _ in range(50):  # with noisy steps, what the planner uses: the predictions
+        shape = random_shape(rng)
+        assert model.predict(shape) == pytest.approx(true.predict(shape), rel=0.05, abs=2)
+
+
+def test_the_fit_follows_a_machine_that_slows_down() -> None:
+    model = CostModel()
+    shapes = [StepShape(decoders=d, prompt_tokens=p, chunks=int(p > 0), kpairs=p / 10)
+              for d in (1, 4, 8, 16) for p in (0, 16, 64)]
+    for speed in (1.0, 2.0):
+        for _ in range(40):
+            for sh in shapes:
+                model.observe(sh, speed * (5 + 2 * sh.decoders + 3 * sh.prompt_tokens))
+    assert model.predict(StepShape(decoders=8)) == pytest.approx(2 * (5 + 16), rel=0.1)
+
+
+def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -> None:
+    s, _ = costed(overtake_window=1.0, max_context=1000)
+    decoding(s, 4)
+    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    run_step(s, 0.5)
+    # the long prompt aged past any new arrival long ago: a short one still goes first
+    s.submit(req(2, n=20, max_tokens=5, start=5000), 10.0)
+    plan = s.plan(10.0)
+    assert plan is not None
+    short = next(c for c in plan.chunks if c.rid == 2)
+    assert len(short.tokens) == 20 and short.sample  # its whole prompt, first token next
+    # and the long prompt kept its share of the step
+    assert any(c.rid == 1 and len(c.tokens) >= MIN_PREFILL_TOKENS for c in plan.chunks)
+
+
+def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -> None:
+    s, cost = costed(overtake_window=1.0, max_context=1000)
+    decoding(s, 2)
+    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    now = 10.0
+    for rid in range(10, 14):  # short prompts that would fill more than the room
+        s.submit(req(rid, n=12, max_tokens=5, start=1000 * rid), now)
+    plan = s.plan(now)
+    assert plan is not None
+    room = 150 - cost.predict(decode_shape([c.pos for c in plan.chunks if len(c.tokens) == 1
+                                            and c.rid >= 100]))
+    long_chunk = next(c for c in plan.chunks if c.rid == 1)
+    assert cost.predict_extra(chunk_shape(long_chunk.pos, len(long_chunk.tokens))
+                              ) >= room / 2 - cost.predict_extra(chunk_shape(0, 12))
+
+
+def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
+    s, _ = costed(max_running=2, slots=2, kv_cells=2048)
+    for rid in range(2):  # two long generations hold both slots
+        s.submit(req(rid, n=10, max_tokens=1000, start=100 * rid), 0.0)
+    run_step(s, 0.0)
+    # as observed: while requests waited, slots freed once a second
+    s._finished_at.extend([0.0, 1.0, 2.0, 3.0])
+    s._waiting_clock = 4.0
+    now, rid = 4.0, 10
+    with pytest.raises(QueueFull) as refused:
+        while rid < 200:
+            s.submit(req(rid, n=600, max_tokens=5, start=1000 * rid, queue_timeout=30), now)
+            rid += 1
+    # the refusal came with the estimate, and the estimate is what a queued request sees
+    wait = s.wait_estimate(INTERACTIVE, s._virtual_start(now, 600))
+    assert wait > 30
+    assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
+    assert s.early_rejections == 1 and s.n_queued == rid - 10
+    # each 600-token request ahead costs ~2.6 s of prefill beside two decoders and
+    # 1 s of slot turnover: the tenth would have waited past 30 s
+    assert rid - 10 == 9
+    assert s.statistics()["wait_estimate_s"] > 0
+
+
+def test_a_lone_long_prompt_is_not_refused_for_its_own_prefill() -> None:
+    s, _ = costed(target_step_ms=20)  # a 900-token prefill takes minutes at this pace
+    decoding(s, 8)
+    s.submit(req(1, n=900, max_tokens=5, queue_timeout=1), 1.0)
+    assert s.n_queued == 1
+
+
+def test_slot_pace_is_measured_only_while_requests_wait() -> None:
+    s, _ = costed(max_running=1, slots=1, kv_cells=1024)
+    for k in range(5):  # sparse traffic: a request every 10 s, nobody waits
+        s.submit(req(k, n=10, max_tokens=1, start=100 * k), 10.0 * k)
+        finish_all(s, 10.0 * k)
+    s.submit(req(10, n=10, max_tokens=1000, start=2000), 50.0)
+    run_step(s, 50.0)
+    s.submit(req(11, n=10, max_tokens=5, start=3000, queue_timeout=5), 50.0)
+    assert s.n_queued == 1  # the idle-time pace (one per 10 s) did not refuse it
+
+
+def test_no_refusal_while_the_pace_of_slots_is_unknown() -> None:
+    s, _ = costed(max_running=1, slots=1, kv_cells=1024)
+    s.submit(req(1, n=10, max_tokens=1000), 0.0)
+    run_step(s, 0.0)
+    for rid in range(2, 12):
+        s.submit(req(rid, n=10, max_tokens=5, start=100 * rid, queue_timeout=1), 0.0)
+    assert s.n_queued == 10
+
+
+# --- review findings (issue 13) ---------------------------------------------------------
+
+
+def test_a_preempted_request_keeps_its_queue_timeout_and_its_place() -> None:
+    s = Scheduler(limits(kv_cells=60, decode_reservation=4, step_tokens=16, max_running=2,
+                         overtake_window=10, max_context=60))
+    s.submit(req(1, n=20, max_tokens=30), 0.0)
+    s.submit(req(2, n=20, max_tokens=30, start=500, priority=BATCH, queue_timeout=5.0), 0.0)
+    for step in range(100):
+        run_step(s, 1.0 + step * 0.01)
+        if Preempted(2) in s.drain_events():
+            break
+    else:
+        pytest.fail("request 2 was never preempted")
+    queued = s._queues[BATCH][0]
+    assert queued.req.rid == 2 and queued.vstart == s._virtual_start(0.0, 20)
+    assert queued.deadline < math.inf  # before the fix it could wait forever
+    # request 1 keeps running for a long time: request 2 times out instead of waiting on
+    expired: list[int] = []
+    now = 1.0 + step * 0.01
+    while not expired and now < 20:
+        now += 0.5
+        expired = s.expire(now)
+        run_step(s, now)
+    assert expired == [2] and now <= queued.deadline + 0.5
+
+
+def test_room_making_evicts_nothing_when_the_request_still_would_not_fit() -> None:
+    s = Scheduler(limits(kv_cells=200, kv_headroom=0, decode_reservation=1000, slots=4,
+                         max_running=4))
+    for rid in (1, 2):  # two idle caches of 30 cells, one of them a pinned session
+        s.submit(req(rid, n=30, max_tokens=1, start=100 * rid, session=f"s{rid}"), 0.0)
+        finish_all(s, 0.0)
+    s.submit(req(3, n=20, max_tokens=100, start=900), 1.0)  # reserves 120 cells
+    run_step(s, 1.0)
+    s.drain_events()
+    used = s.ledger.used
+    # needs 100 + 40 cells: even evicting both caches leaves only 200 - 120 - ... too few
+    s.submit(req(4, n=40, max_tokens=100, start=5000), 2.0)
+    for now in (2.0, 3.0, 4.0):
+        plan = s.plan(now)
+        assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqRm)]
+        s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, now)
+    assert s.statistics()["sessions_pinned"] == 2 and s.ledger.used >= used
+    assert not s.is_running(4)
+
+
+def test_room_making_evicts_only_what_admits_the_request() -> None:
+    s = Scheduler(limits(kv_cells=200, kv_headroom=0, decode_reservation=10, slots=4,
+                         max_running=4))
+    for rid in (1, 2):  # idle caches of 60 cells each, request 2's the newer
+        s.submit(req(rid, n=60, max_tokens=1, start=1000 * rid), float(rid))
+        finish_all(s, float(rid))
+    s.submit(req(3, n=90, max_tokens=10, start=9000), 5.0)  # 100 cells: one eviction
+    plan = s.plan(5.0)
+    assert plan is not None and s.is_running(3)
+    removed = [op.seq for op in plan.ops if isinstance(op, SeqRm)]
+    assert removed == [0]  # only the least recently used cache went
+
+
+def test_prefix_caches_are_not_shared_across_tenants() -> None:
+    s = Scheduler(per_slot())
+    shared = list(range(50))
+    s.submit(SeqRequest(1, [*shared, 900], 3, tenant="a"), 0.0)
+    finish_all(s, 0.0)
+    s.submit(SeqRequest(2, [*shared, 950], 3, tenant="b"), 1.0)
+    finish_all(s, 1.0)
+    s.submit(SeqRequest(3, [*shared, 960], 3, tenant="a"), 2.0)
+    finish_all(s, 2.0)
+    admitted = {e.rid: e.cached for e in s.drain_events() if isinstance(e, Admitted)}
+    assert admitted == {1: 0, 2: 0, 3: 50}

@@ -54,6 +54,7 @@ class Init(_Frame, tag="init"):
     max_context: int = 0
     overtake_window: float = 30.0
     session_ttl: float = 600.0
+    target_step_ms: float = 150.0
     test_hooks: bool = False
 
 
@@ -67,6 +68,7 @@ class Submit(_Frame, tag="submit"):
     ignore_eos: bool = False
     cache: bool = True
     session: str | None = None
+    tenant: str = ""
     queue_timeout: float = 60.0
 
 
@@ -80,6 +82,7 @@ class SetLimits(_Frame, tag="limits"):
     decode_reservation: int
     overtake_window: float
     session_ttl: float = 600.0
+    target_step_ms: float = 150.0
 
 
 class Shutdown(_Frame, tag="shutdown"):
@@ -134,6 +137,7 @@ class Failed(msgspec.Struct, tag="failed", tag_field="e", forbid_unknown_fields=
     rid: int
     code: ErrorCode
     message: str
+    retry_after: float | None = None  # seconds, for "overloaded": the worker's estimate
 
 
 Event = Admitted | Delta | Done | Failed

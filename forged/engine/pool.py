@@ -9,19 +9,24 @@ without awaiting anything, so it is safe even in a cancelled scope.
 
 Error handling: a worker that exits, closes its socket or stays silent beyond
 ``heartbeat_timeout`` is killed; each of its requests then raises
-:class:`~forged.errors.WorkerLost` from ``receive()``.
+:class:`~forged.errors.WorkerLost` from ``receive()``. No new request is routed to a
+worker whose heartbeat is late, and every worker process has its own outbox, so that
+nothing meant for a dead process reaches its successor. A prompt that was running when
+a worker died twice is refused (400) instead of taking its co-batched streams down a
+third time. Restarts back off exponentially, up to ``restart_backoff_max``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -31,7 +36,7 @@ import trio
 
 from forged.config import Config
 from forged.engine import frames as fr
-from forged.errors import ForgedError, Overloaded, Unavailable, WorkerLost
+from forged.errors import BadRequest, ForgedError, Overloaded, Unavailable, WorkerLost
 
 log = logging.getLogger("forged.engine")
 
@@ -68,13 +73,25 @@ class Job:
     ignore_eos: bool = False
     cache: bool = True
     session: str | None = None
+    tenant: str = ""
+
+
+# A prompt that was running in two worker crashes is refused from then on.
+CRASHES_TO_REFUSE = 2
+_SUSPECTS_KEPT = 1024
+
+
+def backoff_delay(base: float, cap: float, failures: int) -> float:
+    """Seconds before restart number ``failures`` (1, 2, ...) of a worker in a row."""
+    return min(cap, base * 2.0 ** max(0, failures - 1))
 
 
 class RequestStream:
     """Events of one request, coalesced: ``receive()`` returns all that arrived."""
 
-    def __init__(self, rid: int) -> None:
+    def __init__(self, rid: int, fingerprint: int = 0) -> None:
         self.rid = rid
+        self.fingerprint = fingerprint  # of the prompt, to recognise one that kills
         self.admitted = False
         self.finished = False
         # When each piece of text reached the daemon: TTFT and inter-token latency.
@@ -136,11 +153,18 @@ class _Worker:
         self.pid: int | None = None
         self.ready = False
         self.restarts = 0
+        self.failures = 0  # restarts in a row, for the backoff
         self.pending: dict[int, RequestStream] = {}
-        self.outbox = _Outbox()
+        # The running process's frames; a new one per process (None between them).
+        self.outbox: _Outbox | None = None
         self.stats: dict[str, float] = {}
         self.last_heard = 0.0
         self.wedged = False
+
+    def routable(self, now: float, late: float) -> bool:
+        """Ready, and heard from recently: a worker whose heartbeat is late may be
+        wedged, and a request routed to it would wait for its death."""
+        return self.ready and now - self.last_heard <= late
 
     @property
     def queued(self) -> int:
@@ -160,6 +184,8 @@ class EnginePool:
         self.draining = False
         self._rids = itertools.count(1)
         self._started_at = time.monotonic()
+        # Prompt fingerprint -> worker crashes it was running in (bounded, LRU).
+        self._suspects: OrderedDict[int, int] = OrderedDict()
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -175,6 +201,7 @@ class EnginePool:
     ) -> None:
         first = True
         while True:
+            started = time.monotonic()
             try:
                 await self._run_worker(w, task_status if first else trio.TASK_STATUS_IGNORED)
                 why = "the worker exited"
@@ -187,10 +214,25 @@ class EnginePool:
                 why = f"the worker failed: {fault}"
             first = False
             w.ready, w.pid = False, None
+            self._suspect(w)
             w.lose_all(why)
             w.restarts += 1
-            log.warning("worker %d lost (%s); restarting", w.index, why)
-            await trio.sleep(self.cfg.engine.restart_backoff)
+            # A worker that ran a while before dying starts a fresh backoff series.
+            e = self.cfg.engine
+            w.failures = 1 if time.monotonic() - started > e.restart_backoff_max else (
+                w.failures + 1)
+            delay = backoff_delay(e.restart_backoff, e.restart_backoff_max, w.failures)
+            log.warning("worker %d lost (%s); restarting in %.1f s", w.index, why, delay)
+            await trio.sleep(delay)
+
+    def _suspect(self, w: _Worker) -> None:
+        """Count the crash against every prompt the worker was running."""
+        for rs in w.pending.values():
+            if rs.admitted:
+                self._suspects[rs.fingerprint] = self._suspects.get(rs.fingerprint, 0) + 1
+                self._suspects.move_to_end(rs.fingerprint)
+        while len(self._suspects) > _SUSPECTS_KEPT:
+            self._suspects.popitem(last=False)
 
     async def _run_worker(self, w: _Worker, task_status: trio.TaskStatus[None]) -> None:
         parent, child = socket.socketpair()
@@ -203,15 +245,19 @@ class EnginePool:
             finally:
                 child.close()
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
+            outbox = w.outbox = _Outbox()
             try:
                 buf = await self._handshake(w, stream, proc.pid)
                 w.ready = True
                 task_status.started()
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, w, stream)
+                    nursery.start_soon(self._writer, outbox, stream)
                     await self._reader(w, stream, buf)
                     nursery.cancel_scope.cancel()
             finally:
+                # From here on nothing is routed to this process; frames still in its
+                # outbox die with it (their requests fail with WorkerLost).
+                w.outbox = None
                 with trio.CancelScope(shield=True):
                     await self._stop_process(proc, stream, polite=not w.wedged)
                 w.wedged = False
@@ -226,10 +272,9 @@ class EnginePool:
             flash_attn=e.flash_attn, kv_headroom=e.kv_headroom,
             decode_reservation=e.decode_reservation, max_queued=lim.max_queued,
             max_queued_tokens=lim.max_queued_tokens, heartbeat_interval=e.heartbeat_interval,
-            per_slot_cells=e.kv_cells // e.slots if e.kv_layout == "per_slot" else 0,
-            max_context=e.max_context, overtake_window=lim.overtake_window,
-            session_ttl=lim.session_ttl,
-            test_hooks=self.test_hooks,
+            per_slot_cells=e.per_slot_cells, max_context=e.max_context,
+            overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
+            target_step_ms=e.target_step_ms, test_hooks=self.test_hooks,
         )
         await stream.send_all(fr.encode(init))
         buf = fr.FrameBuffer()
@@ -252,9 +297,9 @@ class EnginePool:
         log.info("worker %d ready (pid %d)", w.index, ready.pid)
         return buf  # it may hold the start of the next frame: the reader goes on with it
 
-    async def _writer(self, w: _Worker, stream: trio.SocketStream) -> None:
+    async def _writer(self, outbox: _Outbox, stream: trio.SocketStream) -> None:
         while True:
-            frames = await w.outbox.take()
+            frames = await outbox.take()
             await stream.send_all(b"".join(fr.encode(f) for f in frames))
 
     async def _reader(self, w: _Worker, stream: trio.SocketStream, buf: fr.FrameBuffer
@@ -302,38 +347,56 @@ class EnginePool:
     def check_capacity(self) -> None:
         """Raise what a new request would get if there is no room for it now: called
         before the request is tokenized too, so a full queue answers at once."""
+        lim = self.cfg.limits
         if self.draining:
-            raise Unavailable("the server is shutting down", self.cfg.limits.retry_after)
-        ready = [w for w in self.workers if w.ready]
-        if not ready:
-            raise Unavailable("no model worker is ready; retry shortly",
-                              self.cfg.limits.retry_after)
+            raise Unavailable("the server is shutting down", lim.retry_after)
+        routable = self._routable()
+        if not routable:
+            raise Unavailable("no model worker is ready; retry shortly", lim.retry_after)
         queued = sum(w.queued for w in self.workers)
-        if queued >= self.cfg.limits.max_queued:
-            raise Overloaded("the server is at capacity; retry later",
-                             self.cfg.limits.retry_after)
+        if queued >= lim.max_queued:
+            raise Overloaded("the server is at capacity; retry later", lim.retry_after)
+        # Each worker estimates what even the shortest new request would wait for its
+        # first token; when that is past the queue timeout everywhere, waiting is futile.
+        wait = min(w.stats.get("wait_estimate_s", 0.0) for w in routable)
+        if wait > lim.queue_timeout:
+            raise Overloaded(f"the server is at capacity: a request would wait about "
+                             f"{wait:.0f} s for a slot and the prompts ahead",
+                             retry_after_seconds(wait - lim.queue_timeout))
+
+    def _routable(self) -> list[_Worker]:
+        now, late = time.monotonic(), self.cfg.engine.heartbeat_late
+        return [w for w in self.workers if w.routable(now, late)]
 
     def _pick(self) -> _Worker:
         self.check_capacity()
-        return min((w for w in self.workers if w.ready), key=lambda w: len(w.pending))
+        return min(self._routable(), key=lambda w: len(w.pending))
 
     @asynccontextmanager
     async def open_request(self, job: Job) -> AsyncIterator[RequestStream]:
         """Submit ``job`` and yield its stream; leaving the block cancels it if unfinished."""
+        fingerprint = hash(tuple(job.prompt))
+        if self._suspects.get(fingerprint, 0) >= CRASHES_TO_REFUSE:
+            raise BadRequest("this prompt was running when the model worker crashed, "
+                             f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
+                             "again", code="prompt_crashed_worker")
         w = self._pick()
-        rs = RequestStream(next(self._rids))
+        outbox = w.outbox
+        assert outbox is not None  # routable workers have a process
+        rs = RequestStream(next(self._rids), fingerprint)
         w.pending[rs.rid] = rs
-        w.outbox.put(fr.Submit(
+        outbox.put(fr.Submit(
             rid=rs.rid, prompt=job.prompt, max_tokens=job.max_tokens, priority=job.priority,
             sampling=job.sampling, stop=job.stop, ignore_eos=job.ignore_eos, cache=job.cache,
-            session=job.session, queue_timeout=self.cfg.limits.queue_timeout,
+            session=job.session, tenant=job.tenant, queue_timeout=self.cfg.limits.queue_timeout,
         ))
         try:
             yield rs
         finally:
-            # Synchronous on purpose: this runs when the caller is being cancelled.
-            if w.pending.pop(rs.rid, None) is not None and w.ready:
-                w.outbox.put(fr.Cancel(rid=rs.rid))
+            # Synchronous on purpose: this runs when the caller is being cancelled. Only
+            # the process that got the submit hears of the cancel.
+            if w.pending.pop(rs.rid, None) is not None and w.outbox is outbox:
+                outbox.put(fr.Cancel(rid=rs.rid))
 
     def set_limits(self, cfg: Config) -> None:
         """Apply the live-reloadable limits of a new config to every worker."""
@@ -342,18 +405,25 @@ class EnginePool:
                              max_queued_tokens=cfg.limits.max_queued_tokens,
                              decode_reservation=cfg.engine.decode_reservation,
                              overtake_window=cfg.limits.overtake_window,
-                             session_ttl=cfg.limits.session_ttl)
+                             session_ttl=cfg.limits.session_ttl,
+                             target_step_ms=cfg.engine.target_step_ms)
         for w in self.workers:
-            if w.ready:
+            if w.outbox is not None:
                 w.outbox.put(frame)
 
     def hang_worker(self, index: int, seconds: float) -> None:
         """Test hook: make a worker's loop block (it must be started with test hooks)."""
-        self.workers[index].outbox.put(fr.Hang(seconds=seconds))
+        self._outbox(index).put(fr.Hang(seconds=seconds))
 
     def slow_steps(self, index: int, seconds: float) -> None:
         """Test hook: make every step of a worker take at least ``seconds`` longer."""
-        self.workers[index].outbox.put(fr.SlowSteps(seconds=seconds))
+        self._outbox(index).put(fr.SlowSteps(seconds=seconds))
+
+    def _outbox(self, index: int) -> _Outbox:
+        outbox = self.workers[index].outbox
+        if outbox is None:
+            raise Unavailable(f"worker {index} is not running", 1)
+        return outbox
 
     # --- introspection ---------------------------------------------------------------
 
@@ -391,3 +461,8 @@ class EnginePool:
             "uptime": time.monotonic() - self._started_at,
             "pid": os.getpid(),
         }
+
+
+def retry_after_seconds(seconds: float) -> int:
+    """A Retry-After header value: whole seconds, at least 1."""
+    return max(1, math.ceil(seconds))

@@ -13,12 +13,23 @@ what it decides:
 * ``commit(plan, sampled)`` records what that decode wrote and sampled;
 * ``finish(rid)`` ends a running request (EOS, stop string, length).
 
-Each step, every decoding sequence gets its next token first. The rest of the
-``step_tokens`` budget goes to prompt chunks (chunked prefill), interactive before
-batch and shortest remaining prompt first (with aging, ``_virtual_start``), so a short
-question is not stuck behind a 700-token file while a long prefill never stalls
-anyone's stream for more than one bounded step. There is no batching window: a
-request that arrives on an idle worker is planned in the very next step.
+Each step, every decoding sequence gets its next token first. The rest of the step
+goes to prompt chunks (chunked prefill), bounded by *time*: the step's predicted
+duration (:class:`~forged.engine.costmodel.CostModel`, refitted from every step the
+worker measures) stays within ``target_step_ms``, and its tokens within
+``step_tokens``. A step with few decoders thus takes big prompt chunks, a step with
+many takes small ones, and a step with no prompt work is as fast as decoding alone.
+Prompt chunks go interactive before batch, then shortest remaining prompt first with
+aging (``_virtual_start``); a prompt that can finish within half of the step's prompt
+room goes before an aged long one (``_prefill_sequence``), so a one-line question
+arriving during a long prefill gets its first token in the next step, while the long
+prompt keeps at least half of every step. There is no batching window: a request that
+arrives on an idle worker is planned in the very next step.
+
+Admission knows capacity: ``submit`` estimates how long a request would wait for its
+first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
+the wait for a slot at the rate slots have been freed) and refuses it at once,
+with that estimate, when the estimate is beyond its queue timeout.
 
 Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
 when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
@@ -38,10 +49,13 @@ recompute, never a wrong answer, because the prompt always carries the full hist
 
 from __future__ import annotations
 
+import copy
 import enum
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from forged.engine.costmodel import CostModel, StepShape, chunk_shape, decode_shape
 from forged.engine.kvledger import KVLedger
 
 INTERACTIVE, BATCH = 0, 1
@@ -55,10 +69,12 @@ class SchedulerLimits:
     kv_cells: int
     slots: int
     max_running: int
+    # The most tokens one step carries (llama.cpp's n_batch must hold them).
     step_tokens: int
-    # The budget of a step in which no sequence is decoding: nobody's stream can stall,
-    # so a lone prompt is computed in bigger, cheaper chunks. 0: step_tokens.
+    # The same while no sequence is decoding. 0: step_tokens.
     prefill_step_tokens: int = 0
+    # A step's predicted duration stays within this (inf: tokens bound it alone).
+    target_step_ms: float = math.inf
     kv_headroom: int = 0
     # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
     decode_reservation: int = 1 << 30
@@ -96,11 +112,15 @@ class SeqRequest:
     prompt: list[int]
     max_tokens: int
     priority: int = INTERACTIVE
-    deadline: float = float("inf")
+    # Seconds it may wait for admission (and again after a preemption).
+    queue_timeout: float = math.inf
     # Keep the KV after the request ends, so later requests can reuse it.
     cache: bool = True
     # A conversation's name: its KV is kept, pinned, for the next turn.
     session: str | None = None
+    # Prefix caches are shared within a tenant only (what one tenant sent must not
+    # show in another's ``cached_tokens``).
+    tenant: str = ""
 
 
 class Phase(enum.Enum):
@@ -114,6 +134,7 @@ class _Running:
     slot: int
     admitted_at: float
     submitted_at: float  # when its caller's request first queued: the age that counts
+    vstart: float  # its place in the aging order (see _Queued)
     next_prompt: int  # index of the first prompt token not yet in the KV cache
     cached: int  # prompt tokens reused from the prefix cache
     phase: Phase = Phase.PREFILL
@@ -136,6 +157,17 @@ class _Slot:
     rid: int | None = None
     last_used: float = 0.0
     session: str | None = None  # the session whose latest turn this KV holds
+    tenant: str = ""  # whose prompt this KV holds
+
+
+@dataclass
+class _Queued:
+    req: SeqRequest
+    submitted_at: float  # when its caller's request first queued
+    # Its place in the shortest-first-with-aging order, fixed at submission so that a
+    # preempted request, queued again with a longer prompt, keeps it.
+    vstart: float
+    deadline: float
 
 
 # --- what the scheduler tells the worker ------------------------------------------
@@ -179,6 +211,7 @@ class Chunk:
 class StepPlan:
     ops: list[MemOp]
     chunks: list[Chunk]
+    shape: StepShape = field(default_factory=StepShape)  # what the cost model learns from
 
     @property
     def n_tokens(self) -> int:
@@ -208,7 +241,20 @@ SchedEvent = Admitted | Expired | Preempted
 
 
 class QueueFull(Exception):
-    pass
+    """A queue bound would be passed, or the request would wait past its deadline;
+    ``retry_after`` is when the work ahead should have drained enough (seconds)."""
+
+    def __init__(self, message: str = "the request queue is full",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# A step always makes this much prompt progress when a prompt waits, even if the
+# decoders alone fill the time target: otherwise no new request could ever start.
+MIN_PREFILL_TOKENS = 16
+# Slot frees remembered to estimate how fast slots turn over while requests wait.
+_FINISH_WINDOW = 16
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -226,52 +272,79 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits, cost: CostModel | None = None) -> None:
         self.limits = limits
+        self.cost = cost or CostModel()
         self.ledger = KVLedger()
         self._slots = [_Slot(sid) for sid in range(limits.slots)]
-        self._queues: tuple[deque[tuple[SeqRequest, float]], ...] = (deque(), deque())
+        self._queues: tuple[list[_Queued], ...] = ([], [])
         self._queued_tokens = 0
         self._running: dict[int, _Running] = {}
         self._ops: list[MemOp] = []
         self._events: list[SchedEvent] = []
+        # The pace of slot turnover, measured only while requests wait for one: when
+        # nobody waits, slots free up at the pace requests arrive, which says nothing
+        # about capacity. ``_waiting_clock`` counts seconds spent with a queue.
+        self._waiting_clock = 0.0
+        self._finished_at: deque[float] = deque(maxlen=_FINISH_WINDOW)
         self.cache_queries = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.prompt_tokens_computed = 0
         self.session_resumes = 0
+        self.early_rejections = 0
+        self.last_plan_ms = 0.0
         self._now = 0.0
 
     # --- events in ---------------------------------------------------------------
 
     def submit(self, req: SeqRequest, now: float) -> None:
-        """Queue ``req``. Raises :class:`QueueFull` when a bound would be passed."""
+        """Queue ``req``. Raises :class:`QueueFull` when a bound would be passed, or when
+        it would wait beyond its queue timeout before its prompt is computed."""
         lim = self.limits
         if self.n_queued >= lim.max_queued or (
             self.n_queued and self._queued_tokens + len(req.prompt) > lim.max_queued_tokens
         ):
             raise QueueFull
-        self._now = now
+        self._tick(now)
         if not req.prompt or len(req.prompt) + req.max_tokens > lim.room:
             raise ValueError("request can never fit in the KV cache")
-        self._queues[req.priority].append((req, now))
+        vstart = self._virtual_start(now, len(req.prompt))
+        wait = self.wait_estimate(req.priority, vstart)
+        if wait > req.queue_timeout:
+            self.early_rejections += 1
+            raise QueueFull(f"the server is at capacity: this request would wait about "
+                            f"{wait:.0f} s before its prompt is computed",
+                            wait - req.queue_timeout)
+        self._queues[req.priority].append(_Queued(req, now, vstart, now + req.queue_timeout))
         self._queued_tokens += len(req.prompt)
 
     def cancel(self, rid: int) -> bool:
         """Forget ``rid`` wherever it is. Returns whether it was known."""
         for q in self._queues:
             for item in q:
-                if item[0].rid == rid:
+                if item.req.rid == rid:
                     q.remove(item)
-                    self._queued_tokens -= len(item[0].prompt)
+                    self._queued_tokens -= len(item.req.prompt)
                     return True
         if rid in self._running:
-            self.finish(rid)
+            self._release(rid)
             return True
         return False
 
     def finish(self, rid: int) -> None:
-        """Release ``rid``'s slot. Its KV stays behind as prefix cache unless opted out."""
+        """``rid`` ended (EOS, stop string, length). Its KV stays as prefix cache unless
+        opted out, and its slot counts towards the pace at which slots free up."""
+        if self.n_queued:
+            self._finished_at.append(self._waiting_clock)
+        self._release(rid)
+
+    def _tick(self, now: float) -> None:
+        if self.n_queued and now > self._now:
+            self._waiting_clock += now - self._now
+        self._now = now
+
+    def _release(self, rid: int) -> None:
         run = self._running.pop(rid)
         slot = self._slots[run.slot]
         slot.rid = None
@@ -288,10 +361,10 @@ class Scheduler:
         """Drop queued requests whose deadline passed; they are also reported as events."""
         gone: list[int] = []
         for q in self._queues:
-            for req, _ in [item for item in q if item[0].deadline <= now]:
-                self.cancel(req.rid)
-                gone.append(req.rid)
-                self._events.append(Expired(req.rid))
+            for item in [item for item in q if item.deadline <= now]:
+                self.cancel(item.req.rid)
+                gone.append(item.req.rid)
+                self._events.append(Expired(item.req.rid))
         return gone
 
     def set_limits(self, limits: SchedulerLimits) -> None:
@@ -309,7 +382,7 @@ class Scheduler:
 
     def plan(self, now: float) -> StepPlan | None:
         """Admit what fits, then lay out one decode step. ``None`` when idle."""
-        self._now = now
+        self._tick(now)
         self._admit(now)
         chunks = self._layout()
         while self._overflows(chunks):
@@ -319,27 +392,78 @@ class Scheduler:
         ops, self._ops = self._ops, []
         if not chunks and not ops:
             return None
-        return StepPlan(ops, chunks)
+        shape = self._shape(chunks)
+        self.last_plan_ms = self.cost.predict(shape) if chunks else 0.0
+        return StepPlan(ops, chunks, shape)
+
+    def observe(self, plan: StepPlan, ms: float) -> None:
+        """The worker measured ``plan``'s step: refit the cost model."""
+        if plan.chunks:
+            self.cost.observe(plan.shape, ms)
 
     def _layout(self) -> list[Chunk]:
         chunks = self._decode_chunks()
         lim = self.limits
-        budget = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
-                  ) - len(chunks)
+        cap = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
+               ) - len(chunks)
+        room = self._prompt_room_ms(chunks)
         # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
         # the same number of tokens from every sequence still in it, so each distinct
         # chunk length costs one more pass over the weights (~5 ms here, measured in
-        # docs/engine.md). A few chunks per step fill the budget when prompts are short.
-        prefill_seqs = lim.max_prefill_chunks if lim.per_slot else len(self._running)
-        for run in sorted(self._prefilling(), key=self._prefill_order)[:prefill_seqs]:
-            if budget <= 0:
+        # docs/engine.md). A few chunks per step fill the room when prompts are short.
+        max_chunks = lim.max_prefill_chunks if lim.per_slot else len(self._running)
+        first = True
+        for run in self._prefill_sequence(room)[:max_chunks]:
+            left = len(run.req.prompt) - run.next_prompt
+            take = self.cost.max_prompt_tokens(run.next_prompt, room, min(cap, left))
+            if first:
+                take = max(take, min(cap, left, MIN_PREFILL_TOKENS))
+            if take <= 0:
                 break
-            take = min(budget, len(run.req.prompt) - run.next_prompt)
             toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
             done = run.next_prompt + take == len(run.req.prompt)
             chunks.append(Chunk(run.req.rid, run.slot, run.next_prompt, toks, sample=done))
-            budget -= take
+            room -= self.cost.predict_extra(chunk_shape(run.next_prompt, take))
+            cap -= take
+            first = False
         return chunks
+
+    def _prompt_room_ms(self, decode: list[Chunk]) -> float:
+        """Milliseconds of prompt work the step may take beside its decoders."""
+        return self.limits.target_step_ms - self.cost.predict(
+            decode_shape([c.pos for c in decode]))
+
+    def _prefill_sequence(self, room: float) -> list[_Running]:
+        """The prompts in the order they get this step's room.
+
+        The aging order (``_prefill_order``), except that prompts of the leading class
+        that can finish within half of the room go first: a short question arriving
+        during a long prefill gets its first token in the next step even when the long
+        prompt has aged past it, and the long one still gets at least half of every
+        step, so it is never starved.
+        """
+        order = sorted(self._prefilling(), key=self._prefill_order)
+        if not order:
+            return order
+        quick: list[_Running] = []
+        half = room / 2
+        for run in order:
+            if run.req.priority != order[0].req.priority:
+                break
+            cost = self.cost.predict_extra(chunk_shape(run.next_prompt, self._left(run)))
+            if cost <= half:
+                quick.append(run)
+                half -= cost
+        taken = {id(r) for r in quick}
+        return quick + [r for r in order if id(r) not in taken]
+
+    def _shape(self, chunks: list[Chunk]) -> StepShape:
+        decode = [c.pos for c in chunks if self._running[c.rid].phase is Phase.DECODE]
+        shape = decode_shape(decode)
+        for c in chunks:
+            if self._running[c.rid].phase is Phase.PREFILL:
+                shape = shape.plus(chunk_shape(c.pos, len(c.tokens)))
+        return shape
 
     def _overflows(self, chunks: list[Chunk]) -> bool:
         lim = self.limits
@@ -366,9 +490,10 @@ class Scheduler:
     def preempt_one(self) -> bool:
         """Give back the cells of the least urgent running request (batch, newest first).
 
-        It is queued again at the head of its class with everything it has produced so
-        far as its prompt, so it resumes exactly where it stopped: vLLM's
-        recompute-preemption. The caller's stream only pauses.
+        It is queued again, with everything it has produced so far as its prompt, so it
+        resumes exactly where it stopped: vLLM's recompute-preemption. The caller's
+        stream only pauses. It keeps its place in the aging order, and it may wait for
+        a slot again for at most its queue timeout.
         """
         if len(self._running) <= 1:
             return False  # alone it must fit: admission checked prompt + max_tokens
@@ -383,13 +508,12 @@ class Scheduler:
         del self._running[run.req.rid]
         slot.rid = None
         self._evict(slot)
-        again = SeqRequest(run.req.rid, prompt, max(1, left), run.req.priority,
-                           cache=run.req.cache, session=run.req.session)
-        self._queues[run.req.priority].appendleft((again, run.submitted_at))
+        again = replace(run.req, prompt=prompt, max_tokens=max(1, left))
+        self._queues[run.req.priority].append(_Queued(
+            again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout))
         self._queued_tokens += len(prompt)
         self._events.append(Preempted(run.req.rid))
         return True
-
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> None:
         """Record a decode that ran ``plan``: cells written and tokens sampled."""
@@ -410,15 +534,13 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         for q in self._queues:
             while q and len(self._running) < self.limits.max_running:
-                item = min(q, key=lambda it: (self._virtual_start(it[1], len(it[0].prompt)),
-                                              it[1]))
-                req, queued_at = item
-                if not self._try_admit(req, queued_at, now):
+                item = min(q, key=lambda it: (it.vstart, it.submitted_at))
+                if not self._try_admit(item, now):
                     return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
-                self._queued_tokens -= len(req.prompt)
-                self._events.append(Admitted(req.rid, self._running[req.rid].cached,
-                                             now - queued_at))
+                self._queued_tokens -= len(item.req.prompt)
+                self._events.append(Admitted(item.req.rid, self._running[item.req.rid].cached,
+                                             now - item.submitted_at))
 
     def _virtual_start(self, submitted_at: float, prompt_tokens: int) -> float:
         """When a request counts as submitted, for ordering within its class.
@@ -435,8 +557,9 @@ class Scheduler:
         share = prompt_tokens / max(1, lim.max_context or lim.room)
         return submitted_at + lim.overtake_window * min(1.0, share)
 
-    def _try_admit(self, req: SeqRequest, queued_at: float, now: float) -> bool:
-        src, n = self._best_prefix(req.prompt, req.session)
+    def _try_admit(self, item: _Queued, now: float) -> bool:
+        req = item.req
+        src, n = self._best_prefix(req)
         dst = src if src is not None and self._reusable(self._slots[src], req) else (
             self._free_slot(src))
         if dst is None:
@@ -466,20 +589,23 @@ class Scheduler:
                     self._ops.append(SeqCp(src, dst, n))
                     self.ledger.share(src, dst, n)
                 slot.tokens = self._slots[src].tokens[:n]
-        slot.rid, slot.last_used = req.rid, now
-        self._running[req.rid] = _Running(req, dst, now, queued_at, next_prompt=n, cached=n)
+        slot.rid, slot.last_used, slot.tenant = req.rid, now, req.tenant
+        self._running[req.rid] = _Running(req, dst, now, item.submitted_at, item.vstart,
+                                          next_prompt=n, cached=n)
         return True
 
-    def _best_prefix(self, prompt: list[int], session: str | None
-                     ) -> tuple[int | None, int]:
-        """The slot sharing the longest prefix with ``prompt``, leaving one token to compute."""
+    def _best_prefix(self, req: SeqRequest) -> tuple[int | None, int]:
+        """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
+        leaving one token to compute."""
         best, best_key = None, (0, False, False)
-        limit = len(prompt) - 1  # the last prompt token must run to give logits
+        limit = len(req.prompt) - 1  # the last prompt token must run to give logits
         for slot in self._slots:
+            if slot.tenant != req.tenant:
+                continue  # another tenant's prompt: never reused, never revealed
             # On equal length the caller's own session wins, then an idle slot: it is
             # reused in place, with no copy.
-            key = (min(common_prefix(slot.tokens, prompt), limit),
-                   session is not None and slot.session == session, slot.rid is None)
+            key = (min(common_prefix(slot.tokens, req.prompt), limit),
+                   req.session is not None and slot.session == req.session, slot.rid is None)
             if key[0] and key > best_key:
                 best, best_key = slot.sid, key
         return best, best_key[0]
@@ -506,29 +632,76 @@ class Scheduler:
         )
 
     def _make_room(self, req: SeqRequest, n: int, src: int | None, dst: int) -> bool:
-        """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet."""
+        """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet.
+
+        The evictions are tried on a copy of the ledger first: evicting caches (pinned
+        sessions among them) that would still not admit the request would throw them
+        away for nothing, and again at every step while the request waits.
+        """
         if self.limits.per_slot:
             return True  # the slot's own stream holds the request, checked at submit
         need = len(req.prompt) - n + min(req.max_tokens, self.limits.decode_reservation)
+        if self._free_cells(self.ledger, dst, src, n) >= need:
+            return True
         victims = sorted(
             (s for s in self._slots if s.rid is None and s.sid not in (src, dst) and s.tokens),
             key=self._eviction_order,
         )
-        free = self._free_cells(dst, src, n)
-        while free < need and victims:
-            self._evict(victims.pop(0))
-            free = self._free_cells(dst, src, n)
-        return free >= need
+        trial, count = copy.deepcopy(self.ledger), 0
+        while self._free_cells(trial, dst, src, n) < need:
+            if count == len(victims):
+                return False
+            trial.clear(victims[count].sid)
+            count += 1
+        for victim in victims[:count]:
+            self._evict(victim)
+        return True
 
-    def _free_cells(self, dst: int, src: int | None, n: int) -> int:
+    def _free_cells(self, ledger: KVLedger, dst: int, src: int | None, n: int) -> int:
         """Cells left for a new request once ``dst`` is prepared for it."""
         lim = self.limits
-        reserved = self._reserved()
-        released = self.ledger.private_cells(dst)
+        released = ledger.private_cells(dst)
         if dst == src:
             # Truncating keeps the shared prefix; only the tail beyond ``n`` goes.
             released = max(0, released - n)
-        return lim.kv_cells - lim.kv_headroom - self.ledger.used - reserved + released
+        return lim.kv_cells - lim.kv_headroom - ledger.used - self._reserved() + released
+
+    # --- capacity ---------------------------------------------------------------------
+
+    def wait_estimate(self, priority: int, vstart: float) -> float:
+        """Seconds a request of this class and place in the order would wait before its
+        own prompt starts: for a slot, then for the prompt work ahead of it, at the pace
+        steps leave for prompts. Its own prefill is not waiting, so a lone long prompt is
+        never refused. An estimate, used only to refuse at once what would wait past its
+        queue timeout anyway."""
+        ahead = [q for cls, queue in enumerate(self._queues) for q in queue
+                 if cls < priority or (cls == priority and q.vstart <= vstart)]
+        work = sum(self.cost.predict_extra(chunk_shape(0, len(q.req.prompt))) for q in ahead)
+        work += sum(self.cost.predict_extra(chunk_shape(r.next_prompt, self._left(r)))
+                    for r in self._prefilling()
+                    if (r.req.priority, r.vstart) <= (priority, vstart))
+        return self._slot_wait(len(ahead) + 1) + self._prefill_seconds(work)
+
+    def _slot_wait(self, wanted: int) -> float:
+        """Seconds until ``wanted`` slots are free, at the pace slots were freed lately
+        while requests waited (0 while that pace is unknown: no evidence is no reason to
+        refuse). The pace slows by itself while waiting requests see no slot free."""
+        short = wanted - (self.limits.max_running - len(self._running))
+        if short <= 0 or len(self._finished_at) < 2:
+            return 0.0
+        span = self._waiting_clock - self._finished_at[0]
+        return short * span / len(self._finished_at) if span > 0 else 0.0
+
+    def _prefill_seconds(self, work_ms: float) -> float:
+        """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
+        step fills the room its decoders leave (at least the guaranteed minimum)."""
+        positions = [self.ledger.length(r.slot) for r in self._running.values()
+                     if r.phase is Phase.DECODE]
+        decode = self.cost.predict(decode_shape(positions))
+        full = self.cost.predict_extra(chunk_shape(0, self.limits.step_tokens - len(positions)))
+        floor = self.cost.predict_extra(chunk_shape(0, MIN_PREFILL_TOKENS))
+        room = max(floor, min(self.limits.target_step_ms - decode, full))
+        return work_ms / room * (decode + room) / 1000
 
     # --- slots and cells ---------------------------------------------------------------
 
@@ -562,12 +735,15 @@ class Scheduler:
     def _prefilling(self) -> list[_Running]:
         return [r for r in self._running.values() if r.phase is Phase.PREFILL]
 
+    @staticmethod
+    def _left(run: _Running) -> int:
+        return len(run.req.prompt) - run.next_prompt
+
     def _prefill_order(self, run: _Running) -> tuple[int, float]:
         """Interactive first; then by virtual start on what is left of the prompt, so the
         same aging that orders the queue keeps a steady trickle of short prompts from
         holding a long prefill back forever."""
-        left = len(run.req.prompt) - run.next_prompt
-        return run.req.priority, self._virtual_start(run.submitted_at, left)
+        return run.req.priority, self._virtual_start(run.submitted_at, self._left(run))
 
     # --- introspection ------------------------------------------------------------------
 
@@ -582,9 +758,9 @@ class Scheduler:
     def is_running(self, rid: int) -> bool:
         return rid in self._running
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, float]:
         active = self._active_cells()
-        return {
+        out: dict[str, float] = {
             "running": len(self._running),
             "prefilling": len(self._prefilling()),
             "queued_interactive": len(self._queues[INTERACTIVE]),
@@ -602,7 +778,15 @@ class Scheduler:
             "prefix_cache_hits": self.cache_hits,
             "prefix_cache_tokens_saved": self.cache_tokens_saved,
             "prompt_tokens_computed": self.prompt_tokens_computed,
+            "early_rejections": self.early_rejections,
+            # What a one-token interactive request submitted now would wait: the daemon
+            # refuses at the door when even that exceeds the queue timeout.
+            "wait_estimate_s": self.wait_estimate(INTERACTIVE, self._now),
+            "step_plan_ms": self.last_plan_ms,
+            "step_prompt_room_ms": min(self._prompt_room_ms(self._decode_chunks()), 1e9),
         }
+        out.update(self.cost.statistics())
+        return out
 
     def _active_cells(self) -> int:
         """Cells that some running sequence sees (the rest is evictable cache)."""

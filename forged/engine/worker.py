@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,8 +32,10 @@ from forged.engine.backend import (
     Sampler,
     SamplingParams,
 )
+from forged.engine.costmodel import CostModel, StepShape, chunk_shape
 from forged.engine.scheduler import (
     Admitted,
+    Chunk,
     Expired,
     QueueFull,
     Scheduler,
@@ -69,7 +72,7 @@ class Worker:
             threads=init.threads, flash_attn=init.flash_attn,
             kv_unified=init.per_slot_cells == 0,
         ))
-        self.sched = Scheduler(self._limits(init))
+        self.sched = Scheduler(self._limits(init), calibrate(self.ctx, init.slots))
         self.reqs: dict[int, _Req] = {}
         self.events: list[fr.Event] = []
         self.inbuf = fr.FrameBuffer()
@@ -87,7 +90,7 @@ class Worker:
         return SchedulerLimits(
             kv_cells=i.kv_cells, slots=i.slots, max_running=i.max_running,
             step_tokens=i.step_tokens, prefill_step_tokens=i.prefill_step_tokens,
-            kv_headroom=i.kv_headroom,
+            target_step_ms=live.target_step_ms, kv_headroom=i.kv_headroom,
             decode_reservation=live.decode_reservation, max_queued=live.max_queued,
             max_queued_tokens=live.max_queued_tokens, per_slot_cells=i.per_slot_cells,
             max_context=i.max_context,
@@ -137,13 +140,13 @@ class Worker:
             logit_bias=tuple(bias),
         )
         req = SeqRequest(sub.rid, sub.prompt, sub.max_tokens, sub.priority,
-                         deadline=now + sub.queue_timeout, cache=sub.cache,
-                         session=sub.session)
+                         queue_timeout=sub.queue_timeout, cache=sub.cache,
+                         session=sub.session, tenant=sub.tenant)
         try:
             self.sched.submit(req, now)
-        except QueueFull:
-            self.events.append(fr.Failed(rid=sub.rid, code="overloaded",
-                                         message="the request queue is full"))
+        except QueueFull as exc:
+            self.events.append(fr.Failed(rid=sub.rid, code="overloaded", message=str(exc),
+                                         retry_after=exc.retry_after))
             return
         except ValueError as exc:
             self.events.append(fr.Failed(rid=sub.rid, code="bad_request", message=str(exc)))
@@ -180,23 +183,29 @@ class Worker:
             return
         t0 = time.perf_counter()
         try:
-            idx = self.ctx.decode([(c.seq, c.pos, c.tokens, c.sample) for c in plan.chunks])
+            sampled, failed = run_isolating(plan.chunks, self._decode_and_sample)
         except NoKVSpace:
             self._relieve(plan)
             return
-        except DecodeError as exc:
-            self._fail_plan(plan, f"decode failed: {exc}")
-            return
-        sampled = {c.rid: self.reqs[c.rid].sampler.sample(self.ctx, i)
-                   for c, i in zip(plan.chunks, idx, strict=True) if c.sample}
-        self.sched.commit(plan, sampled, time.monotonic())
+        ran = plan if not failed else StepPlan(
+            [], [c for c in plan.chunks if c.rid not in failed], plan.shape)
+        self.sched.commit(ran, sampled, time.monotonic())
+        for rid, exc in failed.items():
+            self._fail(rid, "engine_error", f"decode failed: {exc}")
         for rid, tok in sampled.items():
             self._on_token(rid, tok)
         if self._step_delay:
             time.sleep(self._step_delay)
         self._step_ms = (time.perf_counter() - t0) * 1000
+        if not failed:  # a retried step's time says nothing about its shape
+            self.sched.observe(plan, self._step_ms)
         self._steps += 1
         self._tokens_out += len(sampled)
+
+    def _decode_and_sample(self, chunks: list[Chunk]) -> dict[int, int]:
+        idx = self.ctx.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])
+        return {c.rid: self.reqs[c.rid].sampler.sample(self.ctx, i)
+                for c, i in zip(chunks, idx, strict=True) if c.sample}
 
     def _relieve(self, plan: StepPlan) -> None:
         # The ledger said the batch fits, but llama.cpp found no cells: give some back.
@@ -229,7 +238,9 @@ class Worker:
     def _on_token(self, rid: int, tok: int) -> None:
         req = self.reqs[rid]
         if tok in req.eog:
-            self._finish(rid, "stop", "")
+            # What was held back for a possible stop string or a split character is
+            # the end of the answer after all.
+            self._finish(rid, "stop", req.text.flush())
             return
         req.generated += 1
         text = req.text.feed(self.model.piece(tok))
@@ -289,6 +300,70 @@ class Worker:
             self._drop(rid)
         self.ctx.close()
         self.model.close()
+
+
+def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
+                  ) -> tuple[dict[int, int], dict[int, DecodeError]]:
+    """Run ``chunks`` as one step. If llama.cpp fails it (rolling it back), run the
+    halves apart, recursively, so that only the requests whose chunks fail alone fail
+    and every other stream in the step goes on. ``NoKVSpace`` on the whole step is not
+    a failure of any chunk: it propagates, for the caller to make room.
+
+    Returns the tokens sampled and the errors of the requests that failed, by rid.
+    """
+    try:
+        return run(chunks), {}
+    except NoKVSpace:
+        raise
+    except DecodeError as exc:
+        if len(chunks) == 1:
+            return {}, {chunks[0].rid: exc}
+    return _bisect(chunks, run)
+
+
+def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
+            ) -> tuple[dict[int, int], dict[int, DecodeError]]:
+    sampled: dict[int, int] = {}
+    failed: dict[int, DecodeError] = {}
+    half = len(chunks) // 2
+    for part in (chunks[:half], chunks[half:]):
+        try:
+            sampled |= run(part)
+        except DecodeError as exc:  # NoKVSpace too: in a retry it fails its chunks
+            if len(part) == 1:
+                failed[part[0].rid] = exc
+            else:
+                more_sampled, more_failed = _bisect(part, run)
+                sampled |= more_sampled
+                failed |= more_failed
+    return sampled, failed
+
+
+def calibrate(ctx: Context, slots: int) -> CostModel:
+    """A cost model seeded from a few steps of typical shapes run now, on empty
+    sequences that are removed afterwards, so that the first real steps are already
+    bounded by this machine's and this model's speed rather than by the built-in seed."""
+    model = CostModel()
+    n_batch = ctx.params.n_batch
+    shapes = [(1, 0), (min(slots, 8), 0), (1, 32), (1, min(128, n_batch)),
+              (min(slots, 4), min(64, n_batch - 4))]
+    ctx.decode([(0, 0, [0], True)])  # the first decode allocates; do not time it
+    ctx.seq_rm(0, 0)
+    for _ in range(2):
+        for decoders, prompt in shapes:
+            items: list[tuple[int, int, list[int], bool]] = [
+                (s, 0, [0], True) for s in range(decoders)]
+            shape = StepShape(decoders=decoders, kpairs=decoders / 1000)
+            if prompt:
+                items[0] = (0, 0, [0] * prompt, True)
+                shape = StepShape(decoders=decoders - 1, kpairs=(decoders - 1) / 1000).plus(
+                    chunk_shape(0, prompt))
+            t0 = time.perf_counter()
+            ctx.decode(items)
+            model.observe(shape, (time.perf_counter() - t0) * 1000)
+            for s in range(decoders):
+                ctx.seq_rm(s, 0)
+    return model
 
 
 def _read_init(sock: socket.socket) -> fr.Init:

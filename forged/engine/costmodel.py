@@ -1,0 +1,115 @@
+"""How long a decode step takes on this machine and model, learnt while serving.
+
+Theory of operation
+-------------------
+The scheduler bounds every step by time (``engine.target_step_ms``), not by a token
+count, so it must predict a step's time before running it. A step's time is modelled
+as linear in five features of its batch (:class:`StepShape`):
+
+* ``fixed``: 1 per step (graph build, a pass over the weights, synchronisation);
+* ``decoders``: sequences decoding one token each;
+* ``prompt_tokens``: prompt tokens computed (chunked prefill);
+* ``chunks``: prompt chunks; with per-slot KV streams llama.cpp runs one extra pass
+  over the weights for each distinct chunk length (docs/engine.md);
+* ``kpairs``: thousands of query-key pairs attended, the part that grows with context.
+
+The coefficients start from a seed and are refitted after every step by exponentially
+weighted least squares (recent steps count more: the machine is shared and its speed
+drifts), regularised towards the seed so that a feature the traffic has not exercised
+yet keeps a sensible value instead of whatever the other features leave over. This
+module is plain arithmetic: no clock, no I/O, no llama.cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms")
+
+# Measured on the reference machine kind (2 cores) with SmolLM2-135M Q4_1, flash
+# attention, per-slot streams (docs/benchmarks.md). Any other machine or model corrects
+# them within a few dozen steps; the start-up calibration does most of that at once.
+SEED = (8.0, 2.6, 3.0, 3.0, 3.0)
+# A typical size of each feature: the prior's weight is one pseudo-step of this shape,
+# so that it is equally strong, relative to the data, for every coefficient.
+_SCALE = np.array([1.0, 8.0, 48.0, 2.0, 20.0])
+_PRIOR_STEPS = 0.5
+# Weight of the past after each new step: an effective memory of about 100 steps.
+_DECAY = 0.99
+
+
+@dataclass(frozen=True)
+class StepShape:
+    decoders: int = 0
+    prompt_tokens: int = 0
+    chunks: int = 0
+    kpairs: float = 0.0
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.decoders, self.prompt_tokens, self.chunks, self.kpairs])
+
+    def plus(self, other: StepShape) -> StepShape:
+        return StepShape(self.decoders + other.decoders,
+                         self.prompt_tokens + other.prompt_tokens,
+                         self.chunks + other.chunks, self.kpairs + other.kpairs)
+
+
+def decode_shape(positions: list[int]) -> StepShape:
+    """One decoding token per sequence, each attending over its ``pos`` earlier cells."""
+    return StepShape(decoders=len(positions), kpairs=sum(p + 1 for p in positions) / 1000)
+
+
+def chunk_shape(pos: int, n: int) -> StepShape:
+    """``n`` prompt tokens written at ``pos``: token ``i`` attends over ``pos + i + 1``."""
+    return StepShape(prompt_tokens=n, chunks=1, kpairs=(n * pos + n * (n + 1) / 2) / 1000)
+
+
+class CostModel:
+    """Predicts a step's milliseconds from its shape; ``observe`` refits it."""
+
+    def __init__(self, seed: tuple[float, ...] = SEED) -> None:
+        self._seed = np.array(seed, dtype=float)
+        self._prior = np.diag(_PRIOR_STEPS * _SCALE**2)
+        self._xtx = np.zeros((len(FEATURES), len(FEATURES)))
+        self._xty = np.zeros(len(FEATURES))
+        self.coef = self._seed.copy()
+        self.observed = 0
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.coef @ shape.features())
+
+    def observe(self, shape: StepShape, ms: float) -> None:
+        """Record that a step of ``shape`` took ``ms`` and refit."""
+        x = shape.features()
+        self._xtx = _DECAY * self._xtx + np.outer(x, x)
+        self._xty = _DECAY * self._xty + ms * x
+        # Ridge towards the seed: minimise sum w (y - x.c)^2 + (c - seed)' P (c - seed).
+        lhs = self._xtx + self._prior
+        rhs = self._xty + self._prior @ self._seed
+        # A coefficient below zero is never physical; it only appears while features
+        # move together. Clamping keeps every prediction monotone in every feature.
+        self.coef = np.maximum(np.linalg.solve(lhs, rhs), 0.0)
+        self.observed += 1
+
+    def max_prompt_tokens(self, pos: int, room_ms: float, cap: int) -> int:
+        """The most prompt tokens (at most ``cap``) a chunk at ``pos`` may take so that it
+        costs no more than ``room_ms``. Binary search: cost grows with the length."""
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict_extra(chunk_shape(pos, mid)) <= room_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def predict_extra(self, shape: StepShape) -> float:
+        """What adding ``shape`` to a step costs (no fixed part)."""
+        return float(self.coef[1:] @ shape.features()[1:])
+
+    def statistics(self) -> dict[str, float]:
+        out = {f"cost_{name}": float(c) for name, c in zip(FEATURES, self.coef, strict=True)}
+        out["cost_steps_observed"] = float(self.observed)
+        return out

@@ -1,0 +1,69 @@
+"""The worker's and the pool's decisions that need no process: isolating a failed
+decode, restart backoff, and refusing a prompt that keeps killing workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from forged.engine.backend import DecodeError, NoKVSpace
+from forged.engine.pool import backoff_delay, retry_after_seconds
+from forged.engine.scheduler import Chunk
+from forged.engine.worker import run_isolating
+
+
+def chunks(*rids: int) -> list[Chunk]:
+    return [Chunk(rid, rid, 0, [1, 2], sample=True) for rid in rids]
+
+
+class FakeDecode:
+    """Fails any batch that contains a poisoned request, as llama.cpp fails a step."""
+
+    def __init__(self, *poisoned: int, status: int = -1) -> None:
+        self.poisoned = set(poisoned)
+        self.status = status
+        self.calls: list[list[int]] = []
+
+    def __call__(self, batch: list[Chunk]) -> dict[int, int]:
+        self.calls.append([c.rid for c in batch])
+        if self.poisoned & {c.rid for c in batch}:
+            raise DecodeError(self.status)
+        return {c.rid: 100 + c.rid for c in batch}
+
+
+def test_a_step_that_decodes_runs_once() -> None:
+    run = FakeDecode()
+    sampled, failed = run_isolating(chunks(1, 2, 3), run)
+    assert sampled == {1: 101, 2: 102, 3: 103} and not failed
+    assert run.calls == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("poisoned", [(1,), (4,), (2, 7), (1, 2, 3, 4, 5, 6, 7, 8)])
+def test_a_failed_step_fails_only_the_requests_that_fail_alone(poisoned: tuple[int, ...]
+                                                               ) -> None:
+    run = FakeDecode(*poisoned)
+    sampled, failed = run_isolating(chunks(*range(1, 9)), run)
+    assert set(failed) == set(poisoned)
+    assert sampled == {rid: 100 + rid for rid in range(1, 9) if rid not in poisoned}
+    # every healthy request was decoded exactly once
+    decoded = [rid for call in run.calls for rid in call if not set(call) & set(poisoned)]
+    assert sorted(decoded) == sorted(sampled)
+
+
+def test_no_kv_space_on_the_whole_step_is_for_the_caller() -> None:
+    def full(batch: list[Chunk]) -> dict[int, int]:
+        raise NoKVSpace(1)
+
+    with pytest.raises(NoKVSpace):
+        run_isolating(chunks(1, 2), full)
+
+
+def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
+    delays = [backoff_delay(0.5, 30.0, n) for n in range(1, 10)]
+    assert delays[:4] == [0.5, 1.0, 2.0, 4.0]
+    assert delays[-1] == 30.0 and max(delays) == 30.0
+    assert delays == sorted(delays)
+
+
+def test_retry_after_is_whole_seconds_at_least_one() -> None:
+    assert retry_after_seconds(0.01) == 1
+    assert retry_after_seconds(12.2) == 13
