@@ -124,7 +124,7 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
     path = Path(args.keys_file or fc.load(Path(args.config)).auth.keys_file)
     key = add_key(path, args.name, max_streams=args.max_streams, max_queued=args.max_queued,
-                  priority=args.priority)
+                  priority=args.priority, tenant=args.tenant)
     print(key)
     print(f"forged: added key {args.name!r} to {path}; it is shown only this once. "
           "Run `systemctl reload forged` to apply it.", file=sys.stderr)
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--max-streams", type=int, default=16)
     add.add_argument("--max-queued", type=int, default=32)
     add.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
+                     "cache; of different tenants never (default: the one shared tenant)")
     add.set_defaults(func=cmd_keys_add)
     status = sub.add_parser("status", help="summarise a running daemon")
     status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))

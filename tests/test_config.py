@@ -26,7 +26,13 @@ def test_shipped_config_spells_out_every_default_with_a_comment() -> None:
     ("[engine]\nslots = 'x'\n", "engine.slots: Expected `int`, got `str`"),
     ("[engine]\nslots = 0\n", "engine.slots: Expected `int` >= 1"),
     ("[engine]\nslots = 32\nstep_tokens = 16\nmax_running = 8\n", "must be at least engine.slots"),
-    ("[engine]\nmax_context = 4096\n", "must not exceed kv_cells / slots (2048)"),
+    ("[engine]\nmax_context = 4096\n", "may use (2048: kv_cells / slots)"),
+    # the unified layout keeps kv_headroom out of every request's reach
+    ("[engine]\nkv_layout = 'unified'\nkv_cells = 4096\nmax_context = 4096\n",
+     "may use (4032: kv_cells - kv_headroom)"),
+    # a step runs between two heartbeats: the timeout must outlast the longest one
+    ("[engine]\ntarget_step_ms = 5000\n", "engine.heartbeat_timeout: must exceed 50 s"),
+    ("[engine]\nheartbeat_interval = 20\n", "engine.heartbeat_timeout: must exceed 60 s"),
     ("[server]\nlisten = 'nowhere'\n", "server.listen: expected HOST:PORT"),
     ("not toml at all [", "Expected '=' after a key"),
 ])

@@ -101,7 +101,14 @@ class SlowSteps(_Frame, tag="slow"):
     seconds: float
 
 
-ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang | SlowSteps
+class CrashOn(_Frame, tag="crash"):
+    """Test hook (only honoured with ``test_hooks``): abort the process when a request
+    whose prompt holds ``token`` decodes (it has been admitted, as a real culprit is)."""
+
+    token: int
+
+
+ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang | SlowSteps | CrashOn
 
 
 # --- worker -> daemon ------------------------------------------------------------------

@@ -419,6 +419,10 @@ class EnginePool:
         """Test hook: make every step of a worker take at least ``seconds`` longer."""
         self._outbox(index).put(fr.SlowSteps(seconds=seconds))
 
+    def crash_on_token(self, index: int, token: int) -> None:
+        """Test hook: make a worker abort once a running request's prompt holds ``token``."""
+        self._outbox(index).put(fr.CrashOn(token=token))
+
     def _outbox(self, index: int) -> _Outbox:
         outbox = self.workers[index].outbox
         if outbox is None:

@@ -80,6 +80,7 @@ class Worker:
         self._last_send = 0.0
         self._last_stats = 0.0
         self._step_delay = 0.0
+        self._crash_token: int | None = None
         self._step_ms = 0.0
         self._steps = 0
         self._tokens_out = 0
@@ -124,6 +125,8 @@ class Worker:
                 time.sleep(s)
             case fr.SlowSteps(seconds=s) if self.init.test_hooks:
                 self._step_delay = s
+            case fr.CrashOn(token=t) if self.init.test_hooks:
+                self._crash_token = t
             case _:
                 pass
 
@@ -181,6 +184,8 @@ class Worker:
                     self.ctx.seq_cp(src, dst, n)
         if not plan.chunks:
             return
+        if self._crash_token is not None:
+            self._crash_if_poisoned(plan)
         t0 = time.perf_counter()
         try:
             sampled, failed = run_isolating(plan.chunks, self._decode_and_sample)
@@ -201,6 +206,12 @@ class Worker:
             self.sched.observe(plan, self._step_ms)
         self._steps += 1
         self._tokens_out += len(sampled)
+
+    def _crash_if_poisoned(self, plan: StepPlan) -> None:
+        for c in plan.chunks:
+            if c.pos >= len(self.reqs[c.rid].sub.prompt) and \
+                    self._crash_token in self.reqs[c.rid].sub.prompt:
+                os.abort()  # as llama.cpp does on a failed assertion
 
     def _decode_and_sample(self, chunks: list[Chunk]) -> dict[int, int]:
         idx = self.ctx.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])

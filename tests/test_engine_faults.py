@@ -1,0 +1,61 @@
+"""Worker faults seen through the API: a wedged worker gets no new requests, and a
+prompt that keeps killing workers is refused instead of run again."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+from tests.conftest import DaemonFactory
+from tests.test_api import until
+
+POISON = [5, 6, 7, 8, 9]
+
+
+async def test_a_prompt_that_crashed_the_worker_twice_is_refused(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, engine={"restart_backoff": 0.1}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            pool, w = d.daemon.pool, d.daemon.pool.workers[0]
+            body = {"prompt": POISON, "max_tokens": 5, "ignore_eos": True}
+            for crashes in (1, 2):
+                pool.crash_on_token(0, POISON[2])
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 503
+                assert r.json()["error"]["code"] == "worker_lost"
+                await until(lambda n=crashes: w.ready and w.restarts == n, limit=20)
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "prompt_crashed_worker"
+            # other prompts are served, and nothing crashed a third time
+            r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            assert r.status_code == 200 and w.restarts == 2
+
+
+async def test_no_request_is_routed_to_a_worker_whose_heartbeat_is_late(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    engine = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0, "target_step_ms": 50.0,
+              "restart_backoff": 0.1}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine=engine) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            w = d.daemon.pool.workers[0]
+            old_pid = w.pid
+            d.daemon.pool.hang_worker(0, 8.0)
+            # late after 3 heartbeats (0.6 s); killed only after heartbeat_timeout (4 s)
+            await trio.sleep(1.0)
+            t0 = time.monotonic()
+            r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+            assert time.monotonic() - t0 < 1.0  # refused at once, not left to wait
+            assert "retry-after" in r.headers
+            await until(lambda: w.ready and w.pid != old_pid, limit=20)
+            r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+            assert r.status_code == 200
+            # the new process runs only what it was given
+            await until(lambda: d.stats()["running"] == 0)
+            assert d.stats()["queued_interactive"] == 0
