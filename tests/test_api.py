@@ -93,8 +93,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 9}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, None),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "messages"),
-    ("/v1/completions", {"prompt": "word " * 3000}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 3000}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "priority": "urgent"}, 400, "priority"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -103,6 +103,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url"}]}]}, 400, None),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 5000}, 400, "messages"),
     ("/v1/chat/completions", b"\xff\xfe", 400, None),
 ]
 

@@ -119,7 +119,11 @@ def create_app(state: AppState) -> QuartTrio:
         except msgspec.MsgspecError as exc:
             return error_response(he.from_decode_error(exc))
         prompt = await _completion_prompt(state, req)
-        return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+        try:
+            return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+        except e.ContextTooLong as exc:
+            exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
