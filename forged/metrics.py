@@ -65,6 +65,9 @@ class _EngineCollector(Collector):
                     "sessions_pinned")
         yield counter("forged_session_resumes",
                       "Turns that resumed their session's cached KV.", "session_resumes")
+        yield counter("forged_early_rejections",
+                      "Requests refused at once because the estimated wait passed "
+                      "limits.queue_timeout.", "early_rejections")
         yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
                                   value=self._restarts())
 

@@ -77,4 +77,22 @@ def render(stats: dict[str, Any]) -> str:
         ready = "ready" if w["ready"] else "starting"
         lines.append(f"worker {w['index']}    pid {w['pid']} {ready}, {w['pending']} requests, "
                      f"{w['restarts']} restarts")
+        lines += _steps(w["stats"])
     return "\n".join(lines)
+
+
+def _steps(s: dict[str, float]) -> list[str]:
+    """A worker's step budget and the cost model it comes from."""
+    if "cost_fixed_ms" not in s:
+        return []
+    return [
+        f"  steps     target {s.get('target_step_ms', 0):.0f} ms; last planned "
+        f"{s.get('step_plan_ms', 0):.0f} ms, took {s.get('step_ms', 0):.0f} ms; room for "
+        f"prompts beside today's decoders {max(0.0, s.get('step_prompt_room_ms', 0)):.0f} ms",
+        f"  cost      {s['cost_fixed_ms']:.1f} ms + {s['cost_decoder_ms']:.2f} /decoder + "
+        f"{s['cost_prompt_token_ms']:.2f} /prompt token + {s['cost_chunk_ms']:.2f} /chunk + "
+        f"{s['cost_kpair_ms']:.2f} /1k attended pairs (fitted on "
+        f"{int(s['cost_steps_observed'])} steps)",
+        f"  admission wait estimate {s.get('wait_estimate_s', 0):.1f} s; "
+        f"{int(s.get('early_rejections', 0))} refused at once",
+    ]

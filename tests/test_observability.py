@@ -67,6 +67,7 @@ def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
         "forged_kv_cells_total": "gauge", "forged_prefix_cache_queries": "counter",
         "forged_prefix_cache_hits": "counter", "forged_prefix_cache_tokens_saved": "counter",
         "forged_cancellations": "counter", "forged_worker_restarts": "counter",
+        "forged_early_rejections": "counter",
         "forged_build_info": "gauge",
     }
     for name, kind in expected.items():

@@ -76,6 +76,9 @@ class Job:
     tenant: str = ""
 
 
+_PER_WORKER = ("step_ms", "step_plan_ms", "step_prompt_room_ms", "wait_estimate_s",
+               "target_step_ms")
+
 # A prompt that was running in two worker crashes is refused from then on.
 CRASHES_TO_REFUSE = 2
 _SUSPECTS_KEPT = 1024
@@ -443,9 +446,9 @@ class EnginePool:
         keys: set[str] = set()
         for w in self.workers:
             keys.update(w.stats)
-        totals = {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
-        totals.pop("step_ms", None)
-        return totals
+        # Per-worker figures (a step's time, the cost model, the wait) do not add up.
+        keys = {k for k in keys if k not in _PER_WORKER and not k.startswith("cost_")}
+        return {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)

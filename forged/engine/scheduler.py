@@ -783,6 +783,7 @@ class Scheduler:
             # refuses at the door when even that exceeds the queue timeout.
             "wait_estimate_s": self.wait_estimate(INTERACTIVE, self._now),
             "step_plan_ms": self.last_plan_ms,
+            "target_step_ms": min(self.limits.target_step_ms, 1e9),
             "step_prompt_room_ms": min(self._prompt_room_ms(self._decode_chunks()), 1e9),
         }
         out.update(self.cost.statistics())
