@@ -17,8 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.daemonproc import DaemonProcess, free_port, write_config
 from forged.engine.backend import Context, ContextParams, Model, Sampler, SamplingParams
-from tests.daemonproc import DaemonProcess, free_port, write_config
 
 MODEL = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 

@@ -185,7 +185,7 @@ class _Progress:
 
 async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
                    rate: float | None, duration: float, model: str | None,
-                   label: str = "") -> dict[str, Any]:
+                   label: str = "", seed: int = 7) -> dict[str, Any]:
     """One bounded run: closed loop at ``concurrency`` or open loop at ``rate``."""
     samples: list[Sample] = []
     progress = _Progress(label or base, len(prompts))
@@ -195,7 +195,7 @@ async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         with trio.move_on_after(duration):
             if rate:
-                await _open_loop(client, base, model, prompts, rate, samples, progress)
+                await _open_loop(client, base, model, prompts, rate, samples, progress, seed)
             else:
                 await _closed_loop(client, base, model, prompts, concurrency or 1, samples,
                                    progress)
@@ -239,8 +239,8 @@ async def _closed_loop(client: httpx.AsyncClient, base: str, model: str | None,
 
 async def _open_loop(client: httpx.AsyncClient, base: str, model: str | None,
                      prompts: list[Prompt], rate: float, samples: list[Sample],
-                     progress: _Progress) -> None:
-    rng = random.Random(7)
+                     progress: _Progress, seed: int) -> None:
+    rng = random.Random(seed)  # the same arrivals for every server given the same seed
 
     async def fire(p: Prompt) -> None:
         samples.append(await one_request(client, base, model, p))
@@ -262,7 +262,8 @@ async def model_id(base: str) -> str | None:
 
 
 RATIO_KEYS = ("req_per_s", "out_tok_per_s", "ttft_p50", "ttft_p95", "ttft_p99",
-              "short_ttft_p95", "itl_p50", "itl_p99", "e2e_p50", "decode_tok_per_s")
+              "short_ttft_p50", "short_ttft_p95", "short_ttft_p99", "itl_p50", "itl_p99",
+              "e2e_p50", "decode_tok_per_s")
 
 
 def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:

@@ -135,6 +135,9 @@ class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # From admission to the first token, on the worker: where a request's TTFT went.
+    prefill_s: float = 0.0
+    prefill_steps: int = 0
 
 
 ErrorCode = Literal["overloaded", "queue_timeout", "engine_error", "bad_request"]

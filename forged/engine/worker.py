@@ -59,6 +59,9 @@ class _Req:
     cached: int = 0
     admitted: bool = False
     eog: set[int] = field(default_factory=set)
+    # Admission, then the first token: when, and at which step count.
+    admitted_at: tuple[float, int] = (0.0, 0)
+    first_at: tuple[float, int] = (0.0, 0)
 
 
 class Worker:
@@ -240,6 +243,7 @@ class Worker:
                     req = self.reqs[rid]
                     if not req.admitted:  # a preempted request is admitted again, silently
                         req.admitted, req.cached = True, cached
+                        req.admitted_at = (time.monotonic(), self._steps)
                         self.events.append(fr.Admitted(rid=rid, cached=cached, queue_time=qt))
                 case Expired(rid=rid):
                     self._drop(rid)
@@ -254,6 +258,8 @@ class Worker:
             self._finish(rid, "stop", req.text.flush())
             return
         req.generated += 1
+        if req.generated == 1:
+            req.first_at = (time.monotonic(), self._steps + 1)  # this step counts
         text = req.text.feed(self.model.piece(tok))
         if req.text.stopped:
             self._finish(rid, "stop", text)
@@ -269,6 +275,8 @@ class Worker:
         self.events.append(fr.Done(
             rid=rid, text=text, finish_reason=reason, prompt_tokens=len(req.sub.prompt),
             completion_tokens=req.generated, cached_tokens=req.cached,
+            prefill_s=max(0.0, req.first_at[0] - req.admitted_at[0]),
+            prefill_steps=max(0, req.first_at[1] - req.admitted_at[1]),
         ))
 
     # --- output -------------------------------------------------------------------------
