@@ -67,3 +67,25 @@ def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
 def test_retry_after_is_whole_seconds_at_least_one() -> None:
     assert retry_after_seconds(0.01) == 1
     assert retry_after_seconds(12.2) == 13
+
+
+def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() -> None:
+    import time
+
+    import msgspec
+
+    from forged import config as fc
+    from forged.engine.pool import EnginePool
+    from forged.errors import Overloaded
+
+    cfg = msgspec.structs.replace(fc.Config(), engine=msgspec.structs.replace(
+        fc.Config().engine, workers=2))
+    pool = EnginePool(cfg)
+    for w, wait in zip(pool.workers, (100.0, 75.5), strict=True):
+        w.ready, w.last_heard, w.stats = True, time.monotonic(), {"wait_estimate_s": wait}
+    with pytest.raises(Overloaded) as refused:
+        pool.check_capacity()
+    # the least loaded worker's estimate, less the 60 s queue timeout, in whole seconds
+    assert refused.value.retry_after == 16
+    pool.workers[1].stats = {"wait_estimate_s": 59.0}
+    pool.check_capacity()  # one worker would take it in time

@@ -676,11 +676,15 @@ class Scheduler:
         queue timeout anyway."""
         ahead = [q for cls, queue in enumerate(self._queues) for q in queue
                  if cls < priority or (cls == priority and q.vstart <= vstart)]
-        work = sum(self.cost.predict_extra(chunk_shape(0, len(q.req.prompt))) for q in ahead)
-        work += sum(self.cost.predict_extra(chunk_shape(r.next_prompt, self._left(r)))
-                    for r in self._prefilling()
-                    if (r.req.priority, r.vstart) <= (priority, vstart))
-        return self._slot_wait(len(ahead) + 1) + self._prefill_seconds(work)
+        # The model is linear: the work of many prompts is that of their summed shapes.
+        work = StepShape()
+        for q in ahead:
+            work = work.plus(chunk_shape(0, len(q.req.prompt)))
+        for r in self._prefilling():
+            if (r.req.priority, r.vstart) <= (priority, vstart):
+                work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
+        return self._slot_wait(len(ahead) + 1) + self._prefill_seconds(
+            self.cost.predict_extra(work))
 
     def _slot_wait(self, wanted: int) -> float:
         """Seconds until ``wanted`` slots are free, at the pace slots were freed lately
