@@ -3,12 +3,17 @@ decode, restart backoff, and refusing a prompt that keeps killing workers."""
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import pytest
 
+from forged import config as fc
 from forged.engine.backend import DecodeError, NoKVSpace
-from forged.engine.pool import backoff_delay, retry_after_seconds
+from forged.engine.pool import EnginePool, backoff_delay, retry_after_seconds
 from forged.engine.scheduler import Chunk
 from forged.engine.worker import run_isolating
+from forged.errors import Overloaded
 
 
 def chunks(*rids: int) -> list[Chunk]:
@@ -70,14 +75,6 @@ def test_retry_after_is_whole_seconds_at_least_one() -> None:
 
 
 def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() -> None:
-    import time
-
-    import msgspec
-
-    from forged import config as fc
-    from forged.engine.pool import EnginePool
-    from forged.errors import Overloaded
-
     cfg = msgspec.structs.replace(fc.Config(), engine=msgspec.structs.replace(
         fc.Config().engine, workers=2))
     pool = EnginePool(cfg)
