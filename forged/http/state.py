@@ -110,5 +110,4 @@ class AppState:
     @property
     def max_context(self) -> int:
         e = self.cfg.engine
-        room = e.kv_cells // e.slots if e.kv_layout == "per_slot" else e.kv_cells
-        return e.max_context or min(room, self.prompter.n_ctx_train)
+        return e.max_context or min(e.room, self.prompter.n_ctx_train)
