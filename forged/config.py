@@ -250,14 +250,16 @@ def with_overrides(
     return cfg
 
 
-# Keys whose change needs a restart: they shape the model or the KV cache.
+# Keys whose change needs a restart: they shape the model, the listeners or the KV
+# cache, or reach the workers only in their Init frame (kv_headroom, heartbeat_interval).
+# Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
     "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
     "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
     "engine.flash_attn", "engine.max_running",
-    "engine.kv_layout",
+    "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
 )
 
 

@@ -59,3 +59,19 @@ def test_changed_keys_and_restart_keys() -> None:
                                 engine=msgspec.structs.replace(a.engine, slots=8))
     assert fc.changed_keys(a, b) == ["engine.slots", "limits.max_queued"]
     assert "engine.slots" in fc.RESTART_KEYS and "limits.max_queued" not in fc.RESTART_KEYS
+
+
+def test_the_shipped_file_marks_exactly_the_restart_keys() -> None:
+    """`[restart]` in a key's comment is what operators read; RESTART_KEYS is what a
+    reload does. They must agree."""
+    marked, section, comment = set(), "", ""
+    for line in SHIPPED.read_text().splitlines():
+        if line.startswith("["):
+            section, comment = line.strip("[]"), ""
+        elif line.startswith("#"):
+            comment += line
+        elif "=" in line:
+            if "[restart]" in comment:
+                marked.add(f"{section}.{line.split('=')[0].strip()}")
+            comment = ""
+    assert marked == set(fc.RESTART_KEYS)

@@ -391,6 +391,66 @@ def test_reload_applies_good_refuses_bad_and_reports_restart_keys(
     assert "need a restart" in log and "engine.slots" in log
 
 
+def _reload_lines(log: str) -> tuple[list[str], list[str]]:
+    """The keys a reload said it applied, and those it said need a restart."""
+    applied = re.search(r"reloaded .*?; applied: ([^;]*);", log)
+    restart = re.search(r"need a restart and were not applied: ([^\"]*)\"", log)
+    assert applied and restart, log
+    return applied.group(1).split(", "), restart.group(1).split(", ")
+
+
+def test_reload_applies_server_limits_live_and_names_what_needs_a_restart(
+    tmp_path: Path, tiny_model: Path, notify: NotifySocket
+) -> None:
+    d = start(tmp_path, tiny_model, env={"NOTIFY_SOCKET": notify.path},
+              server={"drain_timeout": 1.0})
+    try:
+        write_config(d.config, tiny_model, d.port, engine={
+            **ENGINE, "kv_headroom": 32, "heartbeat_interval": 0.5}, server={
+            "drain_timeout": 8.0, "keep_alive_timeout": 1.0, "read_timeout": 1.0,
+            "max_body_bytes": 2000})
+        d.proc.send_signal(signal.SIGHUP)
+        notify.wait_for("RELOADING=1")
+        notify.wait_for("READY=1")
+        # server.max_body_bytes
+        r = httpx.post(d.url + "/v1/completions", timeout=30,
+                       json={"prompt": "x" * 3000, "max_tokens": 1})
+        assert r.status_code == 413, r.text
+        # server.read_timeout: a body that never arrives
+        with socket.create_connection(("127.0.0.1", d.port), timeout=15) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 100\r\n\r\n{")
+            t0 = time.monotonic()
+            assert s.recv(65536).startswith(b"HTTP/1.1 408")
+            assert time.monotonic() - t0 < 10  # 1 s now; 30 s before the reload
+        # server.keep_alive_timeout: a connection that sends nothing
+        with socket.create_connection(("127.0.0.1", d.port), timeout=15) as s:
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""
+            assert time.monotonic() - t0 < 10
+        # server.drain_timeout, and hypercorn's graceful timeout derived from it: a
+        # stream runs for the new 8 s and ends with the drain's event, where the old
+        # graceful timeout (1 + 5 s) would have cut its connection before
+        with admin(d) as a:
+            a.post("/debug/slow-steps", params={"seconds": 0.05})
+        with httpx.Client(timeout=60) as c, c.stream("POST", d.url + "/v1/completions", json={
+                "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            frames = [line for line in r.iter_lines() if line.startswith("data: ")]
+            took = time.monotonic() - t0
+        assert d.proc.wait(30) == 0
+    finally:
+        d.stop()
+    assert frames[-1] == "data: [DONE]"
+    assert json.loads(frames[-2][6:])["error"]["code"] == "draining"
+    assert took > 7
+    applied, restart = _reload_lines(d.log.read_text())
+    assert sorted(applied) == ["server.drain_timeout", "server.keep_alive_timeout",
+                               "server.max_body_bytes", "server.read_timeout"]
+    assert sorted(restart) == ["engine.heartbeat_interval", "engine.kv_headroom"]
+
+
 def test_bad_config_exits_78_with_one_clear_line(tmp_path: Path, tiny_model: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(f'[model]\npath = "{tiny_model}"\n[engine]\nslotz = 3\n')

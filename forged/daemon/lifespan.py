@@ -19,6 +19,7 @@ import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
+from quart_trio import QuartTrio
 
 from forged import config as fc
 from forged.auth import KeyStore
@@ -26,7 +27,7 @@ from forged.daemon.notify import Notifier, watchdog_interval
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
 from forged.http.admin import create_admin_app
-from forged.http.api import create_app
+from forged.http.api import configure, create_app
 from forged.http.state import AppState, Holds
 from forged.metrics import Metrics
 
@@ -41,22 +42,28 @@ def _listen_fds() -> list[int]:
     return list(range(3, 3 + n))
 
 
-def _hyper_config(state: AppState, bind: str) -> HyperConfig:
-    s = state.cfg.server
+def _hyper_config(cfg: fc.Config, bind: str) -> HyperConfig:
     hc = HyperConfig()
     hc.bind = [bind]
-    # Also bounds slow headers: hypercorn counts a connection as idle until a request's
-    # headers are complete.
-    hc.keep_alive_timeout = s.keep_alive_timeout
     # Not hypercorn's read_timeout: it times every socket read, also while a response
     # streams and the client (rightly) sends nothing, and so would cut long SSE streams.
     # Slow bodies are bounded by Quart's BODY_TIMEOUT (server.read_timeout) instead.
     hc.read_timeout = None
-    hc.graceful_timeout = s.drain_timeout + 5.0
     hc.backlog = 1024
     hc.accesslog = None
     hc.errorlog = logging.getLogger("forged.http")
+    _live_server_settings(hc, cfg)
     return hc
+
+
+def _live_server_settings(hc: HyperConfig, cfg: fc.Config) -> None:
+    """Settings that hypercorn reads from its config object whenever it needs them (each
+    idle period, the shutdown), so that a reload applies them to running listeners."""
+    # Also bounds slow headers: hypercorn counts a connection as idle until a request's
+    # headers are complete.
+    hc.keep_alive_timeout = cfg.server.keep_alive_timeout
+    # A backstop behind the drain: streams are ended at drain_timeout by forged itself.
+    hc.graceful_timeout = cfg.server.drain_timeout + 5.0
 
 
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
@@ -76,6 +83,9 @@ class Daemon:
         self.pool = EnginePool(cfg, test_hooks=test_hooks)
         self._shutdown = trio.Event()
         self.state: AppState | None = None
+        # Kept for reloads, which change some of their settings live.
+        self._api_app: QuartTrio | None = None
+        self._hyper_configs: list[HyperConfig] = []
         self.keys = KeyStore.load(Path(cfg.auth.keys_file))
         if not self.keys.enabled:
             log.warning("no API keys in %s: the API is open to anyone who can reach it",
@@ -112,18 +122,21 @@ class Daemon:
     async def _start_listeners(self, http: trio.Nursery, state: AppState) -> list[str]:
         fds = _listen_fds()
         api_bind = f"fd://{fds[0]}" if fds else self.cfg.server.listen
-        trigger = self._shutdown.wait
-        binds: list[str] = await http.start(partial(
-            hyper_serve, create_app(state), _hyper_config(state, api_bind),
-            shutdown_trigger=trigger))
+        self._api_app = create_app(state)
+        binds = await self._serve(http, self._api_app, api_bind)
         admin = self.cfg.server.admin_listen
         if admin.startswith("unix:"):
             Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
-        admin_binds = await http.start(partial(
-            hyper_serve, create_admin_app(state, test_hooks=self.test_hooks),
-            _hyper_config(state, admin),
-            shutdown_trigger=trigger))
+        admin_binds = await self._serve(
+            http, create_admin_app(state, test_hooks=self.test_hooks), admin)
         log.info("admin listener on %s", ", ".join(admin_binds))
+        return binds
+
+    async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str) -> list[str]:
+        hc = _hyper_config(self.cfg, bind)
+        self._hyper_configs.append(hc)
+        binds: list[str] = await http.start(partial(
+            hyper_serve, app, hc, shutdown_trigger=self._shutdown.wait))
         return binds
 
     async def _signals(self, http: trio.Nursery) -> None:
@@ -175,6 +188,10 @@ class Daemon:
         self.state.cfg = new
         self.state.keys = keys
         self.pool.set_limits(new)
+        if self._api_app is not None:
+            configure(self._api_app, new)
+        for hc in self._hyper_configs:
+            _live_server_settings(hc, new)
         logging.getLogger().setLevel(new.log.level.upper())
         live = [k for k in changed if k not in restart]
         log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
