@@ -18,6 +18,7 @@ import trio
 
 from forged import __version__
 from forged import config as fc
+from forged.daemon.startup import check_gguf_header, open_prompter
 
 
 class _LogfmtFormatter(logging.Formatter):
@@ -49,6 +50,7 @@ def _load(args: argparse.Namespace) -> fc.Config:
     cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
                             model=getattr(args, "model", None))
     fc.check_model(args.config, cfg)
+    check_gguf_header(args.config, cfg)  # a file that is no model is a config error too
     KeyStore.load(Path(cfg.auth.keys_file))  # a broken keys file is a config error too
     return cfg
 
@@ -76,12 +78,13 @@ def check_state_dir(path: str) -> None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    open_prompter(args.config, cfg).close()  # the vocabulary loads, as serve's will
     print(f"{args.config}: OK (model {cfg.model_id}, API on {cfg.server.listen})")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from forged.daemon.lifespan import Daemon  # heavy imports only when serving
+    from forged.daemon.lifespan import Daemon, sole_fault  # heavy imports only when serving
 
     cfg = _load(args)
     setup_logging(cfg.log.level)
@@ -93,8 +96,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
     try:
         trio.run(daemon.run)
-    except RuntimeError as exc:  # a worker that cannot load the model, for instance
-        logging.getLogger("forged").error("%s", exc)
+    except (Exception, BaseExceptionGroup) as exc:
+        # A start-up failure (a worker that cannot load the model, an address in use)
+        # is one line, also when nurseries have wrapped it in groups; anything else is
+        # a bug, and its traceback is what to report.
+        fault = sole_fault(exc, (fc.ConfigError, RuntimeError, OSError))
+        if fault is None:
+            raise
+        if isinstance(fault, fc.ConfigError):
+            raise fault from exc  # main() prints it and exits 78
+        logging.getLogger("forged").error("cannot start: %s", fault)
         return 1
     return 0
 

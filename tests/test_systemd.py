@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -467,3 +468,44 @@ def test_bad_config_exits_78_with_one_clear_line(tmp_path: Path, tiny_model: Pat
                         "--model", str(tiny_model), "--listen", "nonsense"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 78 and "HOST:PORT" in r.stderr
+
+
+def _damage(model: bytes, how: str) -> bytes:
+    if how == "random":  # 4 KiB of noise named .gguf
+        return random.Random(7).randbytes(4096)
+    if how == "metadata":  # a sound header, then garbage where the metadata is
+        return model[:24] + b"\xff" * 276 + model[300:]
+    assert how == "truncated"
+    return model[: len(model) * 2 // 3]
+
+
+@pytest.mark.parametrize("how", ["random", "metadata", "truncated"])
+def test_a_file_that_is_no_model_exits_78_with_one_line(tmp_path: Path, tiny_model: Path,
+                                                        how: str) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(_damage(tiny_model.read_bytes(), how))
+    cfg = write_config(tmp_path / "forged.toml", model, free_port(), engine=ENGINE)
+    for cmd in ("check-config", "serve"):
+        r = subprocess.run([sys.executable, "-m", "forged", cmd, "--config", str(cfg)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 78, (cmd, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"forged: {cfg}: model.path: {model}: "), (cmd, r.stderr)
+        assert r.stderr.count("\n") == 1, (cmd, r.stderr)
+        assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_an_address_in_use_is_one_line_not_a_traceback(tmp_path: Path,
+                                                       tiny_model: Path) -> None:
+    """hypercorn binds inside nurseries, so the error arrives in exception groups."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = write_config(tmp_path / "forged.toml", tiny_model, port, engine=ENGINE)
+        r = subprocess.run([sys.executable, "-m", "forged", "serve", "--config", str(cfg)],
+                           capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Traceback" not in out
+    errors = [line for line in out.splitlines() if "level=error" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}: " in errors[0], out

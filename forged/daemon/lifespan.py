@@ -24,8 +24,8 @@ from quart_trio import QuartTrio
 from forged import config as fc
 from forged.auth import KeyStore
 from forged.daemon.notify import Notifier, watchdog_interval
+from forged.daemon.startup import open_prompter
 from forged.engine.pool import EnginePool
-from forged.engine.prompts import Prompter
 from forged.http.admin import create_admin_app
 from forged.http.api import configure, create_app
 from forged.http.state import AppState, Holds
@@ -66,6 +66,22 @@ def _live_server_settings(hc: HyperConfig, cfg: fc.Config) -> None:
     hc.graceful_timeout = cfg.server.drain_timeout + 5.0
 
 
+def sole_fault(exc: BaseException, kinds: type[Exception] | tuple[type[Exception], ...]
+               ) -> Exception | None:
+    """The first exception of ``kinds`` in ``exc``, if that is all ``exc`` holds
+    (nurseries wrap errors in groups); None if it holds anything else, such as
+    ``Cancelled``, which must propagate."""
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(kinds)
+        if match is None or rest is not None:
+            return None
+        leaf: BaseException = match
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        exc = leaf
+    return exc if isinstance(exc, kinds) else None
+
+
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
     t = state.pool.totals()
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
@@ -93,8 +109,8 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        prompter = await trio.to_thread.run_sync(
-            Prompter, self.cfg.model.path, self.cfg.model.chat_template)
+        # A model file llama.cpp cannot load is a config error (exit 78), not a crash.
+        prompter = await trio.to_thread.run_sync(open_prompter, self.config_path, self.cfg)
         try:
             metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
             state = self.state = AppState(self.cfg, self.pool, prompter, metrics,
@@ -135,8 +151,15 @@ class Daemon:
     async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str) -> list[str]:
         hc = _hyper_config(self.cfg, bind)
         self._hyper_configs.append(hc)
-        binds: list[str] = await http.start(partial(
-            hyper_serve, app, hc, shutdown_trigger=self._shutdown.wait))
+        try:
+            binds: list[str] = await http.start(partial(
+                hyper_serve, app, hc, shutdown_trigger=self._shutdown.wait))
+        except (OSError, BaseExceptionGroup) as exc:
+            # hypercorn binds inside its nurseries: say which address failed, in a line.
+            fault = sole_fault(exc, OSError)
+            if fault is None:
+                raise
+            raise RuntimeError(f"cannot listen on {bind}: {fault}") from exc
         return binds
 
     async def _signals(self, http: trio.Nursery) -> None:

@@ -1,0 +1,77 @@
+"""Start-up checks of the model file, so that a bad one is a config error (exit 78).
+
+A file that is not a model is not a transient fault: under ``Restart=on-failure`` a
+plain exit 1 would restart forever, while 78 (EX_CONFIG) is in the unit's
+``RestartPreventExitStatus=``. Two levels, both cheap:
+
+* :func:`check_gguf_header` reads the first 24 bytes: GGUF's magic, a version that
+  llama.cpp reads (2 or 3) and tensor and metadata counts that fit in the file.
+* :func:`open_prompter` loads the vocabulary only (what the daemon needs anyway, and
+  what ``check-config`` does too), which parses every metadata entry. A failure there
+  names the file and the config key.
+
+Error handling: both raise :class:`~forged.config.ConfigError`, one line, naming the
+config file, the key and the model file.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from forged import config as fc
+
+if TYPE_CHECKING:
+    from forged.engine.prompts import Prompter
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+# The smallest metadata entry (key length, a one-byte key, type, a one-byte value) and
+# tensor description (name length, a one-byte name, n_dims, one dim, type, offset).
+_MIN_KV, _MIN_TENSOR = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
+
+
+def gguf_header_problem(path: Path) -> str | None:
+    """What is wrong with ``path``'s GGUF header, or None if it looks like a model."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+        size = f.seek(0, 2)
+    if len(head) < 24 or head[:4] != _MAGIC:
+        return "not a GGUF model file (no GGUF header)"
+    version, tensors, kvs = struct.unpack("<IQQ", head[4:])
+    if version not in _VERSIONS:
+        return f"GGUF version {version} is not supported (only {_VERSIONS})"
+    if tensors * _MIN_TENSOR + kvs * _MIN_KV > size - 24:
+        return (f"a damaged GGUF file: its header announces {tensors} tensors and "
+                f"{kvs} metadata entries, more than its {size} bytes can hold")
+    return None
+
+
+def check_gguf_header(config_path: Path | str, cfg: fc.Config) -> None:
+    model = Path(cfg.model.path)
+    try:
+        problem = gguf_header_problem(model)
+    except OSError as exc:
+        problem = f"cannot read: {exc.strerror or exc}"
+    if problem is not None:
+        raise fc.ConfigError(f"{config_path}: model.path: {model}: {problem}")
+
+
+def open_prompter(config_path: Path | str, cfg: fc.Config) -> Prompter:
+    """Load the model's vocabulary and chat template; a file llama.cpp cannot load, or
+    a template that does not compile, is a config error."""
+    import jinja2  # here, with llama.cpp: the header check stays light to import
+
+    from forged.engine.backend import BackendError
+    from forged.engine.prompts import Prompter
+
+    try:
+        return Prompter(cfg.model.path, cfg.model.chat_template)
+    except BackendError as exc:
+        raise fc.ConfigError(f"{config_path}: model.path: {cfg.model.path}: llama.cpp "
+                             "cannot load it (a damaged or unsupported GGUF file)") from exc
+    except jinja2.TemplateError as exc:
+        key = "model.chat_template" if cfg.model.chat_template else \
+            f"model.path: {cfg.model.path}: its chat template"
+        raise fc.ConfigError(f"{config_path}: {key}: {exc}".replace("\n", " ")) from exc
