@@ -21,6 +21,15 @@ from forged import config as fc
 from forged.daemon.startup import check_gguf_header, open_prompter
 
 
+def logfmt_value(value: object) -> str:
+    """``value`` as a logfmt value: bare if it can be, else JSON-quoted, whose escapes
+    keep any text (a logged prompt, say) on its one line."""
+    text = str(value)
+    if not text or any(c in ' "\\=' or c < " " for c in text):
+        return json.dumps(text, ensure_ascii=False)
+    return text
+
+
 class _LogfmtFormatter(logging.Formatter):
     """One line per event, key=value, so journald stores it and tools can grep it."""
 
@@ -28,8 +37,7 @@ class _LogfmtFormatter(logging.Formatter):
         msg = record.getMessage().replace('"', "'")
         line = f'level={record.levelname.lower()} logger={record.name} msg="{msg}"'
         for key, value in getattr(record, "fields", {}).items():
-            text = str(value)
-            line += f" {key}=" + (f'"{text}"' if " " in text or not text else text)
+            line += f" {key}={logfmt_value(value)}"
         if record.exc_info:
             line += ' exc="' + self.formatException(record.exc_info).replace("\n", " | ") + '"'
         return line

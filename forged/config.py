@@ -138,7 +138,7 @@ class AuthConfig(_Section, frozen=True):
 
 class LogConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    # Log prompts and completions (never do this on a shared appliance).
+    # Add each generation's prompt (as sent) and completion to its access-log line.
     log_content: bool = False
 
 

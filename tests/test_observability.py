@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from forged.cli import logfmt_value
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
 ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
@@ -172,3 +173,31 @@ def test_forged_bench_compare_takes_turns_at_one_caller(daemon: DaemonProcess,
         # Rates are over each server's own answering time, not the shared wall clock.
         assert run["summary"]["wall_s"] < 60
     assert runs[0]["ratio_vs_compare"]["req_per_s"] is not None
+
+
+def test_log_content_puts_prompt_and_completion_on_the_access_line(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", tiny_model, port, engine=ENGINE,
+                                   log={"log_content": True}), port)
+    prompt = 'say "hi"\nplease'
+    try:
+        d.wait_ready()
+        with httpx.Client(base_url=d.url, timeout=30) as c:
+            whole = c.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "a secret"}], "max_tokens": 6,
+                    "ignore_eos": True, "stream": True}) as r:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                          for line in r.iter_lines()
+                          if line.startswith("data: {") and '"choices":[{' in line]
+    finally:
+        d.stop()
+    access = [line for line in d.log.read_text().splitlines() if "logger=forged.access" in line]
+    completion = next(line for line in access if "/v1/completions" in line)
+    assert f" prompt={logfmt_value(prompt)} " in completion
+    assert completion.endswith(f" completion={logfmt_value(whole['choices'][0]['text'])}")
+    chat = next(line for line in access if "/v1/chat/completions" in line)
+    assert "a secret" in chat and chat.endswith(f" completion={logfmt_value(''.join(deltas))}")

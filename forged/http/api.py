@@ -29,7 +29,7 @@ from forged.engine.pool import Job
 from forged.engine.scheduler import BATCH, INTERACTIVE
 from forged.http import errors as he
 from forged.http import sse
-from forged.http.generate import Outcome, generate, priority_name
+from forged.http.generate import Outcome, generate, log_content, priority_name
 from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import error_response, json_response
 from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
@@ -318,6 +318,7 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     key = g.get("key")
     outcome = g.outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
                                   key=key.name if key else "-")
+    log_content(state, outcome, req)
     # Recorded once, when the request ends, however it ends: this also gives the key
     # its places back (forged.http.lifetime).
     resources().callback(outcome.record, state)

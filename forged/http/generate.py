@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from quart import Response
 
 from forged import errors as e
@@ -52,6 +53,9 @@ class Outcome:
     usage: KeyUsage | None = None
     admitted: bool = False
     rs: RequestStream | None = None
+    # Only with log.log_content: the prompt as the caller sent it, and the text made.
+    prompt: str | None = None
+    completion: list[str] | None = None
 
     def mark_admitted(self) -> None:
         if not self.admitted and self.usage is not None:
@@ -66,6 +70,10 @@ class Outcome:
     def failed(self, exc: e.ForgedError) -> None:
         if self.end == "client_gone":  # not said more precisely where it was raised
             self.end = "queue_timeout" if isinstance(exc, e.QueueTimeout) else "error"
+
+    def text(self, piece: str) -> None:
+        if self.completion is not None:
+            self.completion.append(piece)
 
     def record(self, state: AppState) -> None:
         """Called once, by the request's resources when the request ends."""
@@ -96,7 +104,19 @@ class Outcome:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "ttft": ttft,
             "duration": f"{duration:.3f}"}
+        if self.prompt is not None and self.completion is not None:
+            fields["prompt"] = self.prompt
+            fields["completion"] = "".join(self.completion)
         access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
+
+
+def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
+    """With log.log_content, keep what the access log line will show of the content."""
+    if state.cfg.log.log_content:
+        given = getattr(req, "messages", None) or getattr(req, "prompt", None)
+        outcome.prompt = given if isinstance(given, str) else \
+            msgspec.json.encode(given).decode()
+        outcome.completion = []
 
 
 async def generate(state: AppState, req: Any, job: Job, fmt: type[sse.Format],
@@ -181,6 +201,7 @@ def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
 def _done(outcome: Outcome, ev: fr.Done) -> None:
     outcome.completion_tokens = ev.completion_tokens
     outcome.cached_tokens = ev.cached_tokens
+    outcome.text(ev.text)
 
 
 async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
@@ -193,6 +214,7 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
             match ev:
                 case fr.Delta(text=text):
                     parts.append(text)
+                    outcome.text(text)
                 case fr.Done():
                     parts.append(ev.text)
                     _done(outcome, ev)
@@ -220,6 +242,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
             for ev in events:
                 match ev:
                     case fr.Delta(text=text):
+                        outcome.text(text)
                         yield out.delta(text)
                     case fr.Done():
                         _done(outcome, ev)
