@@ -277,6 +277,7 @@ def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) ->
         ignore_eos=req.ignore_eos, cache=req.cache_prompt,
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
+        tenant=key.tenant if key else "",
     )
 
 

@@ -22,7 +22,7 @@ from quart import Response
 
 from forged import errors as e
 from forged.engine import frames as fr
-from forged.engine.pool import Job, RequestStream
+from forged.engine.pool import Job, RequestStream, retry_after_seconds
 from forged.engine.scheduler import CLASS_NAMES
 from forged.http import errors as he
 from forged.http import sse
@@ -53,6 +53,7 @@ class Outcome:
     usage: KeyUsage | None = None
     admitted: bool = False
     rs: RequestStream | None = None
+    prefill: tuple[float, int] = (0.0, 0)  # admission to first token: seconds, steps
     # Only with log.log_content: the prompt as the caller sent it, and the text made.
     prompt: str | None = None
     completion: list[str] | None = None
@@ -103,6 +104,9 @@ class Outcome:
             "priority": self.priority, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "ttft": ttft,
+            # where the TTFT went: waiting for a slot, then admission to first token
+            "queue": "-" if self.queue_time is None else f"{self.queue_time:.3f}",
+            "prefill": f"{self.prefill[0]:.3f}", "prefill_steps": self.prefill[1],
             "duration": f"{duration:.3f}"}
         if self.prompt is not None and self.completion is not None:
             fields["prompt"] = self.prompt
@@ -189,7 +193,9 @@ def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
     retry = state.cfg.limits.retry_after
     match ev.code:
         case "overloaded":
-            return e.Overloaded(ev.message, retry)
+            # The worker's own estimate of the wait, when it refused for that reason.
+            return e.Overloaded(ev.message, retry if ev.retry_after is None
+                                else retry_after_seconds(ev.retry_after))
         case "queue_timeout":
             return e.QueueTimeout(ev.message, retry)
         case "bad_request":
@@ -201,6 +207,7 @@ def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
 def _done(outcome: Outcome, ev: fr.Done) -> None:
     outcome.completion_tokens = ev.completion_tokens
     outcome.cached_tokens = ev.cached_tokens
+    outcome.prefill = (ev.prefill_s, ev.prefill_steps)
     outcome.text(ev.text)
 
 
