@@ -364,8 +364,9 @@ def calibrate(ctx: Context, slots: int) -> CostModel:
     bounded by this machine's and this model's speed rather than by the built-in seed."""
     model = CostModel()
     n_batch = ctx.params.n_batch
-    shapes = [(1, 0), (min(slots, 8), 0), (1, 32), (1, min(128, n_batch)),
-              (min(slots, 4), min(64, n_batch - 4))]
+    # (decoders, prompt tokens in place of one of them), each within one batch
+    shapes = [(d, min(p, n_batch - d + 1)) for d, p in
+              ((1, 0), (min(slots, 8), 0), (1, 32), (1, 128), (min(slots, 4), 64))]
     ctx.decode([(0, 0, [0], True)])  # the first decode allocates; do not time it
     ctx.seq_rm(0, 0)
     for _ in range(2):
