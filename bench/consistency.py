@@ -88,9 +88,8 @@ def breakdown(log: Path, start: int) -> dict[str, Any]:
                 continue
             if int(fields.get("prompt_tokens", "0")) > 200 or fields.get("ttft", "-") == "-":
                 continue
-            ttft, queue = float(fields["ttft"]), float(fields.get("queue", "0"))
-            prefill = float(fields.get("prefill", "0"))
-            rows.append((ttft, queue, prefill, int(fields.get("prefill_steps", "0"))))
+            rows.append((float(fields["ttft"]), _num(fields, "queue"), _num(fields, "prefill"),
+                         int(_num(fields, "prefill_steps"))))
     if not rows:
         return {}
     out: dict[str, Any] = {"requests": len(rows)}
@@ -102,6 +101,11 @@ def breakdown(log: Path, start: int) -> dict[str, Any]:
     worst = max(rows)
     out["worst"] = dict(zip(("ttft", "queue", "prefill", "prefill_steps"), worst, strict=True))
     return out
+
+
+def _num(fields: dict[str, str], key: str) -> float:
+    value = fields.get(key, "-")
+    return 0.0 if value == "-" else float(value)
 
 
 def main() -> None:
