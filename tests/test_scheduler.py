@@ -593,6 +593,18 @@ def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -
                               ) >= room / 2 - cost.predict_extra(chunk_shape(0, 12))
 
 
+def test_the_aged_long_prefill_keeps_a_chunk_when_short_prompts_could_take_them_all(
+        ) -> None:
+    s, _ = costed(overtake_window=1.0, max_context=1000, max_prefill_chunks=4)
+    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    run_step(s, 0.0)
+    for rid in range(10, 16):  # six 2-token prompts, each far below half the room
+        s.submit(req(rid, n=2, max_tokens=5, start=1000 * rid), 10.0)
+    plan = s.plan(10.0)
+    assert plan is not None and len(plan.chunks) == 4
+    assert [c.rid for c in plan.chunks][-1] == 1  # three quick ones, then the long one
+
+
 def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     s, _ = costed(max_running=2, slots=2, kv_cells=2048)
     for rid in range(2):  # two long generations hold both slots

@@ -413,7 +413,7 @@ class Scheduler:
         # docs/engine.md). A few chunks per step fill the room when prompts are short.
         max_chunks = lim.max_prefill_chunks if lim.per_slot else len(self._running)
         first = True
-        for run in self._prefill_sequence(room)[:max_chunks]:
+        for run in self._prefill_sequence(room, max_chunks)[:max_chunks]:
             left = len(run.req.prompt) - run.next_prompt
             take = self.cost.max_prompt_tokens(run.next_prompt, room, min(cap, left))
             if first:
@@ -433,7 +433,7 @@ class Scheduler:
         return self.limits.target_step_ms - self.cost.predict(
             decode_shape([c.pos for c in decode]))
 
-    def _prefill_sequence(self, room: float) -> list[_Running]:
+    def _prefill_sequence(self, room: float, max_chunks: int) -> list[_Running]:
         """The prompts in the order they get this step's room.
 
         The aging order (``_prefill_order``), except that prompts of the leading class
@@ -448,8 +448,8 @@ class Scheduler:
         quick: list[_Running] = []
         half = room / 2
         for run in order:
-            if run.req.priority != order[0].req.priority:
-                break
+            if run.req.priority != order[0].req.priority or len(quick) == max_chunks - 1:
+                break  # the last chunk of the step is the aging order's
             cost = self.cost.predict_extra(chunk_shape(run.next_prompt, self._left(run)))
             if cost <= half:
                 quick.append(run)
