@@ -3,8 +3,10 @@ and a minimal ``/health``. Nothing else is served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
-caller therefore cancels its handler, which leaves ``EnginePool.open_request`` and
-frees its sequence at the worker's next step.
+caller therefore cancels its handler, wherever it is; what the request holds (its
+key's places, its ``EnginePool.open_request``) is released when the request's ASGI
+call ends (:mod:`forged.http.lifetime`), and the worker frees its sequence at its
+next step.
 """
 
 from __future__ import annotations
