@@ -11,12 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -75,9 +73,13 @@ def test_keys_are_required_limited_per_key_and_revoked_on_reload(
             ok = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {bob}"})
             assert ok.status_code == 200
 
-            # alice may hold 2 streams; the third gets 429, bob is unaffected
+            # alice may hold 2 streams; the third gets 429, bob is unaffected. Slow steps
+            # keep her two generating (30 s) while the others are tried.
             d_admin = admin_stats(d)
             assert d_admin["ready"]
+            with httpx.Client(transport=httpx.HTTPTransport(
+                    uds=str(d.config.parent / "admin.sock")), base_url="http://admin") as a:
+                a.post("/debug/slow-steps", params={"seconds": 0.02})
             with httpx.Client(base_url=d.url, timeout=60) as c2:
                 long = {"prompt": "go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
                 auth = {"Authorization": f"Bearer {alice}"}
@@ -96,6 +98,9 @@ def test_keys_are_required_limited_per_key_and_revoked_on_reload(
                 finally:
                     for s in streams:
                         s.__exit__(None, None, None)
+            with httpx.Client(transport=httpx.HTTPTransport(
+                    uds=str(d.config.parent / "admin.sock")), base_url="http://admin") as a:
+                a.post("/debug/slow-steps", params={"seconds": 0})
 
             # revoke bob: remove his table and reload
             text = (tmp_path / "keys.toml").read_text()
@@ -127,7 +132,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path: Path, tiny_model: Pa
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         t0 = time.monotonic()
         assert s.recv(65536) == b""  # closed by the server
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 8  # 1 s, with room for a busy machine
         s.close()
         # a body that never arrives
         s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
@@ -136,7 +141,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path: Path, tiny_model: Pa
         reply = b""
         while b'"error"' not in reply and (chunk := s.recv(65536)):
             reply += chunk
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 8
         assert reply.startswith(b"HTTP/1.1 408"), reply
         assert b'"error"' in reply
         s.close()
@@ -322,37 +327,42 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("GET", "/v1/completions")]
 
 
-@pytest.fixture(scope="module")
-def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
-                ) -> Iterator[DaemonProcess]:
-    d = start(tmp_path_factory.mktemp("fuzz"), tiny_model,
-              engine={**ENGINE, "max_running": 16}, limits={"max_queued": 1024})
-    yield d
-    d.stop()
-
-
-@pytest.fixture(scope="module")
-def fuzz_client(fuzz_daemon: DaemonProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fuzz_daemon.url, timeout=15) as c:
-        yield c
-
-
-FUZZ_COUNT = {"n": 0}
-
-
-@settings(max_examples=5200, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(body=raw, endpoint=st.sampled_from(ENDPOINTS))
-def test_fuzz_every_endpoint_never_5xx(fuzz_client: httpx.Client, body: bytes,
-                                       endpoint: tuple[str, str]) -> None:
-    method, path = endpoint
+def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, tiny_model: Path) -> None:
+    """Over 5,000 generated bodies: never a 5xx, always a well-formed answer; then the
+    daemon is healthy and holds nothing. One test, with its own daemon, so that what it
+    counts and checks does not depend on which tests ran before it."""
+    # Bodies without max_tokens get 16, not 1024: this is about the input, and a long
+    # generation on a busy machine would only test the client's patience.
+    d = start(tmp_path, tiny_model, engine={**ENGINE, "max_running": 16},
+              limits={"max_queued": 1024, "default_max_tokens": 16})
+    posted: list[tuple[str, str, bytes]] = []
     try:
-        r = fuzz_client.request(method, path, content=body,
-                                headers={"Content-Type": "application/json"})
-    except httpx.HTTPError as exc:
-        raise AssertionError(f"{exc!r} after {FUZZ_COUNT.get('last')!r}") from exc
-    FUZZ_COUNT["n"] += 1
-    FUZZ_COUNT["last"] = (method, path, body)  # type: ignore[assignment]
+        with httpx.Client(base_url=d.url, timeout=60) as client:
+
+            @settings(max_examples=5200, deadline=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(body=raw, endpoint=st.sampled_from(ENDPOINTS))
+            def post(body: bytes, endpoint: tuple[str, str]) -> None:
+                method, path = endpoint
+                try:
+                    r = client.request(method, path, content=body,
+                                       headers={"Content-Type": "application/json"})
+                except httpx.HTTPError as exc:
+                    last = posted[-1] if posted else None
+                    raise AssertionError(f"{exc!r} after {last!r}") from exc
+                posted.append((method, path, body))
+                _check_answer(r, path, body)
+
+            post()
+        assert len(posted) >= 5000
+        assert httpx.get(d.url + "/health").status_code == 200
+        t = admin_stats(d)["engine"]["totals"]
+        assert t["running"] == 0 and t["kv_cells_active"] == 0
+    finally:
+        d.stop()
+
+
+def _check_answer(r: httpx.Response, path: str, body: bytes) -> None:
     assert r.status_code < 500, (path, body, r.status_code, r.text)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         frames = [line for line in r.text.splitlines() if line]
@@ -363,10 +373,3 @@ def test_fuzz_every_endpoint_never_5xx(fuzz_client: httpx.Client, body: bytes,
         data = r.json()
         if r.status_code >= 400:
             assert set(data["error"]) == {"message", "type", "param", "code"}
-
-
-def test_fuzz_ran_enough_and_left_the_daemon_healthy(fuzz_daemon: DaemonProcess) -> None:
-    assert FUZZ_COUNT["n"] >= 5000
-    assert httpx.get(fuzz_daemon.url + "/health").status_code == 200
-    t = admin_stats(fuzz_daemon)["engine"]["totals"]
-    assert t["running"] == 0 and t["kv_cells_active"] == 0
