@@ -1,8 +1,8 @@
 """The .deb packages in a booted systemd (systemd-nspawn), loopback only.
 
 Runs the admin's whole life cycle in order: install, socket activation, requests,
-reload, restart under load, watchdog, broken config, remove and purge. The tests of
-this module share one container and must run in file order.
+reload, restart under load, watchdog, broken config, upgrade, remove and purge. The
+tests of this module share one container and must run in file order.
 """
 
 from __future__ import annotations
@@ -30,6 +30,33 @@ def _debs() -> list[Path]:
     if len(debs) != 2:
         pytest.fail(f"build the packages first (make deb): found {debs} in {DEB_DIR}")
     return debs
+
+
+def bump_version(deb: Path, suffix: str, out: Path) -> Path:
+    """A copy of ``deb`` whose version is higher by ``suffix``: only the control member
+    changes, so installing it over ``deb`` is a real dpkg upgrade (maintainer scripts,
+    conffiles, units) that costs seconds instead of a second build."""
+    work = out / "repack"
+    (work / "control").mkdir(parents=True)
+    subprocess.run(["ar", "x", str(deb)], cwd=work, check=True, timeout=60)
+    control = next(work.glob("control.tar.*"))
+    subprocess.run(["tar", "-xf", control.name, "-C", "control"], cwd=work, check=True,
+                   timeout=60)
+    fields = (work / "control" / "control").read_text()
+    version = re.search(r"^Version: (.*)$", fields, re.M)
+    assert version is not None
+    new_version = version.group(1) + suffix
+    (work / "control" / "control").write_text(
+        fields.replace(version.group(0), f"Version: {new_version}"))
+    control.unlink()
+    subprocess.run(["tar", "-cJf", "control.tar.xz", "--owner=0", "--group=0", "-C",
+                    "control", "."], cwd=work, check=True, timeout=60)
+    data = next(work.glob("data.tar.*"))
+    new = out / deb.name.replace(f"_{version.group(1)}_", f"_{new_version}_")
+    # dpkg wants the members in this order.
+    subprocess.run(["ar", "rc", str(new), "debian-binary", "control.tar.xz", data.name],
+                   cwd=work, check=True, timeout=60)
+    return new
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +189,86 @@ def test_7_broken_config_fails_clearly_without_a_restart_loop(box: BootedContain
     box.run("cp /root/good.toml /etc/forged/forged.toml && systemctl reset-failed forged")
 
 
-def test_8_remove_keeps_the_conffile_and_purge_removes_it(box: BootedContainer) -> None:
+def test_8_upgrade_restarts_once_and_keeps_the_admins_config(
+        box: BootedContainer, tmp_path: Path) -> None:
+    old = next(d for d in _debs() if d.name.startswith("forged_"))
+    new = bump_version(old, "+upgrade1", tmp_path)
+    box.copy_in(new, f"/root/next/{new.name}")
+    # The admin edits the conffile and tightens its mode (the daemon's group still reads).
+    box.run("echo '# edited by the admin' >> /etc/forged/forged.toml && "
+            "chmod 0440 /etc/forged/forged.toml")
+    # The held stream must still be open when postinst restarts the daemon (seconds into
+    # the configure step) and end well within the 30 s drain: size it to about 12 s at
+    # the speed this machine decodes right now.
+    box.run(f"curl -sf --max-time 120 {API}/health", timeout=150)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True})
+    r = box.run(f"curl -sf --max-time 60 -w '\\n%{{time_total}}' {API}/v1/completions "
+                f"-d '{body}'", check=False, timeout=90)
+    if r.returncode != 0:
+        journal = box.run("journalctl -u forged --no-pager -n 80").stdout
+        raise AssertionError(f"a 64-token completion failed (curl {r.returncode}):\n{journal}")
+    reply, seconds = r.stdout.rsplit("\n", 1)
+    per_second = json.loads(reply)["usage"]["completion_tokens"] / float(seconds)
+    max_tokens = int(min(max(12 * per_second, 100), 4000))
+    invocation = box.run("systemctl show -p InvocationID --value forged").stdout.strip()
+    restarts, since = n_restarts(box), box.run("date +@%s.%N").stdout.strip()
+
+    # 10 bounded connections a second for as long as the upgrade takes.
+    box.run("(for i in $(seq 900); do test -f /root/up.done && break; curl -s -o /dev/null "
+            f"--max-time 60 -w '%{{exitcode}} %{{http_code}}\\n' {API}/health "
+            ">> /root/up-loop.txt & sleep 0.1; done; wait; echo done > /root/up-loop.done)"
+            " >/dev/null 2>&1 &")
+    # dpkg -i in its two steps, as apt runs them, to open the stream in between.
+    box.run(f"dpkg --unpack /root/next/{new.name}", timeout=300)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream": True})
+    box.run(f"(curl -sN --max-time 120 {API}/v1/completions -d '{body}' > /root/up-stream.txt"
+            " 2>&1; echo done > /root/up-stream.done) >/dev/null 2>&1 &")
+    time.sleep(0.5)
+    box.run("dpkg --configure forged && touch /root/up.done", timeout=300)
+    wait_until(lambda: box.run("test -f /root/up-loop.done -a -f /root/up-stream.done",
+                               check=False).returncode == 0, 120, "the stream and the loop")
+
+    journal = box.run(f"journalctl --no-pager -o cat --since {since} -u forged").stdout
+    starting = "MESSAGE_ID=7d4958e842da4a758f6c1cdc7b36dcc5"  # systemd's "Starting ..."
+    starts = box.run(f"journalctl --no-pager -o cat --since {since} UNIT=forged.service "
+                     f"{starting}").stdout.splitlines()
+    stream = box.run("cat /root/up-stream.txt").stdout
+    loop = [line.split() for line in box.run("cat /root/up-loop.txt").stdout.splitlines()]
+    observed = {
+        "version": box.run("dpkg-query -W -f '${Version}' forged").stdout,
+        "starts": len(starts),
+        "new invocation": box.run("systemctl show -p InvocationID --value forged")
+        .stdout.strip() != invocation,
+        "crash restarts": n_restarts(box) - restarts,
+        "a stream drained": bool(re.search(r"draining: [1-9]\d* streams open", journal)),
+        "stream ran to its length": stream.count('"finish_reason":"length"') == 1
+        and '"error"' not in stream and stream.rstrip().endswith("data: [DONE]"),
+        "curl exit codes": {c for c, _ in loop},  # 7: refused, 56: reset
+        "http codes": {h for _, h in loop} - {"503"},  # 503 while draining is fine
+        "conffile edit kept": box.run("tail -n 1 /etc/forged/forged.toml").stdout.strip()
+        == "# edited by the admin",
+        "conffile owner and mode": box.run("stat -c '%U:%G %a' /etc/forged/forged.toml")
+        .stdout.strip(),
+        "units": box.run("systemctl is-active forged.socket forged").stdout.split(),
+    }
+    assert observed == {
+        "version": old.name.split("_")[1] + "+upgrade1",
+        "starts": 1,  # one restart, not one per unit touched
+        "new invocation": True,
+        "crash restarts": 0,
+        "a stream drained": True,
+        "stream ran to its length": True,
+        "curl exit codes": {"0"},
+        "http codes": {"200"},
+        "conffile edit kept": True,
+        "conffile owner and mode": "root:forged 440",
+        "units": ["active", "active"],
+    }, journal
+    assert len(loop) >= 30, loop
+
+
+def test_9_remove_keeps_the_conffile_and_purge_removes_it(box: BootedContainer) -> None:
     box.run("mkdir -p /var/lib/forged && echo x > /var/lib/forged/state")
     box.run("systemctl stop forged.socket forged", timeout=120)
     box.run("dpkg -r forged forged-model-smollm2", timeout=300)
