@@ -41,6 +41,8 @@ test: setup lint deb
 deb-deps:
 	@scripts/system-deps.sh deb
 
+# The package's llama.cpp is a second build with every x86-64 CPU variant (not the dev
+# venv's native one): about 28 minutes on 2 cores, once; it is cached outside the repo.
 deb: setup deb-deps
 	scripts/build-deb.sh build/deb
 

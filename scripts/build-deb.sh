@@ -7,13 +7,28 @@ cd "$(dirname "$0")/.."
 out=${1:-build/deb}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 llama=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
-wheelhouse=${FORGED_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/forged/wheelhouse}
+# Not the wheel `make setup` builds: its own folder, so a native wheel is never reused.
+wheelhouse=${FORGED_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/forged/wheelhouse-cpu-variants}
 
 # llama-cpp-python is source-only on PyPI: build its wheel once, outside the repo.
+# The package must run on any x86-64 CPU, not only on CPUs like the build host's: no
+# -march=native, and the CPU backend built once per feature level (SSE4.2, AVX2,
+# AVX-512, ...) as loadable modules, of which ggml loads the best the CPU runs
+# (forged/engine/backend.py loads them). They install beside libggml in llama_cpp/lib.
+# --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would return the native
+# wheel the dev setup built from the same sdist.
 if ! ls "$wheelhouse"/llama_cpp_python-"$llama"-*.whl >/dev/null 2>&1; then
     mkdir -p "$wheelhouse"
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+-DCMAKE_INSTALL_BINDIR=llama_cpp/lib" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-        .venv/bin/pip wheel --quiet --no-deps "llama-cpp-python==$llama" -w "$wheelhouse"
+        .venv/bin/pip wheel --quiet --no-cache-dir --no-deps "llama-cpp-python==$llama" \
+        -w "$wheelhouse"
+fi
+wheel=$(ls "$wheelhouse"/llama_cpp_python-"$llama"-*.whl)
+if ! .venv/bin/python -m zipfile -l "$wheel" | grep -q '^llama_cpp/lib/libggml-cpu-x64\.so '; then
+    echo "$wheel has no CPU backend variants (a native build?): remove it and rerun" >&2
+    exit 1
 fi
 
 src=build/deb-src/forged-$version

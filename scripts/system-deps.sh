@@ -3,8 +3,9 @@
 set -eu
 needed="build-essential cmake git python3-venv python3-dev curl systemd procps"
 if [ "${1:-}" = deb ]; then
-    # Building the .deb and booting it in a container.
-    needed="$needed debhelper dh-virtualenv python3.11-venv python3.11-dev dpkg-dev fakeroot lintian debootstrap systemd-container"
+    # Building the .deb, booting it in a container, and running it on an emulated older
+    # CPU (qemu-user).
+    needed="$needed debhelper dh-virtualenv python3.11-venv python3.11-dev dpkg-dev fakeroot lintian debootstrap systemd-container qemu-user"
 fi
 missing=""
 for p in $needed; do

@@ -34,10 +34,28 @@ def _log_errors_only(level: int, text: bytes, user_data: ctypes.c_void_p) -> Non
 def _init() -> None:
     global _initialised
     with _init_lock:
-        if not _initialised:
-            ll.llama_log_set(_log_errors_only, ctypes.c_void_p(0))
-            ll.llama_backend_init()
-            _initialised = True
+        if _initialised:
+            return
+        ll.llama_log_set(_log_errors_only, ctypes.c_void_p(0))
+        # The packaged llama.cpp is built with one CPU backend per x86-64 feature level
+        # (GGML_BACKEND_DL and GGML_CPU_ALL_VARIANTS: libggml-cpu-sse42.so, -haswell.so,
+        # -skylakex.so, ...) and links none of them, so that the .deb runs on any x86-64
+        # CPU: ggml loads the best one this CPU can run. llama_backend_init() would look
+        # for them only beside the executable (python) and in the current directory, so
+        # load them from the wheel's library folder first. The development build links
+        # its one native CPU backend in, so a backend is registered already and this
+        # step does nothing there.
+        lib_dir = ll.llama_cpp._base_path  # honours LLAMA_CPP_LIB_PATH, as the binding does
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+        ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
+        if ggml.ggml_backend_reg_count() == 0:
+            ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+            ggml.ggml_backend_load_all_from_path.restype = None
+            ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+            if ggml.ggml_backend_reg_count() == 0:
+                raise BackendError(f"no llama.cpp CPU backend in {lib_dir} runs on this CPU")
+        ll.llama_backend_init()
+        _initialised = True
 
 
 class BackendError(Exception):
