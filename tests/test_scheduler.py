@@ -523,6 +523,21 @@ def test_decoders_over_the_target_still_leave_minimum_prompt_progress() -> None:
     assert prompt_tokens(s.plan(1.0)) == MIN_PREFILL_TOKENS
 
 
+def test_decoders_over_the_target_leave_prompts_a_quarter_of_the_step() -> None:
+    cost = CostModel((8.0, 20.0, 3.0, 3.0, 3.0))  # a slow machine: 20 ms per decoder
+    s = Scheduler(SchedulerLimits(kv_cells=16 * 1024, slots=16, max_running=16,
+                                  step_tokens=512, per_slot_cells=1024, target_step_ms=100),
+                  cost)
+    decoding(s, 8)  # 168 ms of decoding alone, past the 100 ms target
+    s.submit(req(1, n=900, max_tokens=5), 1.0)
+    plan = s.plan(1.0)
+    assert plan is not None
+    decode = cost.predict(decode_shape([c.pos for c in plan.chunks if c.rid != 1]))
+    prompt = cost.predict(plan.shape) - decode
+    assert decode > 100 and prompt_tokens(plan) > MIN_PREFILL_TOKENS
+    assert 0.2 * cost.predict(plan.shape) <= prompt <= 0.25 * cost.predict(plan.shape) + 1
+
+
 def test_a_step_without_prompt_work_is_decode_only() -> None:
     s, _ = costed()
     decoding(s, 6)

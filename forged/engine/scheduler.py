@@ -250,8 +250,11 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-# A step always makes this much prompt progress when a prompt waits, even if the
-# decoders alone fill the time target: otherwise no new request could ever start.
+# When the decoders alone fill the time target (a slow spell, a big model, many
+# streams), prompts that wait still get this share of every step: a step is then at
+# most 4/3 of a decode-only one, and new requests keep starting at a pace that follows
+# the machine's. And a step always makes at least MIN_PREFILL_TOKENS of prompt progress.
+MIN_PROMPT_SHARE = 0.25
 MIN_PREFILL_TOKENS = 16
 # Slot frees remembered to estimate how fast slots turn over while requests wait.
 _FINISH_WINDOW = 16
@@ -406,7 +409,7 @@ class Scheduler:
         lim = self.limits
         cap = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
                ) - len(chunks)
-        room = self._prompt_room_ms(chunks)
+        room = self._prompt_room_ms([c.pos for c in chunks])
         # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
         # the same number of tokens from every sequence still in it, so each distinct
         # chunk length costs one more pass over the weights (~5 ms here, measured in
@@ -428,10 +431,12 @@ class Scheduler:
             first = False
         return chunks
 
-    def _prompt_room_ms(self, decode: list[Chunk]) -> float:
-        """Milliseconds of prompt work the step may take beside its decoders."""
-        return self.limits.target_step_ms - self.cost.predict(
-            decode_shape([c.pos for c in decode]))
+    def _prompt_room_ms(self, positions: list[int]) -> float:
+        """Milliseconds of prompt work a step may take beside decoders at ``positions``:
+        what the target leaves, but never less than MIN_PROMPT_SHARE of the step."""
+        decode = self.cost.predict(decode_shape(positions))
+        return max(self.limits.target_step_ms - decode,
+                   decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
 
     def _prefill_sequence(self, room: float, max_chunks: int) -> list[_Running]:
         """The prompts in the order they get this step's room.
@@ -698,14 +703,13 @@ class Scheduler:
 
     def _prefill_seconds(self, work_ms: float) -> float:
         """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
-        step fills the room its decoders leave (at least the guaranteed minimum)."""
+        step fills the room its decoders leave, up to ``step_tokens``."""
         positions = [self.ledger.length(r.slot) for r in self._running.values()
                      if r.phase is Phase.DECODE]
-        decode = self.cost.predict(decode_shape(positions))
         full = self.cost.predict_extra(chunk_shape(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(chunk_shape(0, MIN_PREFILL_TOKENS))
-        room = max(floor, min(self.limits.target_step_ms - decode, full))
-        return work_ms / room * (decode + room) / 1000
+        room = max(floor, min(self._prompt_room_ms(positions), full))
+        return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
 
     # --- slots and cells ---------------------------------------------------------------
 
@@ -788,7 +792,8 @@ class Scheduler:
             "wait_estimate_s": self.wait_estimate(INTERACTIVE, self._now),
             "step_plan_ms": self.last_plan_ms,
             "target_step_ms": min(self.limits.target_step_ms, 1e9),
-            "step_prompt_room_ms": min(self._prompt_room_ms(self._decode_chunks()), 1e9),
+            "step_prompt_room_ms": min(
+                self._prompt_room_ms([c.pos for c in self._decode_chunks()]), 1e9),
         }
         out.update(self.cost.statistics())
         return out
