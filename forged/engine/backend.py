@@ -46,7 +46,9 @@ def _init() -> None:
         # its one native CPU backend in, so a backend is registered already and this
         # step does nothing there.
         lib_dir = ll.llama_cpp._base_path  # honours LLAMA_CPP_LIB_PATH, as the binding does
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+        # ggml's functions through libllama's handle: the libggml it links, not a second
+        # copy from another of the wheel's duplicate files (libggml.so, .so.0, .so.0.x.y).
+        ggml = ll.llama_cpp._lib
         ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
         if ggml.ggml_backend_reg_count() == 0:
             ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
