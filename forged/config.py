@@ -70,7 +70,7 @@ class EngineConfig(_Section, frozen=True):
     # A step's predicted duration (the cost model fitted from measured steps) stays
     # within this: it bounds every stream's inter-token latency while prompts are
     # computed beside it, and how long a new short prompt waits for the step to end.
-    target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 150.0
+    target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 300.0
     flash_attn: bool = True
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every

@@ -54,7 +54,7 @@ class Init(_Frame, tag="init"):
     max_context: int = 0
     overtake_window: float = 30.0
     session_ttl: float = 600.0
-    target_step_ms: float = 150.0
+    target_step_ms: float = 300.0
     test_hooks: bool = False
 
 
@@ -82,7 +82,7 @@ class SetLimits(_Frame, tag="limits"):
     decode_reservation: int
     overtake_window: float
     session_ttl: float = 600.0
-    target_step_ms: float = 150.0
+    target_step_ms: float = 300.0
 
 
 class Shutdown(_Frame, tag="shutdown"):
