@@ -165,7 +165,9 @@ def test_watchdog_pings_stop_when_the_loop_or_the_worker_is_stuck(
 ) -> None:
     env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}  # a ping every 0.2 s
     d = start(tmp_path, tiny_model, env=env,
-              engine={**ENGINE, "heartbeat_interval": 0.1, "heartbeat_timeout": 2.0})
+              engine={**ENGINE, "heartbeat_interval": 0.1, "heartbeat_timeout": 2.0,
+                      # the timeout must outlast ten target steps (forged check-config)
+                      "target_step_ms": 100.0})
     try:
         with admin(d) as a:
             notify.wait_for("WATCHDOG=1")
