@@ -1,0 +1,66 @@
+"""Where short requests' time to first token goes, for forged alone, in one open loop.
+
+    .venv/bin/python -m bench.trace RATE [--requests N] [--seed S] [--set SECTION.KEY=VALUE]
+                                         [--tree PATH]
+
+Starts forged (the shipped configuration with the comparison benchmark's threads,
+slots and context), warms it up, sends N mixed requests as Poisson arrivals at RATE
+requests/s, and prints the callers' latencies and the breakdown of short requests'
+TTFT from the access log (bench.consistency's). ``--tree`` runs the daemon from
+another checkout (for instance an older commit, to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.consistency import breakdown
+from bench.daemonproc import DaemonProcess, free_port, write_config
+from bench.run import CONTEXT, MAX_TOKENS, MODEL, THREADS, _value
+from forged.bench import make_prompts, run_load
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rate", type=float)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--tree", help="run the daemon from this checkout")
+    args = ap.parse_args()
+    sections: dict[str, dict[str, Any]] = {"engine": {
+        "threads": THREADS, "kv_cells": CONTEXT, "slots": 16, "max_running": 16,
+        "max_context": CONTEXT // 16}}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = _value(value)
+    tmp = Path(tempfile.mkdtemp())
+    port = free_port()
+    d = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, **sections), port,
+                      env={"PYTHONPATH": args.tree} if args.tree else None)
+    try:
+        d.wait_ready()
+        warm = make_prompts("mixed", 16, MAX_TOKENS, seed=99)
+        trio.run(lambda: run_load(d.url, warm, concurrency=16, rate=None, duration=300,
+                                  model=None))
+        start = d.log.stat().st_size
+        prompts = make_prompts("mixed", args.requests, MAX_TOKENS, seed=args.seed)
+        s = trio.run(lambda: run_load(d.url, prompts, concurrency=None, rate=args.rate,
+                                      duration=args.requests / args.rate + 240, model=None,
+                                      seed=args.seed))
+    finally:
+        d.stop()
+    keys = ("ok", "errors", "short_ttft_p50", "short_ttft_p99", "itl_p50", "itl_p99")
+    print(json.dumps({k: s[k] for k in keys}))
+    print(json.dumps(breakdown(d.log, start)))
+
+
+if __name__ == "__main__":
+    main()
