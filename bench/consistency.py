@@ -103,6 +103,19 @@ def breakdown(log: Path, start: int) -> dict[str, Any]:
     return out
 
 
+def shipped_sections(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """forged's shipped configuration with llama-server's threads, context and slots,
+    then ``SECTION.KEY=VALUE`` overrides (values parsed as JSON when they parse)."""
+    sections: dict[str, dict[str, Any]] = {"engine": {
+        "threads": THREADS, "kv_cells": CONTEXT, "slots": 16, "max_running": 16,
+        "max_context": CONTEXT // 16}}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = _value(value)
+    return sections
+
+
 def _num(fields: dict[str, str], key: str) -> float:
     value = fields.get(key, "-")
     return 0.0 if value == "-" else float(value)
@@ -119,15 +132,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
     port = free_port()
-    # The shipped configuration, with llama-server's threads, context and slots.
-    sections: dict[str, dict[str, Any]] = {"engine": {
-        "threads": THREADS, "kv_cells": CONTEXT, "slots": 16, "max_running": 16,
-        "max_context": CONTEXT // 16}}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = _value(value)
-    cfg = write_config(tmp / "forged.toml", MODEL, port, **sections)
+    cfg = write_config(tmp / "forged.toml", MODEL, port, **shipped_sections(args.set))
     forged = DaemonProcess(cfg, port)
     ls = LlamaServer(binary, BEST, tmp / "llama-server.log")
     n = 32 if args.quick else 48

@@ -16,13 +16,12 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import trio
 
-from bench.consistency import breakdown
+from bench.consistency import breakdown, shipped_sections
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from bench.run import CONTEXT, MAX_TOKENS, MODEL, THREADS, _value
+from bench.run import MAX_TOKENS, MODEL
 from forged.bench import make_prompts, run_load
 
 
@@ -34,16 +33,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--tree", help="run the daemon from this checkout")
     args = ap.parse_args()
-    sections: dict[str, dict[str, Any]] = {"engine": {
-        "threads": THREADS, "kv_cells": CONTEXT, "slots": 16, "max_running": 16,
-        "max_context": CONTEXT // 16}}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = _value(value)
     tmp = Path(tempfile.mkdtemp())
     port = free_port()
-    d = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, **sections), port,
+    cfg = write_config(tmp / "forged.toml", MODEL, port, **shipped_sections(args.set))
+    d = DaemonProcess(cfg, port,
                       env={"PYTHONPATH": args.tree} if args.tree else None)
     try:
         d.wait_ready()
