@@ -359,8 +359,8 @@ class EnginePool:
         queued = sum(w.queued for w in self.workers)
         if queued >= lim.max_queued:
             raise Overloaded("the server is at capacity; retry later", lim.retry_after)
-        # Each worker estimates what even the shortest new request would wait for its
-        # first token; when that is past the queue timeout everywhere, waiting is futile.
+        # Each worker estimates how long even the shortest new request would wait before
+        # its prompt is computed; past the queue timeout everywhere, waiting is futile.
         wait = min(w.stats.get("wait_estimate_s", 0.0) for w in routable)
         if wait > lim.queue_timeout:
             raise Overloaded(f"the server is at capacity: a request would wait about "

@@ -32,7 +32,7 @@ from forged.engine.backend import (
     Sampler,
     SamplingParams,
 )
-from forged.engine.costmodel import CostModel, StepShape, chunk_shape
+from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
 from forged.engine.scheduler import (
     Admitted,
     Chunk,
@@ -373,11 +373,10 @@ def calibrate(ctx: Context, slots: int) -> CostModel:
         for decoders, prompt in shapes:
             items: list[tuple[int, int, list[int], bool]] = [
                 (s, 0, [0], True) for s in range(decoders)]
-            shape = StepShape(decoders=decoders, kpairs=decoders / 1000)
+            shape = decode_shape([0] * decoders)
             if prompt:
                 items[0] = (0, 0, [0] * prompt, True)
-                shape = StepShape(decoders=decoders - 1, kpairs=(decoders - 1) / 1000).plus(
-                    chunk_shape(0, prompt))
+                shape = decode_shape([0] * (decoders - 1)).plus(chunk_shape(0, prompt))
             t0 = time.perf_counter()
             ctx.decode(items)
             model.observe(shape, (time.perf_counter() - t0) * 1000)
