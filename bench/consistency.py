@@ -44,7 +44,7 @@ from bench.run import (
     LlamaServer,
     _value,
 )
-from forged.bench import make_prompts, ratios, run_alternating, run_load
+from forged.observe.loadtest import make_prompts, ratios, run_alternating, run_load
 
 
 async def closed(forged: str, ls: str, c: int, n: int, seed: int) -> dict[str, Any]:

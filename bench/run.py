@@ -27,8 +27,8 @@ from typing import Any
 import trio
 
 from bench.daemonproc import DaemonProcess, free_port, health_ok, write_config
-from forged.bench import make_prompts, ratios, run_alternating, run_load
-from forged.status import fetch_stats
+from forged.observe.loadtest import make_prompts, ratios, run_alternating, run_load
+from forged.observe.status import fetch_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -22,7 +22,7 @@ import trio
 from bench.consistency import breakdown, shipped_sections
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from bench.run import MAX_TOKENS, MODEL
-from forged.bench import make_prompts, run_load
+from forged.observe.loadtest import make_prompts, run_load
 
 
 def main() -> None:

@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from forged.errors import ForgedError
-    from forged.status import fetch_stats, render
+    from forged.observe.status import fetch_stats, render
 
     admin = args.admin or fc.load(Path(args.config)).server.admin_listen
     try:
@@ -133,7 +133,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from forged.bench import main as bench_main
+    from forged.observe.loadtest import main as bench_main
 
     return bench_main(args)
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: server.admin_listen from the config)")
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
-    from forged.bench import add_arguments
+    from forged.observe.loadtest import add_arguments
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server")
     add_arguments(bench)

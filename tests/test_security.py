@@ -230,7 +230,7 @@ def _worker_pid(pid: int) -> int:
 def test_open_loop_overload_answers_200_or_503_and_memory_stays_flat(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    from forged.bench import make_prompts, run_load
+    from forged.observe.loadtest import make_prompts, run_load
 
     d = start(tmp_path, tiny_model, limits={"max_queued": 16, "queue_timeout": 2.0},
               engine={**ENGINE, "max_running": 4})

@@ -29,7 +29,7 @@ from forged.engine.pool import EnginePool
 from forged.http.admin import create_admin_app
 from forged.http.api import configure, create_app
 from forged.http.state import AppState, Holds
-from forged.metrics import Metrics
+from forged.observe.metrics import Metrics
 
 log = logging.getLogger("forged")
 

@@ -14,7 +14,7 @@ from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
-from forged.metrics import Metrics
+from forged.observe.metrics import Metrics
 
 
 @dataclass
