@@ -45,6 +45,7 @@ from bench.run import (
     _value,
 )
 from forged.observe.loadtest import make_prompts, ratios, run_alternating, run_load
+from forged.observe.stats import percentile
 
 
 async def closed(forged: str, ls: str, c: int, n: int, seed: int) -> dict[str, Any]:
@@ -94,9 +95,9 @@ def breakdown(log: Path, start: int) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {"requests": len(rows)}
     for i, name in enumerate(("ttft", "queue", "prefill", "prefill_steps")):
-        vals = sorted(r[i] for r in rows)
+        vals = [r[i] for r in rows]
         out[f"{name}_mean"] = statistics.fmean(vals)
-        out[f"{name}_p99"] = vals[min(len(vals) - 1, int(0.99 * len(vals)))]
+        out[f"{name}_p99"] = percentile(vals, 99)
     out["rest_mean"] = out["ttft_mean"] - out["queue_mean"] - out["prefill_mean"]
     worst = max(rows)
     out["worst"] = dict(zip(("ttft", "queue", "prefill", "prefill_steps"), worst, strict=True))

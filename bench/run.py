@@ -28,6 +28,7 @@ import trio
 
 from bench.daemonproc import DaemonProcess, free_port, health_ok, write_config
 from forged.observe.loadtest import make_prompts, ratios, run_alternating, run_load
+from forged.observe.stats import percentile
 from forged.observe.status import fetch_stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,10 +174,8 @@ async def rejection_latency(url: str, n: int = 400) -> dict[str, Any]:
                 for _ in range(n):
                     nursery.start_soon(one)
                     await trio.sleep(0.002)
-    lat.sort()
-    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
-    return {"statuses": statuses, "rejections": len(lat), "rejection_p99_s": p99,
-            "rejection_p50_s": lat[len(lat) // 2] if lat else None}
+    return {"statuses": statuses, "rejections": len(lat),
+            "rejection_p99_s": percentile(lat, 99), "rejection_p50_s": percentile(lat, 50)}
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -27,6 +26,8 @@ from typing import Any
 
 import httpx
 import trio
+
+from forged.observe.stats import percentile
 
 MIXES = ("short", "mixed", "shared-prefix", "chat")
 _WORDS = ("def", "return", "self", "value", "items", "index", "result", "config", "for",
@@ -134,13 +135,6 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return False
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    data = sorted(values)
-    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
-
-
 def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
     ok = [s for s in samples if s.status == 200]
     ttft = [s.ttft for s in ok if s.ttft is not None]
@@ -156,10 +150,10 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
                            "out_tok_per_s": sum(s.out_tokens for s in ok) / wall if wall else 0}
     for name, vals in (("ttft", ttft), ("short_ttft", short_ttft), ("itl", itl), ("e2e", e2e)):
         for q in (50, 95, 99):
-            out[f"{name}_p{q}"] = _pct(vals, q)
+            out[f"{name}_p{q}"] = percentile(vals, q)
     out["decode_tok_per_s"] = (1 / out["itl_p50"]) if out["itl_p50"] else None
     rejected = [s for s in samples if s.status in (429, 503)]
-    out["reject_p99"] = _pct([s.e2e for s in rejected], 99)
+    out["reject_p99"] = percentile([s.e2e for s in rejected], 99)
     out["rejections_with_retry_after"] = sum(s.retry_after for s in rejected)
     return out
 

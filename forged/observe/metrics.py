@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from forged import __version__
+from forged.observe.stats import percentile
 
 # Interactive use: from 5 ms (a decode step) to a minute (a long queue wait).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -86,14 +87,6 @@ class _Window:
         while self.samples and self.samples[0][0] < cutoff:
             self.samples.popleft()
         return [v for _, v in self.samples]
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    data = sorted(values)
-    if not data:
-        return None
-    k = min(len(data) - 1, max(0, round(q / 100 * (len(data) - 1))))
-    return data[k]
 
 
 class Metrics:

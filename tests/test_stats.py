@@ -1,0 +1,64 @@
+"""The one percentile definition (forged.observe.stats), and that `forged status` and
+`forged bench` report the same percentiles for the same samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from forged.observe import loadtest, status
+from forged.observe.metrics import Metrics
+from forged.observe.stats import percentile
+
+ONE_TO_TEN = [float(v) for v in range(10, 0, -1)]  # unsorted on purpose
+
+
+@pytest.mark.parametrize(("q", "expected"), [
+    (0, 1.0), (10, 1.0), (11, 2.0), (50, 5.0), (51, 6.0), (90, 9.0), (95, 10.0),
+    (99, 10.0), (100, 10.0),
+])
+def test_nearest_rank_of_one_to_ten(q: float, expected: float) -> None:
+    assert percentile(ONE_TO_TEN, q) == expected
+
+
+def test_small_and_empty_data() -> None:
+    assert percentile([], 50) is None
+    assert percentile([0.7], 0) == percentile([0.7], 50) == percentile([0.7], 100) == 0.7
+    assert percentile([3.0, 1.0], 50) == 1.0  # the lower of two, never their mean
+    assert percentile([3.0, 1.0], 51) == 3.0
+    # A whole rank stays whole: 7% of 100 values is the 7th, not the 8th.
+    assert percentile(range(1, 101), 7) == 7
+
+
+def test_a_percentile_is_between_0_and_100() -> None:
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    with pytest.raises(ValueError):
+        percentile([1.0], -1)
+
+
+def test_status_and_bench_agree_on_the_same_samples() -> None:
+    # Four values: the old rounded-rank p50 of `forged status` (0.3) and the
+    # nearest-rank p50 of `forged bench` (0.2) disagreed here.
+    ttfts = [0.4, 0.1, 0.3, 0.2]
+    gaps = [[0.05, 0.01], [0.03], [0.02, 0.04, 0.06], [0.07]]
+
+    metrics = Metrics("m", lambda: {}, lambda: 0)
+    for ttft, itl in zip(ttfts, gaps, strict=True):
+        metrics.observe_ttft(ttft)
+        metrics.observe_itl(itl)
+    served = metrics.last_minute()
+
+    samples = [loadtest.Sample("short", 200, ttft=ttft, itl=itl)
+               for ttft, itl in zip(ttfts, gaps, strict=True)]
+    measured = loadtest.summarise(samples, wall=1.0)
+
+    for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        assert served[key] == measured[key], key
+    assert (measured["ttft_p50"], measured["ttft_p99"]) == (0.2, 0.4)
+    assert (measured["itl_p50"], measured["itl_p99"]) == (0.04, 0.07)
+
+    shown = status.render({
+        "version": "0", "model": "m", "ready": True, "draining": False, "open_streams": 0,
+        "last_minute": served, "engine": {"uptime": 1.0, "totals": {}, "workers": []}})
+    assert "TTFT        p50 0.200 s   p99 0.400 s" in shown
+    assert "ITL         p50 0.040 s   p99 0.070 s" in shown
