@@ -1,4 +1,4 @@
-"""The small vocabulary of errors the engine raises; ``forged.http.errors`` maps them."""
+"""The small vocabulary of errors the engine raises; ``forged.http.responses`` maps them."""
 
 from __future__ import annotations
 

@@ -29,11 +29,16 @@ from forged.config import Config
 from forged.engine import frames as fr
 from forged.engine.pool import Job
 from forged.engine.scheduler import BATCH, INTERACTIVE
-from forged.http import errors as he
 from forged.http import sse
 from forged.http.generate import Outcome, generate, log_content, priority_name
 from forged.http.lifetime import RequestResources, resources
-from forged.http.responses import error_response, json_response
+from forged.http.responses import (
+    error_response,
+    from_decode_error,
+    from_exception,
+    http_error,
+    json_response,
+)
 from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
 from forged.http.state import AppState, KeyUsage
 
@@ -87,8 +92,8 @@ def create_app(state: AppState) -> QuartTrio:
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 400
-        resp = error_response(he.http_error(status, exc.description or exc.name,
-                                            "invalid_request_error"))
+        resp = error_response(http_error(status, exc.description or exc.name,
+                                         "invalid_request_error"))
         if status in (408, 413):
             # The rest of the body was never read: this connection cannot be reused.
             resp.headers["Connection"] = "close"
@@ -96,7 +101,7 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.errorhandler(e.ForgedError)
     async def _domain_error(exc: e.ForgedError) -> Response:
-        return error_response(he.from_exception(exc))
+        return error_response(from_exception(exc))
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,7 +124,7 @@ def create_app(state: AppState) -> QuartTrio:
         try:
             req = await _decode(state, completion_decoder, body)
         except msgspec.MsgspecError as exc:
-            return error_response(he.from_decode_error(exc))
+            return error_response(from_decode_error(exc))
         prompt = await _completion_prompt(state, req)
         try:
             return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
@@ -134,7 +139,7 @@ def create_app(state: AppState) -> QuartTrio:
         try:
             req = await _decode(state, chat_decoder, body)
         except msgspec.MsgspecError as exc:
-            return error_response(he.from_decode_error(exc))
+            return error_response(from_decode_error(exc))
         prompt = await _chat_prompt(state, req)
         return await _run(state, req, prompt, req.max_completion_tokens or req.max_tokens,
                           sse.ChatFormat)

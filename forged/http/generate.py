@@ -24,10 +24,9 @@ from forged import errors as e
 from forged.engine import frames as fr
 from forged.engine.pool import Job, RequestStream, retry_after_seconds
 from forged.engine.scheduler import CLASS_NAMES
-from forged.http import errors as he
 from forged.http import sse
 from forged.http.lifetime import resources
-from forged.http.responses import json_response
+from forged.http.responses import from_exception, http_error, json_response
 from forged.http.state import AppState, KeyUsage
 
 access_log = logging.getLogger("forged.access")
@@ -258,16 +257,16 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                         return
                     case fr.Failed():
                         outcome.end = "error"
-                        yield sse.error_event(he.from_exception(e.EngineError(ev.message)))
+                        yield sse.error_event(from_exception(e.EngineError(ev.message)))
                         return
             events = await _next_events(state, rs)
         outcome.end = "drain"
-        yield sse.error_event(he.http_error(
+        yield sse.error_event(http_error(
             503, "the server is shutting down; the stream was cut short",
             "server_error", None, "draining", state.cfg.limits.retry_after))
     except e.ForgedError as exc:
         outcome.end = "error"
-        yield sse.error_event(he.from_exception(exc))
+        yield sse.error_event(from_exception(exc))
 
 
 def priority_name(job: Job) -> str:

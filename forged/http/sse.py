@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from forged.engine import frames as fr
-from forged.http.errors import HTTPError
+from forged.http.responses import HTTPError
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
