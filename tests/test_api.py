@@ -393,7 +393,7 @@ async def test_a_client_gone_before_its_first_byte_leaves_nothing_held(
 
             def released() -> bool:
                 usage = state.key_usage["solo"]
-                return (usage.open, usage.queued, len(state.streams),
+                return (usage.open, usage.queued, len(state.drain),
                         d.daemon.pool.in_flight()) == (0, 0, 0, 0)
 
             async def engine_idle() -> bool:
@@ -433,7 +433,7 @@ async def test_drain_lets_whole_completions_finish_then_answers_503(
                 n.start_soon(one, "short", 4)
                 n.start_soon(one, "long", 1500)
                 await until(lambda: d.stats().get("running", 0) == 2)
-                assert len(state.streams) == 2
+                assert len(state.drain) == 2
                 d.daemon.begin_drain()
     short, long = replies["short"], replies["long"]
     assert short.status_code == 200, short.text

@@ -85,7 +85,7 @@ def sole_fault(exc: BaseException, kinds: type[Exception] | tuple[type[Exception
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
     t = state.pool.totals()
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
-    return (f"{len(state.streams)} streams, {int(t.get('running', 0))} running, "
+    return (f"{len(state.drain)} streams, {int(t.get('running', 0))} running, "
             f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
             f"KV {100 * used / total:.0f}%, {tokens_per_s:.0f} tok/s")
 
@@ -178,11 +178,11 @@ class Daemon:
         """Stop taking work; streams get until ``drain_timeout`` to finish."""
         assert self.state is not None
         self.notifier.stopping()
-        log.info("draining: %d streams open, %ds deadline", len(self.state.streams),
+        log.info("draining: %d streams open, %ds deadline", len(self.state.drain),
                  self.cfg.server.drain_timeout)
         self.state.draining = True
         self.pool.draining = True
-        self.state.streams.set(trio.current_time() + self.cfg.server.drain_timeout)
+        self.state.drain.set(trio.current_time() + self.cfg.server.drain_timeout)
         self._shutdown.set()
 
     def reload(self) -> None:

@@ -31,7 +31,7 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
             "model_path": state.cfg.model.path,
             "ready": state.pool.ready and not state.draining,
             "draining": state.draining,
-            "open_streams": len(state.streams),
+            "open_streams": len(state.drain),
             "limits": msgspec.to_builtins(state.cfg.limits),
             "last_minute": state.metrics.last_minute(),
             "engine": state.pool.statistics(),

@@ -128,7 +128,7 @@ async def generate(state: AppState, req: Any, job: Job, fmt: type[sse.Format],
     outcome.prompt_tokens = len(job.prompt)
     held = resources()
     try:
-        held.enter_context(state.streams.counted())
+        held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(state.pool.open_request(job))
         if state.holds is not None:
             await state.holds.at("submitted")
@@ -149,12 +149,12 @@ async def generate(state: AppState, req: Any, job: Job, fmt: type[sse.Format],
 async def _admission(state: AppState, rs: RequestStream, outcome: Outcome) -> list[fr.Event]:
     """Wait for the worker to admit the request, so that a full queue is an honest 503,
     and so that a request still queued when a drain ends gets one too."""
-    scope = state.streams.open()
+    scope = state.drain.wait_scope()
     try:
         with scope:
             events = await _until_admitted(state, rs, outcome)
     finally:
-        state.streams.close(scope)
+        state.drain.end_wait(scope)
     if scope.cancelled_caught:
         outcome.end = "drain"
         raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
@@ -179,13 +179,13 @@ async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
 
 async def _next_events(state: AppState, rs: RequestStream) -> list[fr.Event] | None:
     """The request's next events, or None once the drain's deadline has passed."""
-    scope = state.streams.open()
+    scope = state.drain.wait_scope()
     try:
         with scope:
             return await rs.receive()
         return None
     finally:
-        state.streams.close(scope)
+        state.drain.end_wait(scope)
 
 
 def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:

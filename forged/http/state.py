@@ -18,31 +18,34 @@ from forged.observe.metrics import Metrics
 
 
 @dataclass
-class StreamDeadlines:
-    """Lets a drain put a deadline on every open generation at once, streamed or not.
+class DrainDeadlines:
+    """The drain's deadline, put on every wait on the engine at once, and the count of
+    open generations (streamed or not) that the drain waits for.
 
-    ``len()`` counts the generations open (``counted()``, held for a request's whole
-    life); each wait for the engine runs in a scope from ``open()``, which carries the
-    drain's deadline once it is set."""
+    ``len()`` counts generations: each request that generates holds ``generation()``
+    for its whole life. Each wait on the engine (for admission, for the next events)
+    runs in a cancel scope from ``wait_scope()``, given back with ``end_wait()``;
+    ``set()``, when a drain begins, puts the deadline on the scopes open and on every
+    one opened after."""
 
     deadline: float = math.inf
     _scopes: set[trio.CancelScope] = field(default_factory=set)
-    _open: int = 0
+    _generations: int = 0
 
     @contextmanager
-    def counted(self) -> Iterator[None]:
-        self._open += 1
+    def generation(self) -> Iterator[None]:
+        self._generations += 1
         try:
             yield
         finally:
-            self._open -= 1
+            self._generations -= 1
 
-    def open(self) -> trio.CancelScope:
+    def wait_scope(self) -> trio.CancelScope:
         scope = trio.CancelScope(deadline=self.deadline)
         self._scopes.add(scope)
         return scope
 
-    def close(self, scope: trio.CancelScope) -> None:
+    def end_wait(self, scope: trio.CancelScope) -> None:
         self._scopes.discard(scope)
 
     def set(self, deadline: float) -> None:
@@ -51,7 +54,7 @@ class StreamDeadlines:
             scope.deadline = min(scope.deadline, deadline)
 
     def __len__(self) -> int:
-        return self._open
+        return self._generations
 
 
 @dataclass
@@ -98,7 +101,7 @@ class AppState:
     metrics: Metrics
     started: float = field(default_factory=time.time)
     draining: bool = False
-    streams: StreamDeadlines = field(default_factory=StreamDeadlines)
+    drain: DrainDeadlines = field(default_factory=DrainDeadlines)
     keys: KeyStore = field(default_factory=KeyStore)
     key_usage: dict[str, KeyUsage] = field(default_factory=dict)
     holds: Holds | None = None  # test hooks only
