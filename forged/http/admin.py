@@ -58,6 +58,13 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
 
 def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
     """Fault injection for the test suite; absent unless ``--test-hooks`` is given."""
+    _add_slowdowns(app, state)
+    _add_holds(app, state)
+    _add_worker_faults(app, state)
+
+
+def _add_slowdowns(app: QuartTrio, state: AppState) -> None:
+    """A blocked event loop, and engine steps made slower."""
 
     @app.post("/debug/block-loop")
     async def block_loop() -> Response:
@@ -69,6 +76,11 @@ def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
     async def slow_steps() -> Response:
         state.pool.slow_steps(0, float(request.args.get("seconds", "0")))
         return Response(b"{}", content_type="application/json")
+
+
+def _add_holds(app: QuartTrio, state: AppState) -> None:
+    """Park the next request at a named point of its path, and wait until one is there
+    (:class:`forged.http.state.Holds`)."""
 
     @app.post("/debug/hold")
     async def hold() -> Response:
@@ -92,6 +104,10 @@ def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
             await reached.wait()
         return Response(b"{}", status=200 if reached.is_set() else 504,
                         content_type="application/json")
+
+
+def _add_worker_faults(app: QuartTrio, state: AppState) -> None:
+    """A worker whose loop blocks for ``seconds``, as a stuck llama.cpp call would."""
 
     @app.post("/debug/hang-worker")
     async def hang_worker() -> Response:

@@ -34,12 +34,17 @@ from forged.http.generate import Outcome, generate, log_content, priority_name
 from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import (
     error_response,
-    from_decode_error,
     from_exception,
     http_error,
     json_response,
 )
-from forged.http.schemas import ChatRequest, CompletionRequest, chat_decoder, completion_decoder
+from forged.http.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    body_error,
+    chat_decoder,
+    completion_decoder,
+)
 from forged.http.state import AppState, KeyUsage
 
 access_log = logging.getLogger("forged.access")
@@ -55,18 +60,23 @@ def create_app(state: AppState) -> QuartTrio:
     configure(app, state.cfg)
     # Every request's holdings are released when its ASGI call ends (forged.http.lifetime).
     app.asgi_app = RequestResources(app.asgi_app)  # type: ignore[method-assign]
+    _add_request_hooks(app, state)
+    _add_error_handlers(app)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
+    """Before each request: its id, its start and (with keys) its caller; after each:
+    the response's accounting and, unless it generated, its access-log line."""
 
     @app.before_request
     async def _request_id() -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
         if state.keys.enabled and request.path.startswith("/v1/"):
-            key = state.keys.lookup(request.headers.get("Authorization"))
-            if key is None:
-                await _drain_body()  # keep the client's keep-alive connection usable
-                raise e.Unauthorized("Incorrect or missing API key: send "
-                                     "'Authorization: Bearer <key>'.")
-            g.key = key
+            g.key = await _authenticate(state)
 
     @app.after_request
     async def _account(resp: Response) -> Response:
@@ -82,12 +92,30 @@ def create_app(state: AppState) -> QuartTrio:
         priority = g.get("priority", "none")
         state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
         if outcome is None:  # a generation logs its own line when it ends
-            key = g.get("key")
-            access_log.info("%s %s", rule, resp.status_code, extra={"fields": {
-                "request_id": g.get("request_id", ""), "status": resp.status_code,
-                "key": key.name if key else "-",
-                "duration": f"{time.monotonic() - g.get('started', time.monotonic()):.3f}"}})
+            _log_access(rule, resp.status_code)
         return resp
+
+
+async def _authenticate(state: AppState) -> KeyEntry:
+    key = state.keys.lookup(request.headers.get("Authorization"))
+    if key is None:
+        await _drain_body()  # keep the client's keep-alive connection usable
+        raise e.Unauthorized("Incorrect or missing API key: send "
+                             "'Authorization: Bearer <key>'.")
+    return key
+
+
+def _log_access(rule: str, status: int) -> None:
+    """The access-log line of a request that generated nothing."""
+    key = g.get("key")
+    access_log.info("%s %s", rule, status, extra={"fields": {
+        "request_id": g.get("request_id", ""), "status": status,
+        "key": key.name if key else "-",
+        "duration": f"{time.monotonic() - g.get('started', time.monotonic()):.3f}"}})
+
+
+def _add_error_handlers(app: QuartTrio) -> None:
+    """Werkzeug's errors and the domain's, as OpenAI error bodies."""
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -103,6 +131,8 @@ def create_app(state: AppState) -> QuartTrio:
     async def _domain_error(exc: e.ForgedError) -> Response:
         return error_response(from_exception(exc))
 
+
+def _add_info_routes(app: QuartTrio, state: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
         if state.draining:
@@ -117,14 +147,11 @@ def create_app(state: AppState) -> QuartTrio:
                 for m in state.model_ids]
         return json_response({"object": "list", "data": data})
 
+
+def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        body = await _read_body(state)
-        state.pool.check_capacity()  # a full queue answers before any parsing
-        try:
-            req = await _decode(state, completion_decoder, body)
-        except msgspec.MsgspecError as exc:
-            return error_response(from_decode_error(exc))
+        req = await _decoded(state, completion_decoder)
         prompt = await _completion_prompt(state, req)
         try:
             return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
@@ -134,17 +161,10 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        body = await _read_body(state)
-        state.pool.check_capacity()  # a full queue answers before any parsing
-        try:
-            req = await _decode(state, chat_decoder, body)
-        except msgspec.MsgspecError as exc:
-            return error_response(from_decode_error(exc))
+        req = await _decoded(state, chat_decoder)
         prompt = await _chat_prompt(state, req)
         return await _run(state, req, prompt, req.max_completion_tokens or req.max_tokens,
                           sse.ChatFormat)
-
-    return app
 
 
 def configure(app: QuartTrio, cfg: Config) -> None:
@@ -163,6 +183,17 @@ async def _drain_body() -> bool:
     except HTTPException:
         return False
     return True
+
+
+async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T]) -> T:
+    """The request's body, decoded; a full queue answers before any parsing, and a body
+    that is not JSON, or JSON of the wrong shape, is a 400 naming the field."""
+    body = await _read_body(state)
+    state.pool.check_capacity()
+    try:
+        return await _decode(state, decoder, body)
+    except msgspec.MsgspecError as exc:
+        raise body_error(exc) from exc
 
 
 async def _read_body(state: AppState) -> bytes:

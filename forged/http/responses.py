@@ -3,7 +3,6 @@ where JSON responses are made (for the API and admin listeners)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,22 +70,6 @@ def from_exception(exc: e.ForgedError) -> HTTPError:
                               None, "worker_lost", 1)
         case _:
             return http_error(503, str(exc), "server_error", None, "engine_error", 1)
-
-
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
-
-
-def from_decode_error(exc: msgspec.MsgspecError) -> HTTPError:
-    """A body that is not JSON, or JSON of the wrong shape, as a 400 naming the field."""
-    text = str(exc)
-    if isinstance(exc, msgspec.ValidationError):
-        m = _AT.search(text)
-        param = m.group(1) if m else None
-        message = _AT.sub("", text)
-        return http_error(400, f"{message} (at {param})" if param else message,
-                          "invalid_request_error", param or None)
-    return http_error(400, f"We could not parse the JSON body of your request: {text}",
-                      "invalid_request_error")
 
 
 _json = msgspec.json.Encoder()

@@ -7,10 +7,13 @@ a wrong type or a value out of range is an error that names the field.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+from forged import errors as e
 
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
@@ -70,3 +73,18 @@ class ChatRequest(_Sampling, kw_only=True):
 
 completion_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_decoder = msgspec.json.Decoder(ChatRequest)
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
+    """A body that is not JSON, or JSON of the wrong shape, as a BadRequest naming the
+    field."""
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        m = _AT.search(text)
+        param = m.group(1) if m else None
+        message = _AT.sub("", text)
+        return e.BadRequest(f"{message} (at {param})" if param else message, param or None)
+    return e.BadRequest(f"We could not parse the JSON body of your request: {text}")
