@@ -18,7 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from forged.engine.backend import Context, ContextParams, Model, Sampler, SamplingParams
+from forged.engine.backend import Context, ContextParams, Model, Sampler
+from forged.engine.request import Sampling
 
 MODEL = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -83,7 +84,7 @@ def per_slot_step(model: Model, threads: int, flash_attn: bool, chunks: list[int
 
 def single_stream_backend(model: Model, threads: int, n: int = 128) -> float:
     ctx = Context(model, ContextParams(n_ctx=16384, n_seq_max=64, n_batch=64, threads=threads))
-    smp = Sampler(model, SamplingParams(temperature=0))
+    smp = Sampler(model, Sampling(temperature=0))
     prompt = model.tokenize("def fibonacci(n):\n", add_special=True, parse_special=True)
     idx = ctx.decode([(0, 0, prompt, True)])
     pos = len(prompt)

@@ -18,11 +18,11 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-from forged.config import ConfigError
+from forged.config import ConfigError, Priority
 
 KEY_PREFIX = "fgd-"
 
@@ -34,7 +34,7 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     max_streams: Annotated[int, msgspec.Meta(ge=1)] = 16
     # Requests of this key waiting for a slot; more get 429.
     max_queued: Annotated[int, msgspec.Meta(ge=0)] = 32
-    priority: Literal["interactive", "batch"] = "interactive"
+    priority: Priority = "interactive"
     # Keys of one tenant share the prefix cache (what one sent may show in another's
     # cached_tokens); keys of different tenants never do. By default all keys are one
     # tenant, as one organisation is.
@@ -82,7 +82,7 @@ class KeyStore:
 
 
 def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
-            priority: Literal["interactive", "batch"], tenant: str = "") -> str:
+            priority: Priority, tenant: str = "") -> str:
     """Append a new key to ``path`` and return it; it is never written in clear."""
     store = KeyStore.load(path)
     if any(e.name == name for e in store.by_hash.values()):

@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--keys-file", help="default: auth.keys_file from the config")
     add.add_argument("--max-streams", type=int, default=16)
     add.add_argument("--max-queued", type=int, default=32)
-    add.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
+    add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
     add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
                      "cache; of different tenants never (default: the one shared tenant)")
     add.set_defaults(func=cmd_keys_add)

@@ -20,7 +20,10 @@ EX_CANTCREAT = 73
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+# A request's scheduling class, the one encoding everywhere (config, API keys, the API,
+# the wire and the scheduler); PRIORITIES lists them in the order they are served.
 Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -56,7 +59,8 @@ class EngineConfig(_Section, frozen=True):
     threads: Annotated[int, msgspec.Meta(ge=1, le=512)] = 2
     # Total KV cells per worker, shared by every sequence (unified KV cache).
     kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 32768
-    # Longest prompt + completion one request may use; 0 means min(kv_cells, n_ctx_train).
+    # Longest prompt + completion one request may use; 0 means the model's training context,
+    # or the room of one request if that is smaller.
     max_context: Annotated[int, msgspec.Meta(ge=0)] = 2048
     # Sequence slots per worker; idle slots keep their KV as prefix cache.
     slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16

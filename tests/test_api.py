@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.engine import testhooks
 from tests.conftest import DaemonFactory
 
 pytestmark = pytest.mark.trio
@@ -153,7 +154,7 @@ async def test_disconnect_frees_the_sequence_within_a_step(
             # Slow steps (500 ms) make "within one step" countable on a tiny model, with
             # room for a slow machine to notice the drop within the step in flight.
             step = 0.5
-            d.daemon.pool.slow_steps(0, step)
+            testhooks.slow_steps(d.daemon.pool, 0, step)
             body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 2000,
                                "ignore_eos": True, "stream": True}).encode()
             host, port = d.url.removeprefix("http://").rsplit(":", 1)
@@ -188,7 +189,7 @@ async def test_worker_crash_gives_clean_errors_and_restarts(
                 results.append(await stream(c, "/v1/completions", {
                     "prompt": "go", "max_tokens": 2000, "ignore_eos": True}))
 
-            d.daemon.pool.slow_steps(0, 0.01)  # the streams outlast the wait for all three
+            testhooks.slow_steps(d.daemon.pool, 0, 0.01)  # streams outlast the three waits
             w = d.daemon.pool.workers[0]
             old_pid = w.pid
             async with trio.open_nursery() as n:
@@ -241,7 +242,7 @@ async def test_a_short_prompt_overtakes_queued_long_prompts(
     with trio.fail_after(120):
         async with start_daemon(tiny_model, engine=engine, limits=limits) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=120) as c:
-            d.daemon.pool.slow_steps(0, 0.01)  # the two hogs last 20 s at least
+            testhooks.slow_steps(d.daemon.pool, 0, 0.01)  # the two hogs last 20 s at least
             finished: list[str] = []
 
             async def hog() -> None:
@@ -309,7 +310,7 @@ async def test_per_slot_prefix_copy_gives_the_same_text(
             alone = (await c.post("/v1/completions", json=body)).json()
         async with start_daemon(tiny_model, engine=engine) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
-            d.daemon.pool.slow_steps(0, 0.03)  # request A runs 9 s: still running for B
+            testhooks.slow_steps(d.daemon.pool, 0, 0.03)  # request A runs 9 s: still running for B
 
             async def request_a() -> None:
                 await c.post("/v1/completions", json={
@@ -422,7 +423,7 @@ async def test_drain_lets_whole_completions_finish_then_answers_503(
             assert state is not None
             # The long one needs 75 s at the least; the short one 4 steps, which take
             # 0.4 s each on a machine this busy: both far from the 10 s drain.
-            d.daemon.pool.slow_steps(0, 0.05)
+            testhooks.slow_steps(d.daemon.pool, 0, 0.05)
             replies: dict[str, httpx.Response] = {}
 
             async def one(name: str, max_tokens: int) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from forged.engine import testhooks
 from tests.conftest import DaemonFactory
 from tests.test_api import until
 
@@ -23,7 +24,7 @@ async def test_a_prompt_that_crashed_the_worker_twice_is_refused(
             pool, w = d.daemon.pool, d.daemon.pool.workers[0]
             body = {"prompt": POISON, "max_tokens": 5, "ignore_eos": True}
             for crashes in (1, 2):
-                pool.crash_on_token(0, POISON[2])
+                testhooks.crash_on_token(pool, 0, POISON[2])
                 r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 503
                 assert r.json()["error"]["code"] == "worker_lost"
@@ -45,7 +46,7 @@ async def test_no_request_is_routed_to_a_worker_whose_heartbeat_is_late(
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             w = d.daemon.pool.workers[0]
             old_pid = w.pid
-            d.daemon.pool.hang_worker(0, 8.0)
+            testhooks.hang_worker(d.daemon.pool, 0, 8.0)
             # late after 3 heartbeats (0.6 s); killed only after heartbeat_timeout (4 s)
             await trio.sleep(1.0)
             t0 = time.monotonic()

@@ -31,10 +31,11 @@ N_TOKENS = 8
 PROBE = """
 import json, sys
 import forged
-from forged.engine.backend import Context, ContextParams, Model, Sampler, SamplingParams
+from forged.engine.backend import Context, ContextParams, Model, Sampler
+from forged.engine.request import Sampling
 model = Model(sys.argv[1])
 ctx = Context(model, ContextParams(n_ctx=256, n_seq_max=1, n_batch=64, threads=2))
-sampler = Sampler(model, SamplingParams(temperature=0.0))
+sampler = Sampler(model, Sampling(temperature=0.0))
 prompt = model.tokenize("def add(a, b):", add_special=True, parse_special=True)
 index, tokens = ctx.decode([(0, 0, prompt, True)])[0], []
 for i in range(int(sys.argv[2])):

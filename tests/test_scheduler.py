@@ -8,32 +8,41 @@ import random
 import pytest
 
 from forged.engine.costmodel import SEED, CostModel, StepShape, chunk_shape, decode_shape
+from forged.engine.limits import SchedulerLimits
+from forged.engine.request import Request
 from forged.engine.scheduler import (
-    BATCH,
-    INTERACTIVE,
     MIN_PREFILL_TOKENS,
     Admitted,
     Expired,
     Preempted,
     QueueFull,
     Scheduler,
-    SchedulerLimits,
     SeqCp,
-    SeqRequest,
     SeqRm,
     StepPlan,
     common_prefix,
 )
 
 
-def limits(**kw: int) -> SchedulerLimits:
-    base = dict(kv_cells=4096, slots=8, max_running=4, step_tokens=32)
-    base.update(kw)
-    return SchedulerLimits(**base)  # type: ignore[arg-type]
+def geometry(**kw: float) -> SchedulerLimits:
+    """Limits with the room and largest request that ``scheduler_limits`` derives."""
+    room = int(kw.get("per_slot_cells", 0) or kw["kv_cells"] - kw.get("kv_headroom", 0))
+    return SchedulerLimits(**{"room": room, "max_context": room, **kw})  # type: ignore[arg-type]
 
 
-def req(rid: int, n: int = 10, max_tokens: int = 5, start: int = 0, **kw: object) -> SeqRequest:
-    return SeqRequest(rid, list(range(start, start + n)), max_tokens, **kw)  # type: ignore[arg-type]
+def limits(**kw: float) -> SchedulerLimits:
+    return geometry(**{"kv_cells": 4096, "slots": 8, "max_running": 4, "step_tokens": 32,
+                       **kw})
+
+
+def seq(rid: int, prompt: list[int], max_tokens: int, **kw: object) -> tuple[int, Request]:
+    """A submission: the routing id and the request."""
+    return rid, Request(prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def req(rid: int, n: int = 10, max_tokens: int = 5, start: int = 0, **kw: object
+        ) -> tuple[int, Request]:
+    return seq(rid, list(range(start, start + n)), max_tokens, **kw)
 
 
 def run_step(s: Scheduler, now: float, token: int = 7) -> StepPlan | None:
@@ -46,14 +55,14 @@ def run_step(s: Scheduler, now: float, token: int = 7) -> StepPlan | None:
     for rid in sampled:
         r = s._running[rid]
         if r.generated >= r.req.max_tokens:
-            s.finish(rid)
+            s.complete(rid)
     return plan
 
 
 def test_no_batching_window_first_request_runs_in_the_next_step() -> None:
     s = Scheduler(limits())
     assert s.plan(0.0) is None
-    s.submit(req(1), 0.0)
+    s.submit(*req(1), 0.0)
     plan = s.plan(0.0)
     assert plan is not None and [c.rid for c in plan.chunks] == [1]
     assert plan.chunks[0].tokens == list(range(10)) and plan.chunks[0].sample
@@ -62,9 +71,9 @@ def test_no_batching_window_first_request_runs_in_the_next_step() -> None:
 def test_decode_tokens_come_first_and_prefill_is_chunked_to_the_budget() -> None:
     s = Scheduler(limits(step_tokens=16))
     for rid in (1, 2, 3):
-        s.submit(req(rid, n=4, max_tokens=50, start=100 * rid), 0.0)
+        s.submit(*req(rid, n=4, max_tokens=50, start=100 * rid), 0.0)
     run_step(s, 0.0)  # three 4-token prompts fit in one step
-    s.submit(req(9, n=40, max_tokens=5), 0.0)
+    s.submit(*req(9, n=40, max_tokens=5), 0.0)
     plan = run_step(s, 1.0)
     assert plan is not None
     decode = [c for c in plan.chunks if len(c.tokens) == 1]
@@ -81,8 +90,8 @@ def test_decode_tokens_come_first_and_prefill_is_chunked_to_the_budget() -> None
 
 def test_short_prompt_is_prefilled_before_a_long_one() -> None:
     s = Scheduler(limits(step_tokens=16))
-    s.submit(req(1, n=100), 0.0)
-    s.submit(req(2, n=5, start=500), 0.1)
+    s.submit(*req(1, n=100), 0.0)
+    s.submit(*req(2, n=5, start=500), 0.1)
     plan = s.plan(0.2)
     assert plan is not None
     assert plan.chunks[0].rid == 2 and len(plan.chunks[0].tokens) == 5
@@ -91,8 +100,8 @@ def test_short_prompt_is_prefilled_before_a_long_one() -> None:
 
 def test_admission_waits_for_kv_cells_and_resumes_when_freed() -> None:
     s = Scheduler(limits(kv_cells=100, max_running=8))
-    s.submit(req(1, n=40, max_tokens=30), 0.0)
-    s.submit(req(2, n=40, max_tokens=30, start=1000), 0.0)
+    s.submit(*req(1, n=40, max_tokens=30), 0.0)
+    s.submit(*req(2, n=40, max_tokens=30, start=1000), 0.0)
     s.plan(0.0)
     assert s.n_running == 1 and s.n_queued == 1  # 70 + 70 cells > 100
     while s.is_running(1):
@@ -105,20 +114,20 @@ def test_admission_waits_for_kv_cells_and_resumes_when_freed() -> None:
 
 def test_queue_is_bounded_in_requests_and_tokens() -> None:
     s = Scheduler(limits(max_running=1, max_queued=2, max_queued_tokens=25))
-    s.submit(req(1), 0.0)
-    s.submit(req(2), 0.0)
+    s.submit(*req(1), 0.0)
+    s.submit(*req(2), 0.0)
     with pytest.raises(QueueFull):
-        s.submit(req(3), 0.0)
+        s.submit(*req(3), 0.0)
     s2 = Scheduler(limits(max_running=1, max_queued=10, max_queued_tokens=25))
-    s2.submit(req(1, n=20), 0.0)
+    s2.submit(*req(1, n=20), 0.0)
     with pytest.raises(QueueFull):
-        s2.submit(req(2, n=10), 0.0)
+        s2.submit(*req(2, n=10), 0.0)
 
 
 def test_queued_request_times_out() -> None:
     s = Scheduler(limits(max_running=1))
-    s.submit(req(1, max_tokens=100), 0.0)
-    s.submit(req(2, queue_timeout=5.0), 0.0)
+    s.submit(*req(1, max_tokens=100), 0.0)
+    s.submit(*req(2, queue_timeout=5.0), 0.0)
     run_step(s, 0.0)
     assert s.expire(4.9) == []
     assert s.expire(5.0) == [2]
@@ -128,11 +137,11 @@ def test_queued_request_times_out() -> None:
 
 def test_cancel_frees_the_slot_and_keeps_the_kv_as_cache() -> None:
     s = Scheduler(limits())
-    s.submit(req(1, n=10, max_tokens=100), 0.0)
+    s.submit(*req(1, n=10, max_tokens=100), 0.0)
     run_step(s, 0.0)
     run_step(s, 1.0)
     assert s.statistics()["kv_cells_active"] == 11
-    assert s.cancel(1)
+    assert s.drop(1)
     st = s.statistics()
     assert st["running"] == 0 and st["kv_cells_active"] == 0
     assert st["kv_cells_cached"] == st["kv_cells_used"] == 11
@@ -140,9 +149,9 @@ def test_cancel_frees_the_slot_and_keeps_the_kv_as_cache() -> None:
 
 def test_cancel_without_cache_removes_the_cells() -> None:
     s = Scheduler(limits())
-    s.submit(req(1, n=10, max_tokens=100, cache=False), 0.0)
+    s.submit(*req(1, n=10, max_tokens=100, cache=False), 0.0)
     run_step(s, 0.0)
-    s.cancel(1)
+    s.drop(1)
     plan = s.plan(1.0)
     assert plan is not None and plan.ops == [SeqRm(0, 0)]
     assert s.ledger.used == 0
@@ -151,10 +160,10 @@ def test_cancel_without_cache_removes_the_cells() -> None:
 def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
     s = Scheduler(limits())
     shared = list(range(50))
-    s.submit(SeqRequest(1, [*shared, 900, 901], 3), 0.0)
+    s.submit(*seq(1, [*shared, 900, 901], 3), 0.0)
     while s.is_running(1) or s.n_queued:
         run_step(s, 0.0)
-    s.submit(SeqRequest(2, [*shared, 950, 951, 952], 3), 1.0)
+    s.submit(*seq(2, [*shared, 950, 951, 952], 3), 1.0)
     plan = s.plan(1.0)
     assert plan is not None
     # the idle slot is reused in place: its tail is dropped, the prefix kept
@@ -169,9 +178,9 @@ def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
 def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
     s = Scheduler(limits(step_tokens=64))
     shared = list(range(40))
-    s.submit(SeqRequest(1, [*shared, 900], 50), 0.0)
+    s.submit(*seq(1, [*shared, 900], 50), 0.0)
     run_step(s, 0.0)  # request 1 is running with 41 cells
-    s.submit(SeqRequest(2, [*shared, 950], 50), 1.0)
+    s.submit(*seq(2, [*shared, 950], 50), 1.0)
     plan = s.plan(1.0)
     assert plan is not None
     assert SeqCp(src=0, dst=1, n=40) in plan.ops
@@ -184,9 +193,9 @@ def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
 
 def test_interactive_is_admitted_before_batch_and_prefilled_first() -> None:
     s = Scheduler(limits(max_running=1, step_tokens=8))
-    s.submit(req(1, n=4, max_tokens=2), 0.0)
-    s.submit(req(2, n=4, max_tokens=2, start=100, priority=BATCH), 0.1)
-    s.submit(req(3, n=4, max_tokens=2, start=200, priority=INTERACTIVE), 0.2)
+    s.submit(*req(1, n=4, max_tokens=2), 0.0)
+    s.submit(*req(2, n=4, max_tokens=2, start=100, priority="batch"), 0.1)
+    s.submit(*req(3, n=4, max_tokens=2, start=200, priority="interactive"), 0.2)
     order = []
     for step in range(20):
         plan = run_step(s, float(step))
@@ -195,16 +204,16 @@ def test_interactive_is_admitted_before_batch_and_prefilled_first() -> None:
     assert order == [1, 3, 2]
 
     s = Scheduler(limits(step_tokens=8))
-    s.submit(req(1, n=30, priority=BATCH), 0.0)
-    s.submit(req(2, n=30, start=100), 0.0)
+    s.submit(*req(1, n=30, priority="batch"), 0.0)
+    s.submit(*req(2, n=30, start=100), 0.0)
     plan = s.plan(0.0)
     assert plan is not None and plan.chunks[0].rid == 2 and len(plan.chunks[0].tokens) == 8
 
 
 def test_growth_past_the_reservation_preempts_the_newest_and_resumes_it() -> None:
     s = Scheduler(limits(kv_cells=60, decode_reservation=4, step_tokens=16))
-    s.submit(req(1, n=20, max_tokens=30, session="s"), 0.0)
-    s.submit(req(2, n=20, max_tokens=30, start=500), 1.0)
+    s.submit(*req(1, n=20, max_tokens=30, session="s"), 0.0)
+    s.submit(*req(2, n=20, max_tokens=30, start=500), 1.0)
     run_step(s, 1.0)
     assert s.n_running == 2
     preempted = False
@@ -223,7 +232,7 @@ def test_growth_past_the_reservation_preempts_the_newest_and_resumes_it() -> Non
 def test_batches_never_exceed_the_step_budget() -> None:
     s = Scheduler(limits(step_tokens=24, max_running=6, slots=8))
     for rid in range(12):
-        s.submit(req(rid, n=7 + rid * 5, max_tokens=6, start=rid * 1000), 0.0)
+        s.submit(*req(rid, n=7 + rid * 5, max_tokens=6, start=rid * 1000), 0.0)
     for step in range(300):
         plan = run_step(s, float(step))
         if plan is None and not s.n_queued:
@@ -246,22 +255,22 @@ def test_common_prefix() -> None:
 def per_slot(**kw: int) -> SchedulerLimits:
     base = dict(kv_cells=8 * 256, slots=8, max_running=4, step_tokens=64, per_slot_cells=256)
     base.update(kw)
-    return SchedulerLimits(**base)  # type: ignore[arg-type]
+    return geometry(**base)  # type: ignore[arg-type]
 
 
 def test_per_slot_requests_must_fit_their_own_stream() -> None:
     s = Scheduler(per_slot())
     with pytest.raises(ValueError):
-        s.submit(req(1, n=200, max_tokens=100), 0.0)
-    s.submit(req(2, n=200, max_tokens=56), 0.0)  # exactly 256
+        s.submit(*req(1, n=200, max_tokens=100), 0.0)
+    s.submit(*req(2, n=200, max_tokens=56), 0.0)  # exactly 256
 
 
 def test_per_slot_prefix_is_copied_as_a_whole_stream_then_trimmed() -> None:
     s = Scheduler(per_slot())
     shared = list(range(40))
-    s.submit(SeqRequest(1, [*shared, 900], 50), 0.0)
+    s.submit(*seq(1, [*shared, 900], 50), 0.0)
     run_step(s, 0.0)
-    s.submit(SeqRequest(2, [*shared, 950], 50), 1.0)
+    s.submit(*seq(2, [*shared, 950], 50), 1.0)
     plan = s.plan(1.0)
     assert plan is not None
     assert SeqCp(src=0, dst=1, n=40, whole=True) in plan.ops
@@ -274,9 +283,9 @@ def test_per_slot_prefix_is_copied_as_a_whole_stream_then_trimmed() -> None:
 
 def test_per_slot_short_prefixes_are_recomputed_not_copied() -> None:
     s = Scheduler(per_slot(min_copy_tokens=16))
-    s.submit(SeqRequest(1, [*range(10), 900], 50), 0.0)
+    s.submit(*seq(1, [*range(10), 900], 50), 0.0)
     run_step(s, 0.0)
-    s.submit(SeqRequest(2, [*range(10), 950], 50), 1.0)
+    s.submit(*seq(2, [*range(10), 950], 50), 1.0)
     plan = s.plan(1.0)
     assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqCp)]
     chunk = next(c for c in plan.chunks if c.rid == 2)
@@ -286,10 +295,10 @@ def test_per_slot_short_prefixes_are_recomputed_not_copied() -> None:
 def test_per_slot_idle_slot_is_reused_in_place() -> None:
     s = Scheduler(per_slot())
     shared = list(range(60))
-    s.submit(SeqRequest(1, [*shared, 900, 901], 2), 0.0)
+    s.submit(*seq(1, [*shared, 900, 901], 2), 0.0)
     while s.is_running(1) or s.n_queued:
         run_step(s, 0.0)
-    s.submit(SeqRequest(2, [*shared, 950], 2), 1.0)
+    s.submit(*seq(2, [*shared, 950], 2), 1.0)
     plan = s.plan(1.0)
     assert plan is not None and plan.ops == [SeqRm(0, 60)]
 
@@ -298,47 +307,47 @@ def test_queued_prompts_go_shortest_first_with_aging() -> None:
     # A prompt is served as if it arrived overtake_window x (its share of max_context)
     # later: a 700-token prompt here by 7 s, a 30-token one by 0.3 s.
     s = Scheduler(limits(max_running=1, overtake_window=10, max_context=1000))
-    s.submit(req(1, n=5, max_tokens=1), 0.0)
+    s.submit(*req(1, n=5, max_tokens=1), 0.0)
     s.plan(0.0)  # request 1 holds the only running place
-    s.submit(req(2, n=700, start=100), 0.1)  # counts from 7.1
-    s.submit(req(3, n=30, start=2000), 0.2)  # 0.5
-    s.submit(req(4, n=10, start=3000), 0.3)  # 0.4
-    s.finish(1)
+    s.submit(*req(2, n=700, start=100), 0.1)  # counts from 7.1
+    s.submit(*req(3, n=30, start=2000), 0.2)  # 0.5
+    s.submit(*req(4, n=10, start=3000), 0.3)  # 0.4
+    s.complete(1)
     s.plan(1.0)
     assert s.is_running(4)  # the shortest goes first
-    s.finish(4)
-    s.submit(req(5, n=30, start=4000), 6.5)  # 6.8: still before request 2
-    s.submit(req(6, n=30, start=5000), 7.0)  # 7.3: after it
+    s.complete(4)
+    s.submit(*req(5, n=30, start=4000), 6.5)  # 6.8: still before request 2
+    s.submit(*req(6, n=30, start=5000), 7.0)  # 7.3: after it
     order = []
     for now in (8.0, 8.1, 8.2, 8.3):
         s.plan(now)
         (rid,) = (r for r in (2, 3, 5, 6) if s.is_running(r))
         order.append(rid)
-        s.finish(rid)
+        s.complete(rid)
     assert order == [3, 5, 2, 6]
 
 
 def test_same_length_prompts_are_first_come_first_served() -> None:
     s = Scheduler(limits(max_running=1, max_context=1000))
-    s.submit(req(1, n=5, max_tokens=1), 0.0)
+    s.submit(*req(1, n=5, max_tokens=1), 0.0)
     s.plan(0.0)
     for rid, t in ((2, 0.1), (3, 0.2), (4, 0.3)):
-        s.submit(req(rid, n=40, start=100 * rid), t)
-    s.finish(1)
+        s.submit(*req(rid, n=40, start=100 * rid), t)
+    s.complete(1)
     order = []
     for now in (1.0, 1.1, 1.2):
         s.plan(now)
         (rid,) = (r for r in (2, 3, 4) if s.is_running(r))
         order.append(rid)
-        s.finish(rid)
+        s.complete(rid)
     assert order == [2, 3, 4]
 
 
 def test_per_slot_steps_fill_the_budget_with_a_few_prompt_chunks() -> None:
     s = Scheduler(per_slot(step_tokens=64, max_prefill_chunks=2))
-    s.submit(req(1, n=5, max_tokens=50), 0.0)
-    s.submit(req(2, n=9, max_tokens=50, start=100), 0.0)
-    s.submit(req(3, n=40, max_tokens=50, start=200), 0.0)
+    s.submit(*req(1, n=5, max_tokens=50), 0.0)
+    s.submit(*req(2, n=9, max_tokens=50, start=100), 0.0)
+    s.submit(*req(3, n=40, max_tokens=50, start=200), 0.0)
     plan = s.plan(0.0)
     assert plan is not None
     # shortest first, and at most two chunks: each distinct length costs llama.cpp a pass
@@ -366,15 +375,15 @@ def turn(history: list[int], new: list[int]) -> list[int]:
 def test_session_resumes_computing_only_the_new_tokens(layout: type) -> None:
     s = Scheduler(layout(slots=2, max_running=2))
     first = list(range(100, 140))
-    s.submit(SeqRequest(1, first, 2, session="alice"), 0.0)
+    s.submit(*seq(1, first, 2, session="alice"), 0.0)
     finish_all(s, 0.0)
     # anonymous traffic with other prompts fills the other slot and would reuse Alice's
     for rid in (2, 3):
-        s.submit(SeqRequest(rid, list(range(1000 * rid, 1000 * rid + 30)), 2), 1.0)
+        s.submit(*seq(rid, list(range(1000 * rid, 1000 * rid + 30)), 2), 1.0)
         finish_all(s, 1.0)
     second = turn(first, [500, 501, 502])
     before = s.prompt_tokens_computed
-    s.submit(SeqRequest(4, second, 2, session="alice"), 2.0)
+    s.submit(*seq(4, second, 2, session="alice"), 2.0)
     finish_all(s, 2.0)
     # the prompt and the one token fed back were kept: only the 3 new tokens ran
     assert s.prompt_tokens_computed - before == len(second) - 41
@@ -385,10 +394,10 @@ def test_session_resumes_computing_only_the_new_tokens(layout: type) -> None:
 def test_anonymous_requests_do_not_take_over_a_pinned_session_slot() -> None:
     s = Scheduler(per_slot(slots=2, max_running=2))
     system = list(range(100, 160))
-    s.submit(SeqRequest(1, [*system, 1, 2], 2, session="alice"), 0.0)
+    s.submit(*seq(1, [*system, 1, 2], 2, session="alice"), 0.0)
     finish_all(s, 0.0)
     # shares Alice's 60-token system prompt: it copies it instead of truncating her turn
-    s.submit(SeqRequest(2, [*system, 3], 2), 1.0)
+    s.submit(*seq(2, [*system, 3], 2), 1.0)
     plan = s.plan(1.0)
     assert plan is not None and SeqCp(src=0, dst=1, n=60, whole=True) in plan.ops
     finish_all(s, 1.0)
@@ -399,65 +408,65 @@ def test_anonymous_requests_do_not_take_over_a_pinned_session_slot() -> None:
 def test_sessions_go_last_and_least_recently_used_first_under_pressure() -> None:
     s = Scheduler(per_slot(slots=3, max_running=3))
     for rid, (name, t) in enumerate([("a", 0.0), ("b", 1.0)], start=1):
-        s.submit(SeqRequest(rid, list(range(100 * rid, 100 * rid + 20)), 2, session=name), t)
+        s.submit(*seq(rid, list(range(100 * rid, 100 * rid + 20)), 2, session=name), t)
         finish_all(s, t)
-    s.submit(SeqRequest(3, list(range(900, 920)), 2), 2.0)  # anonymous cache, newest
+    s.submit(*seq(3, list(range(900, 920)), 2), 2.0)  # anonymous cache, newest
     finish_all(s, 2.0)
     # a new prompt needs a slot: the anonymous cache goes although it is the newest
-    s.submit(SeqRequest(4, list(range(5000, 5020)), 2), 3.0)
+    s.submit(*seq(4, list(range(5000, 5020)), 2), 3.0)
     finish_all(s, 3.0)
     assert {sl.session for sl in s._slots} == {"a", "b", None}
     # two more need slots while slot of request 4 is running: then session "a" (LRU) goes
-    s.submit(SeqRequest(5, list(range(6000, 6020)), 50), 4.0)
-    s.submit(SeqRequest(6, list(range(7000, 7020)), 50), 4.0)
+    s.submit(*seq(5, list(range(6000, 6020)), 50), 4.0)
+    s.submit(*seq(6, list(range(7000, 7020)), 50), 4.0)
     run_step(s, 4.0)
     assert {sl.session for sl in s._slots} == {"b", None}
 
 
 def test_a_session_unpins_after_its_ttl() -> None:
     s = Scheduler(per_slot(slots=2, max_running=2, session_ttl=60))
-    s.submit(SeqRequest(1, list(range(100, 120)), 2, session="a"), 0.0)
+    s.submit(*seq(1, list(range(100, 120)), 2, session="a"), 0.0)
     finish_all(s, 0.0)
-    s.submit(SeqRequest(2, list(range(200, 220)), 2), 10.0)
+    s.submit(*seq(2, list(range(200, 220)), 2), 10.0)
     finish_all(s, 10.0)
     assert s.statistics()["sessions_pinned"] == 1
     s.plan(100.0)
     assert s.statistics()["sessions_pinned"] == 0
     # now the older session slot is an ordinary LRU victim
-    s.submit(SeqRequest(3, list(range(300, 320)), 2), 100.0)
+    s.submit(*seq(3, list(range(300, 320)), 2), 100.0)
     finish_all(s, 100.0)
     assert all(sl.session is None for sl in s._slots)
 
 
 def test_only_a_sessions_latest_turn_is_pinned() -> None:
     s = Scheduler(per_slot(slots=3, max_running=3))
-    s.submit(SeqRequest(1, list(range(100, 120)), 50, session="a"), 0.0)
-    s.submit(SeqRequest(2, list(range(200, 220)), 2, session="a"), 0.0)
+    s.submit(*seq(1, list(range(100, 120)), 50, session="a"), 0.0)
+    s.submit(*seq(2, list(range(200, 220)), 2, session="a"), 0.0)
     finish_all(s, 0.0)
     assert [sl.session for sl in s._slots].count("a") == 1
 
 
 def test_a_step_without_decoders_takes_the_bigger_prefill_budget() -> None:
     s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=64))
-    s.submit(req(1, n=150, max_tokens=5), 0.0)
+    s.submit(*req(1, n=150, max_tokens=5), 0.0)
     plan = run_step(s, 0.0)
     assert plan is not None and plan.n_tokens == 64  # nobody decodes: nothing to stall
     run_step(s, 0.0)
     run_step(s, 0.0)  # 150 = 64 + 64 + 22: decoding now
-    s.submit(req(2, n=150, max_tokens=5, start=1000), 0.0)
+    s.submit(*req(2, n=150, max_tokens=5, start=1000), 0.0)
     plan = run_step(s, 0.0)
     assert plan is not None and plan.n_tokens == 16  # request 1 decodes: the ITL bound
 
 
 def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
     s = Scheduler(per_slot(step_tokens=16, prefill_step_tokens=16, overtake_window=10,
-                           max_context=200))
-    s.submit(req(1, n=200, max_tokens=50), 0.0)
-    s.submit(req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
+                           max_context=250))
+    s.submit(*req(1, n=200, max_tokens=50), 0.0)
+    s.submit(*req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
     now, rid = 0.0, 10
     while s.is_running(1) and s._running[1].phase.value == "prefill":
         # a new short prompt every step, each shorter than what is left of request 1
-        s.submit(req(rid, n=5, max_tokens=1, start=2000 + 10 * rid), now)
+        s.submit(*req(rid, n=5, max_tokens=1, start=2000 + 10 * rid), now)
         run_step(s, now)
         now, rid = now + 0.5, rid + 1
         assert now < 60, "request 1's prefill starved"
@@ -476,13 +485,13 @@ def costed(**kw: float) -> tuple[Scheduler, CostModel]:
                                   step_tokens=512, per_slot_cells=1024, target_step_ms=150)
     base.update(kw)
     cost = CostModel(SEED)
-    return Scheduler(SchedulerLimits(**base), cost), cost  # type: ignore[arg-type]
+    return Scheduler(geometry(**base), cost), cost  # type: ignore[arg-type]
 
 
 def decoding(s: Scheduler, n: int, now: float = 0.0) -> None:
     """Start ``n`` short requests and run them to their decode phase."""
     for rid in range(100, 100 + n):
-        s.submit(req(rid, n=4, max_tokens=1000, start=10 * rid), now)
+        s.submit(*req(rid, n=4, max_tokens=990, start=10 * rid), now)
     while s.n_queued or s.statistics()["prefilling"]:
         run_step(s, now)
 
@@ -496,7 +505,7 @@ def prompt_tokens(plan: StepPlan | None) -> int:
 def test_the_step_budget_follows_the_cost_model(decoders: int) -> None:
     s, cost = costed()
     decoding(s, decoders)
-    s.submit(req(1, n=900, max_tokens=5), 1.0)
+    s.submit(*req(1, n=900, max_tokens=5), 1.0)
     plan = s.plan(1.0)
     assert plan is not None
     # never over the target in the model's own estimate, and not far under it either
@@ -511,7 +520,7 @@ def test_fewer_decoders_leave_bigger_prompt_chunks() -> None:
     for decoders in (0, 4, 12):
         s, _ = costed()
         decoding(s, decoders)
-        s.submit(req(1, n=900, max_tokens=5), 1.0)
+        s.submit(*req(1, n=900, max_tokens=5), 1.0)
         taken.append(prompt_tokens(s.plan(1.0)))
     assert taken[0] > taken[1] > taken[2] > 0
 
@@ -519,17 +528,17 @@ def test_fewer_decoders_leave_bigger_prompt_chunks() -> None:
 def test_decoders_over_the_target_still_leave_minimum_prompt_progress() -> None:
     s, _ = costed(target_step_ms=20)  # 8 decoders alone are predicted at ~29 ms
     decoding(s, 8)
-    s.submit(req(1, n=200, max_tokens=5), 1.0)
+    s.submit(*req(1, n=200, max_tokens=5), 1.0)
     assert prompt_tokens(s.plan(1.0)) == MIN_PREFILL_TOKENS
 
 
 def test_decoders_over_the_target_leave_prompts_a_quarter_of_the_step() -> None:
     cost = CostModel((8.0, 20.0, 3.0, 3.0, 3.0))  # a slow machine: 20 ms per decoder
-    s = Scheduler(SchedulerLimits(kv_cells=16 * 1024, slots=16, max_running=16,
+    s = Scheduler(geometry(kv_cells=16 * 1024, slots=16, max_running=16,
                                   step_tokens=512, per_slot_cells=1024, target_step_ms=100),
                   cost)
     decoding(s, 8)  # 168 ms of decoding alone, past the 100 ms target
-    s.submit(req(1, n=900, max_tokens=5), 1.0)
+    s.submit(*req(1, n=900, max_tokens=5), 1.0)
     plan = s.plan(1.0)
     assert plan is not None
     decode = cost.predict(decode_shape([c.pos for c in plan.chunks if c.rid != 1]))
@@ -580,10 +589,10 @@ def test_the_fit_follows_a_machine_that_slows_down() -> None:
 def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -> None:
     s, _ = costed(overtake_window=1.0, max_context=1000)
     decoding(s, 4)
-    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    s.submit(*req(1, n=900, max_tokens=5), 0.0)
     run_step(s, 0.5)
     # the long prompt aged past any new arrival long ago: a short one still goes first
-    s.submit(req(2, n=20, max_tokens=5, start=5000), 10.0)
+    s.submit(*req(2, n=20, max_tokens=5, start=5000), 10.0)
     plan = s.plan(10.0)
     assert plan is not None
     short = next(c for c in plan.chunks if c.rid == 2)
@@ -595,10 +604,10 @@ def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -
 def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -> None:
     s, cost = costed(overtake_window=1.0, max_context=1000)
     decoding(s, 2)
-    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    s.submit(*req(1, n=900, max_tokens=5), 0.0)
     now = 10.0
     for rid in range(10, 14):  # short prompts that would fill more than the room
-        s.submit(req(rid, n=12, max_tokens=5, start=1000 * rid), now)
+        s.submit(*req(rid, n=12, max_tokens=5, start=1000 * rid), now)
     plan = s.plan(now)
     assert plan is not None
     room = 150 - cost.predict(decode_shape([c.pos for c in plan.chunks if len(c.tokens) == 1
@@ -611,10 +620,10 @@ def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -
 def test_the_aged_long_prefill_keeps_a_chunk_when_short_prompts_could_take_them_all(
         ) -> None:
     s, _ = costed(overtake_window=1.0, max_context=1000, max_prefill_chunks=4)
-    s.submit(req(1, n=900, max_tokens=5), 0.0)
+    s.submit(*req(1, n=900, max_tokens=5), 0.0)
     run_step(s, 0.0)
     for rid in range(10, 16):  # six 2-token prompts, each far below half the room
-        s.submit(req(rid, n=2, max_tokens=5, start=1000 * rid), 10.0)
+        s.submit(*req(rid, n=2, max_tokens=5, start=1000 * rid), 10.0)
     plan = s.plan(10.0)
     assert plan is not None and len(plan.chunks) == 4
     assert [c.rid for c in plan.chunks][-1] == 1  # three quick ones, then the long one
@@ -623,7 +632,7 @@ def test_the_aged_long_prefill_keeps_a_chunk_when_short_prompts_could_take_them_
 def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     s, _ = costed(max_running=2, slots=2, kv_cells=2048)
     for rid in range(2):  # two long generations hold both slots
-        s.submit(req(rid, n=10, max_tokens=1000, start=100 * rid), 0.0)
+        s.submit(*req(rid, n=10, max_tokens=1000, start=100 * rid), 0.0)
     run_step(s, 0.0)
     # as observed: while requests waited, slots freed once a second
     s._finished_at.extend([0.0, 1.0, 2.0, 3.0])
@@ -631,10 +640,10 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     now, rid = 4.0, 10
     with pytest.raises(QueueFull) as refused:
         while rid < 200:
-            s.submit(req(rid, n=600, max_tokens=5, start=1000 * rid, queue_timeout=30), now)
+            s.submit(*req(rid, n=600, max_tokens=5, start=1000 * rid, queue_timeout=30), now)
             rid += 1
     # the refusal came with the estimate, and the estimate is what a queued request sees
-    wait = s.wait_estimate(INTERACTIVE, s._virtual_start(now, 600))
+    wait = s.wait_estimate(0, s._virtual_start(now, 600))
     assert wait > 30
     assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
     assert s.early_rejections == 1 and s.n_queued == rid - 10
@@ -647,27 +656,27 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
 def test_a_lone_long_prompt_is_not_refused_for_its_own_prefill() -> None:
     s, _ = costed(target_step_ms=20)  # a 900-token prefill takes minutes at this pace
     decoding(s, 8)
-    s.submit(req(1, n=900, max_tokens=5, queue_timeout=1), 1.0)
+    s.submit(*req(1, n=900, max_tokens=5, queue_timeout=1), 1.0)
     assert s.n_queued == 1
 
 
 def test_slot_pace_is_measured_only_while_requests_wait() -> None:
     s, _ = costed(max_running=1, slots=1, kv_cells=1024)
     for k in range(5):  # sparse traffic: a request every 10 s, nobody waits
-        s.submit(req(k, n=10, max_tokens=1, start=100 * k), 10.0 * k)
+        s.submit(*req(k, n=10, max_tokens=1, start=100 * k), 10.0 * k)
         finish_all(s, 10.0 * k)
-    s.submit(req(10, n=10, max_tokens=1000, start=2000), 50.0)
+    s.submit(*req(10, n=10, max_tokens=1000, start=2000), 50.0)
     run_step(s, 50.0)
-    s.submit(req(11, n=10, max_tokens=5, start=3000, queue_timeout=5), 50.0)
+    s.submit(*req(11, n=10, max_tokens=5, start=3000, queue_timeout=5), 50.0)
     assert s.n_queued == 1  # the idle-time pace (one per 10 s) did not refuse it
 
 
 def test_no_refusal_while_the_pace_of_slots_is_unknown() -> None:
     s, _ = costed(max_running=1, slots=1, kv_cells=1024)
-    s.submit(req(1, n=10, max_tokens=1000), 0.0)
+    s.submit(*req(1, n=10, max_tokens=1000), 0.0)
     run_step(s, 0.0)
     for rid in range(2, 12):
-        s.submit(req(rid, n=10, max_tokens=5, start=100 * rid, queue_timeout=1), 0.0)
+        s.submit(*req(rid, n=10, max_tokens=5, start=100 * rid, queue_timeout=1), 0.0)
     assert s.n_queued == 10
 
 
@@ -677,16 +686,16 @@ def test_no_refusal_while_the_pace_of_slots_is_unknown() -> None:
 def test_a_preempted_request_keeps_its_queue_timeout_and_its_place() -> None:
     s = Scheduler(limits(kv_cells=60, decode_reservation=4, step_tokens=16, max_running=2,
                          overtake_window=10, max_context=60))
-    s.submit(req(1, n=20, max_tokens=30), 0.0)
-    s.submit(req(2, n=20, max_tokens=30, start=500, priority=BATCH, queue_timeout=5.0), 0.0)
+    s.submit(*req(1, n=20, max_tokens=30), 0.0)
+    s.submit(*req(2, n=20, max_tokens=30, start=500, priority="batch", queue_timeout=5.0), 0.0)
     for step in range(100):
         run_step(s, 1.0 + step * 0.01)
         if Preempted(2) in s.drain_events():
             break
     else:
         pytest.fail("request 2 was never preempted")
-    queued = s._queues[BATCH][0]
-    assert queued.req.rid == 2 and queued.vstart == s._virtual_start(0.0, 20)
+    queued = s._queues[1][0]
+    assert queued.rid == 2 and queued.vstart == s._virtual_start(0.0, 20)
     assert queued.deadline < math.inf  # before the fix it could wait forever
     # request 1 keeps running for a long time: request 2 times out instead of waiting on
     expired: list[int] = []
@@ -702,14 +711,14 @@ def test_room_making_evicts_nothing_when_the_request_still_would_not_fit() -> No
     s = Scheduler(limits(kv_cells=200, kv_headroom=0, decode_reservation=1000, slots=4,
                          max_running=4))
     for rid in (1, 2):  # two idle caches of 30 cells, one of them a pinned session
-        s.submit(req(rid, n=30, max_tokens=1, start=100 * rid, session=f"s{rid}"), 0.0)
+        s.submit(*req(rid, n=30, max_tokens=1, start=100 * rid, session=f"s{rid}"), 0.0)
         finish_all(s, 0.0)
-    s.submit(req(3, n=20, max_tokens=100, start=900), 1.0)  # reserves 120 cells
+    s.submit(*req(3, n=20, max_tokens=100, start=900), 1.0)  # reserves 120 cells
     run_step(s, 1.0)
     s.drain_events()
     used = s.ledger.used
     # needs 100 + 40 cells: even evicting both caches leaves only 200 - 120 - ... too few
-    s.submit(req(4, n=40, max_tokens=100, start=5000), 2.0)
+    s.submit(*req(4, n=40, max_tokens=100, start=5000), 2.0)
     for now in (2.0, 3.0, 4.0):
         plan = s.plan(now)
         assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqRm)]
@@ -722,9 +731,9 @@ def test_room_making_evicts_only_what_admits_the_request() -> None:
     s = Scheduler(limits(kv_cells=200, kv_headroom=0, decode_reservation=10, slots=4,
                          max_running=4))
     for rid in (1, 2):  # idle caches of 60 cells each, request 2's the newer
-        s.submit(req(rid, n=60, max_tokens=1, start=1000 * rid), float(rid))
+        s.submit(*req(rid, n=60, max_tokens=1, start=1000 * rid), float(rid))
         finish_all(s, float(rid))
-    s.submit(req(3, n=90, max_tokens=10, start=9000), 5.0)  # 100 cells: one eviction
+    s.submit(*req(3, n=90, max_tokens=10, start=9000), 5.0)  # 100 cells: one eviction
     plan = s.plan(5.0)
     assert plan is not None and s.is_running(3)
     removed = [op.seq for op in plan.ops if isinstance(op, SeqRm)]
@@ -734,11 +743,11 @@ def test_room_making_evicts_only_what_admits_the_request() -> None:
 def test_prefix_caches_are_not_shared_across_tenants() -> None:
     s = Scheduler(per_slot())
     shared = list(range(50))
-    s.submit(SeqRequest(1, [*shared, 900], 3, tenant="a"), 0.0)
+    s.submit(*seq(1, [*shared, 900], 3, tenant="a"), 0.0)
     finish_all(s, 0.0)
-    s.submit(SeqRequest(2, [*shared, 950], 3, tenant="b"), 1.0)
+    s.submit(*seq(2, [*shared, 950], 3, tenant="b"), 1.0)
     finish_all(s, 1.0)
-    s.submit(SeqRequest(3, [*shared, 960], 3, tenant="a"), 2.0)
+    s.submit(*seq(3, [*shared, 960], 3, tenant="a"), 2.0)
     finish_all(s, 2.0)
     admitted = {e.rid: e.cached for e in s.drain_events() if isinstance(e, Admitted)}
     assert admitted == {1: 0, 2: 0, 3: 50}

@@ -7,12 +7,16 @@ import time
 
 import msgspec
 import pytest
+import trio
 
 from forged import config as fc
-from forged.engine.backend import DecodeError, NoKVSpace
-from forged.engine.pool import EnginePool, backoff_delay, retry_after_seconds
-from forged.engine.scheduler import Chunk
-from forged.engine.worker import run_isolating
+from forged.engine import frames as fr
+from forged.engine.channel import Outbox
+from forged.engine.core import DecodeError, NoKVSpace, run_isolating
+from forged.engine.limits import scheduler_limits
+from forged.engine.pool import EnginePool, retry_after_seconds
+from forged.engine.scheduler import Chunk, Scheduler
+from forged.engine.supervisor import backoff_delay
 from forged.errors import Overloaded
 
 
@@ -77,7 +81,7 @@ def test_retry_after_is_whole_seconds_at_least_one() -> None:
 def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() -> None:
     cfg = msgspec.structs.replace(fc.Config(), engine=msgspec.structs.replace(
         fc.Config().engine, workers=2))
-    pool = EnginePool(cfg)
+    pool = EnginePool(cfg, n_ctx_train=8192)
     for w, wait in zip(pool.workers, (100.0, 75.5), strict=True):
         w.ready, w.last_heard, w.stats = True, time.monotonic(), {"wait_estimate_s": wait}
     with pytest.raises(Overloaded) as refused:
@@ -86,3 +90,44 @@ def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() 
     assert refused.value.retry_after == 16
     pool.workers[1].stats = {"wait_estimate_s": 59.0}
     pool.check_capacity()  # one worker would take it in time
+
+
+async def test_an_outbox_past_its_limit_means_the_worker_stopped_reading() -> None:
+    outbox = Outbox(limit=3)
+    for rid in range(3):
+        outbox.put(fr.Cancel(rid=rid))
+    assert len(await outbox.take()) == 3
+    for rid in range(4):
+        outbox.put(fr.Cancel(rid=rid))
+    with pytest.raises(trio.TooSlowError):
+        await outbox.take()
+
+
+@pytest.mark.parametrize(("layout", "max_context", "n_ctx_train", "expected"), [
+    ("per_slot", 0, 8192, 2048),    # a slot's stream: 32768 / 16
+    ("per_slot", 0, 1024, 1024),    # the model's training context is smaller
+    ("unified", 0, 65536, 32768 - 64),  # the whole cache less the headroom
+    ("per_slot", 1000, 8192, 1000),  # as configured
+])
+def test_the_largest_request_is_derived_once_from_the_config_and_the_model(
+        layout: str, max_context: int, n_ctx_train: int, expected: int) -> None:
+    engine = msgspec.structs.replace(fc.Config().engine, kv_layout=layout,
+                                     max_context=max_context)
+    lim = scheduler_limits(msgspec.structs.replace(fc.Config(), engine=engine), n_ctx_train)
+    assert lim.max_context == expected <= lim.room
+
+
+def test_a_reload_sends_the_whole_new_limits_and_a_worker_refuses_a_new_geometry() -> None:
+    cfg = fc.Config()
+    pool = EnginePool(cfg, n_ctx_train=8192)
+    pool.workers[0].outbox = outbox = Outbox(limit=8)
+    new = msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
+        cfg.limits, max_queued=7))
+    pool.set_limits(new)
+    frame = outbox._q[0]
+    assert isinstance(frame, fr.SetLimits) and frame.limits == scheduler_limits(new, 8192)
+    sched = Scheduler(pool.limits)
+    sched.set_limits(frame.limits)
+    assert sched.limits.max_queued == 7
+    with pytest.raises(ValueError, match="restart"):
+        sched.set_limits(msgspec.structs.replace(frame.limits, slots=4))

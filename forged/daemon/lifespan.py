@@ -96,7 +96,8 @@ class Daemon:
         self.config_path = config_path
         self.test_hooks = test_hooks
         self.notifier = Notifier()
-        self.pool = EnginePool(cfg, test_hooks=test_hooks)
+        # Made by run(), once the model's vocabulary (and its training context) is read.
+        self.pool: EnginePool
         self._shutdown = trio.Event()
         self.state: AppState | None = None
         # Kept for reloads, which change some of their settings live.
@@ -111,6 +112,7 @@ class Daemon:
                   ) -> None:
         # A model file llama.cpp cannot load is a config error (exit 78), not a crash.
         prompter = await trio.to_thread.run_sync(open_prompter, self.config_path, self.cfg)
+        self.pool = EnginePool(self.cfg, prompter.n_ctx_train, test_hooks=self.test_hooks)
         try:
             metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
             state = self.state = AppState(self.cfg, self.pool, prompter, metrics,

@@ -20,6 +20,9 @@ from typing import Any, Self
 
 import llama_cpp as ll
 
+from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
+from forged.engine.request import Sampling
+
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -104,9 +107,6 @@ class Model(_Closing):
     def eog_tokens(self) -> list[int]:
         return list(self._eog)
 
-    def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self.vocab, token))
-
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
@@ -143,24 +143,16 @@ class Model(_Closing):
             self._ptr = None
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a random seed
-    logit_bias: tuple[tuple[int, float], ...] = ()
+# The penalties look at this many recent tokens (llama.cpp's server default).
+_REPEAT_LAST_N = 64
+# llama.cpp's LLAMA_DEFAULT_SEED: the dist sampler then draws a random seed.
+_RANDOM_SEED = 0xFFFFFFFF
 
 
 class Sampler(_Closing):
     """One request's llama.cpp sampler chain (its RNG and penalty history are its own)."""
 
-    def __init__(self, model: Model, p: SamplingParams) -> None:
+    def __init__(self, model: Model, p: Sampling) -> None:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._ptr = chain
 
@@ -172,12 +164,14 @@ class Sampler(_Closing):
                 *(ll.llama_logit_bias(tok, bias) for tok, bias in p.logit_bias)
             )
             add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), arr))
-        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
+                                                          or p.frequency_penalty)
+        if self._penalised:
             # The binding declares an old 5-argument signature (n_vocab first); the C
             # function now takes 4 and reads penalty_last_n from the first integer
             # register. Passing last_n twice is right under either ABI.
             add(ll.llama_sampler_init_penalties(
-                p.repeat_last_n, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty,
+                _REPEAT_LAST_N, _REPEAT_LAST_N, p.repeat_penalty, p.frequency_penalty,
                 p.presence_penalty,
             ))
         if p.temperature <= 0.0:
@@ -190,7 +184,12 @@ class Sampler(_Closing):
         if p.min_p > 0.0:
             add(ll.llama_sampler_init_min_p(p.min_p, 1))
         add(ll.llama_sampler_init_temp(p.temperature))
-        add(ll.llama_sampler_init_dist(p.seed & 0xFFFFFFFF))
+        add(ll.llama_sampler_init_dist(_RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF))
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the chain has penalties, which want the prompt in their history."""
+        return self._penalised
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Feed prompt tokens to the penalty history, as llama.cpp's server does."""
@@ -215,16 +214,6 @@ class ContextParams:
     threads: int
     flash_attn: bool = False
     kv_unified: bool = True
-
-
-class DecodeError(Exception):
-    def __init__(self, status: int) -> None:
-        super().__init__(f"llama_decode returned {status}")
-        self.status = status
-
-
-class NoKVSpace(DecodeError):
-    """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
 
 
 class Context(_Closing):
@@ -267,10 +256,7 @@ class Context(_Closing):
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         self.seq_rm(dst, n)
 
-    def clear(self) -> None:
-        ll.llama_memory_clear(self._mem, True)
-
-    def decode(self, items: Sequence[tuple[int, int, Sequence[int], bool]]) -> list[int]:
+    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         """Run one batch of ``(seq, pos, tokens, want_logits_for_last)`` runs.
 
         Returns the batch index of each run's last token (the index to sample at), or -1
@@ -308,3 +294,56 @@ class Context(_Closing):
             ll.llama_batch_free(self._batch)
             ll.llama_free(self._ptr)
             self._ptr = None
+
+
+class _BoundSampler:
+    """A request's sampler with the context it samples from: what the core calls."""
+
+    def __init__(self, sampler: Sampler, ctx: Context) -> None:
+        self._sampler, self._ctx = sampler, ctx
+
+    def sample(self, index: int) -> int:
+        return self._sampler.sample(self._ctx, index)
+
+    def close(self) -> None:
+        self._sampler.close()
+
+
+class Llama(_Closing):
+    """A model and its context as :class:`forged.engine.core.Backend`: all the worker's
+    core asks of llama.cpp."""
+
+    def __init__(self, model_path: str, params: ContextParams) -> None:
+        self.model = Model(model_path)
+        try:
+            self.ctx = Context(self.model, params)
+        except BaseException:
+            self.model.close()
+            raise
+        self.eog_tokens = self.model.eog_tokens
+        self.n_batch = params.n_batch
+
+    def piece(self, token: int) -> bytes:
+        return self.model.piece(token)
+
+    def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
+        sampler = Sampler(self.model, sampling)
+        if sampler.penalised:  # as llama.cpp's server does: the prompt counts
+            sampler.accept(prompt)
+        return _BoundSampler(sampler, self.ctx)
+
+    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
+        return self.ctx.decode(items)
+
+    def seq_rm(self, seq: int, p0: int) -> None:
+        self.ctx.seq_rm(seq, p0)
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        self.ctx.seq_cp(src, dst, n)
+
+    def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
+        self.ctx.seq_cp_stream(src, dst, n)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()

@@ -13,6 +13,9 @@ from typing import Literal
 
 import msgspec
 
+from forged.engine.limits import SchedulerLimits
+from forged.engine.request import Request
+
 MAX_FRAME = 64 * 1024 * 1024
 _LEN = struct.Struct(">I")
 
@@ -21,55 +24,23 @@ class _Frame(msgspec.Struct, forbid_unknown_fields=True, tag_field="t", kw_only=
     pass
 
 
-class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logit_bias: list[tuple[int, float]] = []
-
-
 # --- daemon -> worker ------------------------------------------------------------------
 
 
 class Init(_Frame, tag="init"):
+    """The first frame: what the worker loads, and its scheduler's limits."""
+
     model_path: str
-    kv_cells: int
-    slots: int
-    max_running: int
-    step_tokens: int
-    prefill_step_tokens: int
     threads: int
     flash_attn: bool
-    kv_headroom: int
-    decode_reservation: int
-    max_queued: int
-    max_queued_tokens: int
     heartbeat_interval: float
-    per_slot_cells: int = 0
-    max_context: int = 0
-    overtake_window: float = 30.0
-    session_ttl: float = 600.0
-    target_step_ms: float = 300.0
+    limits: SchedulerLimits
     test_hooks: bool = False
 
 
 class Submit(_Frame, tag="submit"):
-    rid: int
-    prompt: list[int]
-    max_tokens: int
-    priority: int
-    sampling: Sampling
-    stop: list[str] = []
-    ignore_eos: bool = False
-    cache: bool = True
-    session: str | None = None
-    tenant: str = ""
-    queue_timeout: float = 60.0
+    rid: int  # the pool's routing id, unique in the daemon's life
+    request: Request
 
 
 class Cancel(_Frame, tag="cancel"):
@@ -77,16 +48,16 @@ class Cancel(_Frame, tag="cancel"):
 
 
 class SetLimits(_Frame, tag="limits"):
-    max_queued: int
-    max_queued_tokens: int
-    decode_reservation: int
-    overtake_window: float
-    session_ttl: float = 600.0
-    target_step_ms: float = 300.0
+    """After a reload: the whole of the new limits (a worker refuses a new geometry)."""
+
+    limits: SchedulerLimits
 
 
 class Shutdown(_Frame, tag="shutdown"):
     pass
+
+
+# --- the test seam (forged.engine.testhooks): honoured only with Init.test_hooks -------
 
 
 class Hang(_Frame, tag="hang"):
@@ -155,8 +126,6 @@ Event = Admitted | Delta | Done | Failed
 
 class Ready(_Frame, tag="ready"):
     pid: int
-    n_ctx_train: int
-    kv_cells: int
 
 
 class Step(_Frame, tag="step"):

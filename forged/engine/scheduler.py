@@ -5,13 +5,14 @@ Theory of operation
 The scheduler owns no thread, socket or model. The worker feeds it events and runs
 what it decides:
 
-* ``submit(req, now)`` queues a request (or refuses it when the queue is full);
-* ``cancel(rid)`` drops a queued or running request;
+* ``submit(rid, req, now)`` queues a request (or refuses it when the queue is full);
+* ``drop(rid)`` forgets a queued or running request (its caller left, or it failed);
 * ``expire(now)`` drops queued requests whose queue timeout passed;
 * ``plan(now)`` admits what fits and returns one :class:`StepPlan`: KV memory
   operations to apply first, then the tokens of one ``llama_decode`` call;
 * ``commit(plan, sampled)`` records what that decode wrote and sampled;
-* ``finish(rid)`` ends a running request (EOS, stop string, length).
+* ``complete(rid)`` ends a running request that finished by itself (EOS, stop
+  string, length).
 
 Each step, every decoding sequence gets its next token first. The rest of the step
 goes to prompt chunks (chunked prefill), bounded by *time*: the step's predicted
@@ -51,76 +52,16 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+import msgspec
+
+from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, chunk_shape, decode_shape
 from forged.engine.kvledger import KVLedger
-
-INTERACTIVE, BATCH = 0, 1
-CLASS_NAMES = ("interactive", "batch")
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    """The knobs of one worker's scheduler; a reload may replace the live ones."""
-
-    kv_cells: int
-    slots: int
-    max_running: int
-    # The most tokens one step carries (llama.cpp's n_batch must hold them).
-    step_tokens: int
-    # The same while no sequence is decoding. 0: step_tokens.
-    prefill_step_tokens: int = 0
-    # A step's predicted duration stays within this (inf: tokens bound it alone).
-    target_step_ms: float = math.inf
-    kv_headroom: int = 0
-    # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
-    decode_reservation: int = 1 << 30
-    max_queued: int = 256
-    max_queued_tokens: int = 1 << 20
-    # 0: one unified KV cache (prefixes shared in place). N > 0: every slot owns a
-    # stream of N cells (llama.cpp's kv_unified=false); a prefix is reused by copying
-    # the source slot's whole stream, which beats recomputing it past a few tokens.
-    per_slot_cells: int = 0
-    min_copy_tokens: int = 16
-    max_prefill_chunks: int = 4  # per-slot layout: prompt chunks in one step
-    # How long shorter prompts may overtake one of ``max_context`` tokens; a shorter
-    # prompt is overtaken for proportionally less (see ``_virtual_start``).
-    overtake_window: float = 30.0
-    # The largest request a slot takes; 0: the room of one slot (per-slot cells, or the
-    # whole cache).
-    max_context: int = 0
-    # A finished request's KV stays pinned to its ``session`` for this long: idle
-    # caches without a live session are evicted first.
-    session_ttl: float = 600.0
-
-    @property
-    def per_slot(self) -> bool:
-        return self.per_slot_cells > 0
-
-    @property
-    def room(self) -> int:
-        """The cells one request may ever use: its slot's stream, or the whole cache."""
-        return self.per_slot_cells if self.per_slot else self.kv_cells - self.kv_headroom
-
-
-@dataclass
-class SeqRequest:
-    rid: int
-    prompt: list[int]
-    max_tokens: int
-    priority: int = INTERACTIVE
-    # Seconds it may wait for admission (and again after a preemption).
-    queue_timeout: float = math.inf
-    # Keep the KV after the request ends, so later requests can reuse it.
-    cache: bool = True
-    # A conversation's name: its KV is kept, pinned, for the next turn.
-    session: str | None = None
-    # Prefix caches are shared within a tenant only (what one tenant sent must not
-    # show in another's ``cached_tokens``).
-    tenant: str = ""
+from forged.engine.limits import SchedulerLimits
+from forged.engine.request import Request
 
 
 class Phase(enum.Enum):
@@ -130,7 +71,9 @@ class Phase(enum.Enum):
 
 @dataclass
 class _Running:
-    req: SeqRequest
+    rid: int
+    # After a preemption: what it produced so far is its prompt, and less is left.
+    req: Request
     slot: int
     admitted_at: float
     submitted_at: float  # when its caller's request first queued: the age that counts
@@ -140,11 +83,6 @@ class _Running:
     phase: Phase = Phase.PREFILL
     last_token: int = -1  # sampled but not yet fed back
     generated: int = 0
-
-    @property
-    def final_length(self) -> int:
-        # The last sampled token is never fed back, so this is a safe upper bound.
-        return len(self.req.prompt) + self.req.max_tokens
 
     def reserved_length(self, decode_reservation: int) -> int:
         return len(self.req.prompt) + min(self.req.max_tokens, decode_reservation)
@@ -162,7 +100,8 @@ class _Slot:
 
 @dataclass
 class _Queued:
-    req: SeqRequest
+    rid: int
+    req: Request
     submitted_at: float  # when its caller's request first queued
     # Its place in the shortest-first-with-aging order, fixed at submission so that a
     # preempted request, queued again with a longer prompt, keeps it.
@@ -280,7 +219,7 @@ class Scheduler:
         self.cost = cost or CostModel()
         self.ledger = KVLedger()
         self._slots = [_Slot(sid) for sid in range(limits.slots)]
-        self._queues: tuple[list[_Queued], ...] = ([], [])
+        self._queues: tuple[list[_Queued], ...] = tuple([] for _ in PRIORITIES)
         self._queued_tokens = 0
         self._running: dict[int, _Running] = {}
         self._ops: list[MemOp] = []
@@ -301,8 +240,8 @@ class Scheduler:
 
     # --- events in ---------------------------------------------------------------
 
-    def submit(self, req: SeqRequest, now: float) -> None:
-        """Queue ``req``. Raises :class:`QueueFull` when a bound would be passed, or when
+    def submit(self, rid: int, req: Request, now: float) -> None:
+        """Queue ``req`` as ``rid``. Raises :class:`QueueFull` when a bound would be passed, or when
         it would wait beyond its queue timeout before its prompt is computed."""
         lim = self.limits
         if self.n_queued >= lim.max_queued or (
@@ -310,23 +249,25 @@ class Scheduler:
         ):
             raise QueueFull
         self._tick(now)
-        if not req.prompt or len(req.prompt) + req.max_tokens > lim.room:
-            raise ValueError("request can never fit in the KV cache")
+        if not req.prompt or len(req.prompt) + req.max_tokens > lim.max_context:
+            raise ValueError(f"the request is longer than the largest a slot takes "
+                             f"({lim.max_context} tokens)")
         vstart = self._virtual_start(now, len(req.prompt))
-        wait = self.wait_estimate(req.priority, vstart)
+        wait = self.wait_estimate(req.rank, vstart)
         if wait > req.queue_timeout:
             self.early_rejections += 1
             raise QueueFull(f"the server is at capacity: this request would wait about "
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
-        self._queues[req.priority].append(_Queued(req, now, vstart, now + req.queue_timeout))
+        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout))
         self._queued_tokens += len(req.prompt)
 
-    def cancel(self, rid: int) -> bool:
-        """Forget ``rid`` wherever it is. Returns whether it was known."""
+    def drop(self, rid: int) -> bool:
+        """Forget ``rid`` wherever it is, queued or running: its caller left, or it
+        failed. Returns whether it was known."""
         for q in self._queues:
             for item in q:
-                if item.req.rid == rid:
+                if item.rid == rid:
                     q.remove(item)
                     self._queued_tokens -= len(item.req.prompt)
                     return True
@@ -335,9 +276,10 @@ class Scheduler:
             return True
         return False
 
-    def finish(self, rid: int) -> None:
-        """``rid`` ended (EOS, stop string, length). Its KV stays as prefix cache unless
-        opted out, and its slot counts towards the pace at which slots free up."""
+    def complete(self, rid: int) -> None:
+        """``rid`` finished by itself (EOS, stop string, length). Its KV stays as prefix
+        cache unless opted out, and its slot counts towards the pace at which slots
+        free up."""
         if self.n_queued:
             self._finished_at.append(self._waiting_clock)
         self._release(rid)
@@ -365,16 +307,15 @@ class Scheduler:
         gone: list[int] = []
         for q in self._queues:
             for item in [item for item in q if item.deadline <= now]:
-                self.cancel(item.req.rid)
-                gone.append(item.req.rid)
-                self._events.append(Expired(item.req.rid))
+                self.drop(item.rid)
+                gone.append(item.rid)
+                self._events.append(Expired(item.rid))
         return gone
 
     def set_limits(self, limits: SchedulerLimits) -> None:
         """Apply reloadable limits; the KV and slot geometry cannot change live."""
-        geometry = (limits.kv_cells, limits.slots, limits.per_slot_cells)
-        if geometry != (self.limits.kv_cells, self.limits.slots, self.limits.per_slot_cells):
-            raise ValueError("kv_cells and slots need a restart")
+        if limits.geometry != self.limits.geometry:
+            raise ValueError("kv_cells, slots and kv_layout need a restart")
         self.limits = limits
 
     # --- decisions out -------------------------------------------------------------
@@ -425,7 +366,7 @@ class Scheduler:
                 break
             toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
             done = run.next_prompt + take == len(run.req.prompt)
-            chunks.append(Chunk(run.req.rid, run.slot, run.next_prompt, toks, sample=done))
+            chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done))
             room -= self.cost.predict_extra(chunk_shape(run.next_prompt, take))
             cap -= take
             first = False
@@ -453,7 +394,7 @@ class Scheduler:
         quick: list[_Running] = []
         half = room / 2
         for run in order:
-            if run.req.priority != order[0].req.priority or len(quick) == max_chunks - 1:
+            if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
                 break  # the last chunk of the step is the aging order's
             cost = self.cost.predict_extra(chunk_shape(run.next_prompt, self._left(run)))
             if cost <= half:
@@ -502,7 +443,7 @@ class Scheduler:
         """
         if len(self._running) <= 1:
             return False  # alone it must fit: admission checked prompt + max_tokens
-        run = max(self._running.values(), key=lambda r: (r.req.priority, r.admitted_at))
+        run = max(self._running.values(), key=lambda r: (r.req.rank, r.admitted_at))
         slot = self._slots[run.slot]
         done = slot.tokens[: self.ledger.length(run.slot)]
         if run.phase is Phase.DECODE:
@@ -510,14 +451,14 @@ class Scheduler:
             left = run.req.max_tokens - run.generated
         else:
             prompt, left = run.req.prompt, run.req.max_tokens
-        del self._running[run.req.rid]
+        del self._running[run.rid]
         slot.rid = None
         self._evict(slot)
-        again = replace(run.req, prompt=prompt, max_tokens=max(1, left))
-        self._queues[run.req.priority].append(_Queued(
-            again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout))
+        again = msgspec.structs.replace(run.req, prompt=prompt, max_tokens=max(1, left))
+        self._queues[run.req.rank].append(_Queued(
+            run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout))
         self._queued_tokens += len(prompt)
-        self._events.append(Preempted(run.req.rid))
+        self._events.append(Preempted(run.rid))
         return True
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> None:
@@ -544,7 +485,7 @@ class Scheduler:
                     return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
-                self._events.append(Admitted(item.req.rid, self._running[item.req.rid].cached,
+                self._events.append(Admitted(item.rid, self._running[item.rid].cached,
                                              now - item.submitted_at))
 
     def _virtual_start(self, submitted_at: float, prompt_tokens: int) -> float:
@@ -559,7 +500,7 @@ class Scheduler:
         arrival order exactly when the queue was long, because then everyone was old.
         """
         lim = self.limits
-        share = prompt_tokens / max(1, lim.max_context or lim.room)
+        share = prompt_tokens / max(1, lim.max_context)
         return submitted_at + lim.overtake_window * min(1.0, share)
 
     def _try_admit(self, item: _Queued, now: float) -> bool:
@@ -594,12 +535,13 @@ class Scheduler:
                     self._ops.append(SeqCp(src, dst, n))
                     self.ledger.share(src, dst, n)
                 slot.tokens = self._slots[src].tokens[:n]
-        slot.rid, slot.last_used, slot.tenant = req.rid, now, req.tenant
-        self._running[req.rid] = _Running(req, dst, now, item.submitted_at, item.vstart,
+        slot.rid, slot.last_used, slot.tenant = item.rid, now, req.tenant
+        self._running[item.rid] = _Running(item.rid, req, dst, now, item.submitted_at,
+                                           item.vstart,
                                           next_prompt=n, cached=n)
         return True
 
-    def _best_prefix(self, req: SeqRequest) -> tuple[int | None, int]:
+    def _best_prefix(self, req: Request) -> tuple[int | None, int]:
         """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
         leaving one token to compute."""
         best, best_key = None, (0, False, False)
@@ -615,7 +557,7 @@ class Scheduler:
                 best, best_key = slot.sid, key
         return best, best_key[0]
 
-    def _reusable(self, slot: _Slot, req: SeqRequest) -> bool:
+    def _reusable(self, slot: _Slot, req: Request) -> bool:
         """May ``req`` take over ``slot`` in place (truncating what it does not share)?
         Not while it runs, nor while it holds another live session's conversation."""
         return slot.rid is None and (not self._pinned(slot) or slot.session == req.session)
@@ -636,7 +578,7 @@ class Scheduler:
             for r in self._running.values()
         )
 
-    def _make_room(self, req: SeqRequest, n: int, src: int | None, dst: int) -> bool:
+    def _make_room(self, req: Request, n: int, src: int | None, dst: int) -> bool:
         """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet.
 
         The evictions are tried on a copy of the ledger first: evicting caches (pinned
@@ -673,20 +615,20 @@ class Scheduler:
 
     # --- capacity ---------------------------------------------------------------------
 
-    def wait_estimate(self, priority: int, vstart: float) -> float:
+    def wait_estimate(self, rank: int, vstart: float) -> float:
         """Seconds a request of this class and place in the order would wait before its
         own prompt starts: for a slot, then for the prompt work ahead of it, at the pace
         steps leave for prompts. Its own prefill is not waiting, so a lone long prompt is
         never refused. An estimate, used only to refuse at once what would wait past its
         queue timeout anyway."""
         ahead = [q for cls, queue in enumerate(self._queues) for q in queue
-                 if cls < priority or (cls == priority and q.vstart <= vstart)]
+                 if cls < rank or (cls == rank and q.vstart <= vstart)]
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
         for q in ahead:
             work = work.plus(chunk_shape(0, len(q.req.prompt)))
         for r in self._prefilling():
-            if (r.req.priority, r.vstart) <= (priority, vstart):
+            if (r.req.rank, r.vstart) <= (rank, vstart):
                 work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
         return self._slot_wait(len(ahead) + 1) + self._prefill_seconds(
             self.cost.predict_extra(work))
@@ -737,7 +679,7 @@ class Scheduler:
         for run in self._running.values():
             if run.phase is Phase.DECODE:
                 pos = self.ledger.length(run.slot)
-                out.append(Chunk(run.req.rid, run.slot, pos, [run.last_token], sample=True))
+                out.append(Chunk(run.rid, run.slot, pos, [run.last_token], sample=True))
         return out
 
     def _prefilling(self) -> list[_Running]:
@@ -751,7 +693,7 @@ class Scheduler:
         """Interactive first; then by virtual start on what is left of the prompt, so the
         same aging that orders the queue keeps a steady trickle of short prompts from
         holding a long prefill back forever."""
-        return run.req.priority, self._virtual_start(run.submitted_at, self._left(run))
+        return run.req.rank, self._virtual_start(run.submitted_at, self._left(run))
 
     # --- introspection ------------------------------------------------------------------
 
@@ -771,8 +713,8 @@ class Scheduler:
         out: dict[str, float] = {
             "running": len(self._running),
             "prefilling": len(self._prefilling()),
-            "queued_interactive": len(self._queues[INTERACTIVE]),
-            "queued_batch": len(self._queues[BATCH]),
+            **{f"queued_{name}": len(q) for name, q in zip(PRIORITIES, self._queues,
+                                                            strict=True)},
             "queued_tokens": self._queued_tokens,
             "kv_cells_total": self.limits.kv_cells,
             "kv_cells_used": self.ledger.used,
@@ -789,7 +731,7 @@ class Scheduler:
             "early_rejections": self.early_rejections,
             # What a one-token interactive request submitted now would wait: the daemon
             # refuses at the door when even that exceeds the queue timeout.
-            "wait_estimate_s": self.wait_estimate(INTERACTIVE, self._now),
+            "wait_estimate_s": self.wait_estimate(0, self._now),
             "step_plan_ms": self.last_plan_ms,
             "target_step_ms": min(self.limits.target_step_ms, 1e9),
             "step_prompt_room_ms": min(

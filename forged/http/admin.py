@@ -15,6 +15,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
+from forged.engine import testhooks
 from forged.http.state import AppState
 
 _json = msgspec.json.Encoder()
@@ -74,7 +75,7 @@ def _add_slowdowns(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/debug/slow-steps")
     async def slow_steps() -> Response:
-        state.pool.slow_steps(0, float(request.args.get("seconds", "0")))
+        testhooks.slow_steps(state.pool, 0, float(request.args.get("seconds", "0")))
         return Response(b"{}", content_type="application/json")
 
 
@@ -111,5 +112,5 @@ def _add_worker_faults(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/debug/hang-worker")
     async def hang_worker() -> Response:
-        state.pool.hang_worker(0, float(request.args.get("seconds", "1")))
+        testhooks.hang_worker(state.pool, 0, float(request.args.get("seconds", "1")))
         return Response(b"{}", content_type="application/json")

@@ -26,11 +26,9 @@ from werkzeug.exceptions import HTTPException
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config
-from forged.engine import frames as fr
-from forged.engine.pool import Job
-from forged.engine.scheduler import BATCH, INTERACTIVE
+from forged.engine.request import Request, Sampling
 from forged.http import sse
-from forged.http.generate import Outcome, generate, log_content, priority_name
+from forged.http.generate import Outcome, generate, log_content
 from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import (
     error_response,
@@ -289,7 +287,9 @@ def _check_model(state: AppState, model: str | None) -> None:
 # --- generation --------------------------------------------------------------------------
 
 
-def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) -> Job:
+def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
+             ) -> Request:
+    """The one engine request for this body, its API key and the config."""
     lim, limit = state.cfg.limits, state.max_context
     if len(prompt) >= limit:
         raise e.ContextTooLong(
@@ -307,19 +307,18 @@ def _job(state: AppState, req: Any, prompt: list[int], requested: int | None) ->
     else:
         max_tokens = requested
     key = g.get("key")
-    priority = req.priority or (key.priority if key else lim.default_priority)
-    return Job(
+    return Request(
         prompt=prompt, max_tokens=max_tokens,
-        priority=BATCH if priority == "batch" else INTERACTIVE,
+        priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=_sampling(state, req), stop=_stops(state, req.stop),
-        ignore_eos=req.ignore_eos, cache=req.cache_prompt,
+        ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "",
     )
 
 
-def _sampling(state: AppState, req: Any) -> fr.Sampling:
+def _sampling(state: AppState, req: Any) -> Sampling:
     bias: list[tuple[int, float]] = []
     if req.logit_bias:
         if len(req.logit_bias) > state.cfg.limits.max_logit_bias:
@@ -328,7 +327,7 @@ def _sampling(state: AppState, req: Any) -> fr.Sampling:
             if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.prompter.n_vocab:
                 raise e.BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias")
             bias.append((int(key), float(value)))
-    return fr.Sampling(
+    return Sampling(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
         repeat_penalty=req.repeat_penalty or 1.0,
@@ -351,8 +350,8 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
 
 async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
                fmt: type[sse.Format]) -> Response:
-    job = _job(state, req, prompt, requested)
-    g.priority = priority_name(job)
+    engine_request = _request(state, req, prompt, requested)
+    g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")
     outcome = g.outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
@@ -363,7 +362,7 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     resources().callback(outcome.record, state)
     if key is not None:
         outcome.usage = _admit_key(state, key)
-    return await generate(state, req, job, fmt, outcome)
+    return await generate(state, req, engine_request, fmt, outcome)
 
 
 def _admit_key(state: AppState, key: KeyEntry) -> KeyUsage:

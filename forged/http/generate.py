@@ -22,8 +22,8 @@ from quart import Response
 
 from forged import errors as e
 from forged.engine import frames as fr
-from forged.engine.pool import Job, RequestStream, retry_after_seconds
-from forged.engine.scheduler import CLASS_NAMES
+from forged.engine.pool import RequestStream, retry_after_seconds
+from forged.engine.request import Request
 from forged.http import sse
 from forged.http.lifetime import resources
 from forged.http.responses import from_exception, http_error, json_response
@@ -122,14 +122,14 @@ def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
         outcome.completion = []
 
 
-async def generate(state: AppState, req: Any, job: Job, fmt: type[sse.Format],
+async def generate(state: AppState, req: Any, request: Request, fmt: type[sse.Format],
                    outcome: Outcome) -> Response:
     out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
-    outcome.prompt_tokens = len(job.prompt)
+    outcome.prompt_tokens = len(request.prompt)
     held = resources()
     try:
         held.enter_context(state.drain.generation())
-        rs = outcome.rs = await held.enter_async_context(state.pool.open_request(job))
+        rs = outcome.rs = await held.enter_async_context(state.pool.open_request(request))
         if state.holds is not None:
             await state.holds.at("submitted")
         first = await _admission(state, rs, outcome)
@@ -267,7 +267,3 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
     except e.ForgedError as exc:
         outcome.end = "error"
         yield sse.error_event(from_exception(exc))
-
-
-def priority_name(job: Job) -> str:
-    return CLASS_NAMES[job.priority]

@@ -112,5 +112,4 @@ class AppState:
 
     @property
     def max_context(self) -> int:
-        e = self.cfg.engine
-        return e.max_context or min(e.room, self.prompter.n_ctx_train)
+        return self.pool.limits.max_context

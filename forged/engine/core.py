@@ -1,0 +1,356 @@
+"""The worker's core, sans-IO: frames in; backend calls, events and statistics out.
+
+Theory of operation
+-------------------
+A worker process (:mod:`forged.engine.worker`) owns one socket and one llama.cpp
+context. Everything it decides lives here, in :class:`WorkerCore`, which imports no
+socket, no event loop and no llama.cpp: it drives a :class:`Backend` (the real one is
+:class:`forged.engine.backend.Llama`; tests pass a fake) and the sans-IO
+:class:`~forged.engine.scheduler.Scheduler`.
+
+* ``handle(frame, now)`` takes a ``Submit``, ``Cancel`` or ``SetLimits`` frame;
+* ``step(now)`` runs one scheduling step: expire queued requests, ask the scheduler for
+  a plan, apply its KV memory operations, decode (isolating the requests whose chunks
+  fail: :func:`run_isolating`), sample, and turn tokens into text;
+* ``frame(now, force)`` returns the ``Step`` frame to send: the events since the last
+  one, and the statistics when they are due.
+
+Per request the core keeps what the scheduler does not: the sampler, the text stream
+(UTF-8 boundaries and stop strings) and the counters the ``Done`` event reports. Every
+path out of a request (end of sequence, stop string, length, cancel, expiry, a failed
+step) closes its sampler and, if it ran, tells the scheduler, so no sequence leaks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from forged.engine import frames as fr
+from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
+from forged.engine.limits import SchedulerLimits
+from forged.engine.request import Request, Sampling
+from forged.engine.scheduler import (
+    Admitted,
+    Chunk,
+    Expired,
+    QueueFull,
+    Scheduler,
+    SeqCp,
+    SeqRm,
+    StepPlan,
+)
+from forged.engine.textstream import TextStream
+
+# Statistics cost a walk over the KV ledger: sent at most this often with token events.
+STATS_INTERVAL = 0.05
+_NEVER = -float("inf")  # a logit bias that bans a token
+
+
+class DecodeError(Exception):
+    """A decode step failed; llama.cpp rolled its memory back."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"llama_decode returned {status}")
+        self.status = status
+
+
+class NoKVSpace(DecodeError):
+    """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
+
+
+DecodeItem = tuple[int, int, Sequence[int], bool]  # seq, first position, tokens, logits
+
+
+class TokenSampler(Protocol):
+    def sample(self, index: int) -> int:
+        """The next token from the logits at batch ``index`` of the last decode."""
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What the core needs of llama.cpp; :class:`forged.engine.backend.Llama` has it."""
+
+    eog_tokens: list[int]
+    n_batch: int
+
+    def piece(self, token: int) -> bytes: ...
+
+    def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler: ...
+
+    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
+        """Batch index of each item's last token (-1 without logits); raises
+        :class:`NoKVSpace` or :class:`DecodeError`, having rolled back."""
+
+    def seq_rm(self, seq: int, p0: int) -> None: ...
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None: ...
+
+    def seq_cp_stream(self, src: int, dst: int, n: int) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """What the core keeps of one request beside the scheduler's bookkeeping."""
+
+    request: Request
+    sampler: TokenSampler
+    text: TextStream
+    eog: frozenset[int]
+    generated: int = 0
+    cached: int = 0
+    admitted: bool = False
+    # Admission, then the first token: when, and at which step count.
+    admitted_at: tuple[float, int] = (0.0, 0)
+    first_at: tuple[float, int] = (0.0, 0)
+
+
+class WorkerCore:
+    def __init__(self, backend: Backend, limits: SchedulerLimits, cost: CostModel, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.sched = Scheduler(limits, cost)
+        # Seconds, on the clock of the ``now`` the caller passes: it times the steps
+        # and the first tokens.
+        self.clock = clock
+        self.streams: dict[int, _Stream] = {}
+        self.events: list[fr.Event] = []
+        self._last_stats = _NEVER
+        self._step_ms = 0.0
+        self._steps = 0
+        self._tokens_out = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.sched.n_running > 0 or self.sched.n_queued > 0
+
+    # --- frames in ----------------------------------------------------------------------
+
+    def handle(self, frame: fr.Submit | fr.Cancel | fr.SetLimits, now: float) -> None:
+        match frame:
+            case fr.Submit(rid=rid, request=req):
+                self._submit(rid, req, now)
+            case fr.Cancel(rid=rid):
+                self.sched.drop(rid)
+                self._close(rid)
+            case fr.SetLimits(limits=limits):
+                self.sched.set_limits(limits)
+
+    def _submit(self, rid: int, req: Request, now: float) -> None:
+        try:
+            self.sched.submit(rid, req, now)
+        except QueueFull as exc:
+            self.events.append(fr.Failed(rid=rid, code="overloaded", message=str(exc),
+                                         retry_after=exc.retry_after))
+            return
+        except ValueError as exc:
+            self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
+            return
+        sampling, eog = req.sampling, frozenset(self.backend.eog_tokens)
+        if req.ignore_eos:  # the end-of-generation tokens can then never be sampled
+            sampling = msgspec.structs.replace(
+                sampling, logit_bias=[*sampling.logit_bias, *((t, _NEVER) for t in eog)])
+            eog = frozenset()
+        sampler = self.backend.sampler(sampling, req.prompt)
+        self.streams[rid] = _Stream(req, sampler, TextStream(req.stop), eog)
+
+    def _close(self, rid: int) -> None:
+        stream = self.streams.pop(rid, None)
+        if stream is not None:
+            stream.sampler.close()
+
+    # --- one step -------------------------------------------------------------------------
+
+    def step(self, now: float) -> None:
+        self.sched.expire(now)
+        plan = self.sched.plan(now)
+        self._scheduler_events()
+        if plan is None:
+            return
+        self._apply_memory_ops(plan)
+        if plan.chunks:
+            self._decode(plan)
+
+    def _apply_memory_ops(self, plan: StepPlan) -> None:
+        for op in plan.ops:
+            match op:
+                case SeqRm(seq=seq, p0=p0):
+                    self.backend.seq_rm(seq, p0)
+                case SeqCp(src=src, dst=dst, n=n, whole=True):
+                    self.backend.seq_cp_stream(src, dst, n)
+                case SeqCp(src=src, dst=dst, n=n):
+                    self.backend.seq_cp(src, dst, n)
+
+    def _decode(self, plan: StepPlan) -> None:
+        t0 = self.clock()
+        try:
+            sampled, failed = run_isolating(plan.chunks, self._decode_and_sample)
+        except NoKVSpace:
+            self._relieve(plan)
+            return
+        ran = plan if not failed else StepPlan(
+            [], [c for c in plan.chunks if c.rid not in failed], plan.shape)
+        self.sched.commit(ran, sampled, self.clock())
+        for rid, exc in failed.items():
+            self._fail(rid, "engine_error", f"decode failed: {exc}")
+        for rid, tok in sampled.items():
+            self._on_token(rid, tok)
+        self._step_ms = (self.clock() - t0) * 1000
+        if not failed:  # a retried step's time says nothing about its shape
+            self.sched.observe(plan, self._step_ms)
+        self._steps += 1
+        self._tokens_out += len(sampled)
+
+    def _decode_and_sample(self, chunks: list[Chunk]) -> dict[int, int]:
+        idx = self.backend.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])
+        return {c.rid: self.streams[c.rid].sampler.sample(i)
+                for c, i in zip(chunks, idx, strict=True) if c.sample}
+
+    def _relieve(self, plan: StepPlan) -> None:
+        # The ledger said the batch fits, but llama.cpp found no cells: give some back.
+        if not self.sched.preempt_one():
+            for c in plan.chunks:
+                self._fail(c.rid, "engine_error", "the KV cache is full")
+
+    def _fail(self, rid: int, code: fr.ErrorCode, message: str) -> None:
+        self.sched.drop(rid)
+        self._close(rid)
+        self.events.append(fr.Failed(rid=rid, code=code, message=message))
+
+    def _scheduler_events(self) -> None:
+        for ev in self.sched.drain_events():
+            match ev:
+                case Admitted(rid=rid, cached=cached, queue_time=qt):
+                    stream = self.streams[rid]
+                    if not stream.admitted:  # a preempted request is admitted again, silently
+                        stream.admitted, stream.cached = True, cached
+                        stream.admitted_at = (self.clock(), self._steps)
+                        self.events.append(fr.Admitted(rid=rid, cached=cached, queue_time=qt))
+                case Expired(rid=rid):
+                    self._close(rid)
+                    self.events.append(fr.Failed(rid=rid, code="queue_timeout",
+                                                 message="timed out waiting for a free slot"))
+
+    def _on_token(self, rid: int, tok: int) -> None:
+        stream = self.streams[rid]
+        if tok in stream.eog:
+            # What was held back for a possible stop string or a split character is
+            # the end of the answer after all.
+            self._finish(rid, "stop", stream.text.flush())
+            return
+        stream.generated += 1
+        if stream.generated == 1:
+            stream.first_at = (self.clock(), self._steps + 1)  # this step counts
+        text = stream.text.feed(self.backend.piece(tok))
+        if stream.text.stopped:
+            self._finish(rid, "stop", text)
+        elif stream.generated >= stream.request.max_tokens:
+            self._finish(rid, "length", text + stream.text.flush())
+        elif text:
+            self.events.append(fr.Delta(rid=rid, text=text))
+
+    def _finish(self, rid: int, reason: fr.FinishReason, text: str) -> None:
+        stream = self.streams[rid]
+        self.sched.complete(rid)
+        self._close(rid)
+        self.events.append(fr.Done(
+            rid=rid, text=text, finish_reason=reason,
+            prompt_tokens=len(stream.request.prompt), completion_tokens=stream.generated,
+            cached_tokens=stream.cached,
+            prefill_s=max(0.0, stream.first_at[0] - stream.admitted_at[0]),
+            prefill_steps=max(0, stream.first_at[1] - stream.admitted_at[1]),
+        ))
+
+    # --- frames out -----------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.sched.statistics())
+        out.update(step_ms=self._step_ms, steps=self._steps, tokens_generated=self._tokens_out)
+        return out
+
+    def frame(self, now: float, force: bool = False) -> fr.Step | None:
+        """The ``Step`` frame to send now, if any: the events since the last one, with
+        statistics when ``force``d, when something other than tokens happened, or at
+        most every STATS_INTERVAL while only tokens flow."""
+        if not self.events and not force:
+            return None
+        fresh = (force or now - self._last_stats >= STATS_INTERVAL
+                 or any(not isinstance(e, fr.Delta) for e in self.events))
+        if fresh:
+            self._last_stats = now
+        step = fr.Step(events=self.events, stats=self.statistics() if fresh else {})
+        self.events = []
+        return step
+
+    def close(self) -> None:
+        for rid in list(self.streams):
+            self._close(rid)
+
+
+def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
+                  ) -> tuple[dict[int, int], dict[int, DecodeError]]:
+    """Run ``chunks`` as one step. If llama.cpp fails it (rolling it back), run the
+    halves apart, recursively, so that only the requests whose chunks fail alone fail
+    and every other stream in the step goes on. ``NoKVSpace`` on the whole step is not
+    a failure of any chunk: it propagates, for the caller to make room.
+
+    Returns the tokens sampled and the errors of the requests that failed, by rid.
+    """
+    try:
+        return run(chunks), {}
+    except NoKVSpace:
+        raise
+    except DecodeError as exc:
+        if len(chunks) == 1:
+            return {}, {chunks[0].rid: exc}
+    return _bisect(chunks, run)
+
+
+def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
+            ) -> tuple[dict[int, int], dict[int, DecodeError]]:
+    sampled: dict[int, int] = {}
+    failed: dict[int, DecodeError] = {}
+    half = len(chunks) // 2
+    for part in (chunks[:half], chunks[half:]):
+        try:
+            sampled |= run(part)
+        except DecodeError as exc:  # NoKVSpace too: in a retry it fails its chunks
+            if len(part) == 1:
+                failed[part[0].rid] = exc
+            else:
+                more_sampled, more_failed = _bisect(part, run)
+                sampled |= more_sampled
+                failed |= more_failed
+    return sampled, failed
+
+
+def calibrate(backend: Backend, slots: int, *,
+              clock: Callable[[], float] = time.perf_counter) -> CostModel:
+    """A cost model seeded from a few steps of typical shapes run now, on empty
+    sequences that are removed afterwards, so that the first real steps are already
+    bounded by this machine's and this model's speed rather than by the built-in seed."""
+    model = CostModel()
+    n_batch = backend.n_batch
+    # (decoders, prompt tokens in place of one of them), each within one batch
+    shapes = [(d, min(p, n_batch - d + 1)) for d, p in
+              ((1, 0), (min(slots, 8), 0), (1, 32), (1, 128), (min(slots, 4), 64))]
+    backend.decode([(0, 0, [0], True)])  # the first decode allocates; do not time it
+    backend.seq_rm(0, 0)
+    for _ in range(2):
+        for decoders, prompt in shapes:
+            items: list[DecodeItem] = [(s, 0, [0], True) for s in range(decoders)]
+            shape = decode_shape([0] * decoders)
+            if prompt:
+                items[0] = (0, 0, [0] * prompt, True)
+                shape = decode_shape([0] * (decoders - 1)).plus(chunk_shape(0, prompt))
+            t0 = clock()
+            backend.decode(items)
+            model.observe(shape, (clock() - t0) * 1000)
+            for s in range(decoders):
+                backend.seq_rm(s, 0)
+    return model

@@ -1,0 +1,78 @@
+"""The knobs of one worker's scheduler, taken from the config in one place.
+
+:func:`scheduler_limits` is the only code that turns the config into the numbers the
+scheduler uses: the KV geometry (cells per slot and the room of one request, which
+``EngineConfig`` derives, since its checks need them; the largest request, which needs
+the model) and the reloadable limits. The pool sends its result to each worker whole,
+in ``Init`` and again in ``SetLimits`` after a reload, so nothing is copied field by
+field on the way.
+
+Sans-IO: this module imports msgspec and forged's config schema only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from forged.config import Config
+
+
+class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Geometry (fixed while a worker lives) and limits (a reload may change them)."""
+
+    kv_cells: int
+    slots: int
+    max_running: int
+    # The most tokens one step carries (llama.cpp's n_batch must hold them).
+    step_tokens: int
+    # The cells one request may ever use: its slot's stream, or the unified cache less
+    # the headroom kept for llama.cpp.
+    room: int
+    # The largest request (prompt + max_tokens) a slot takes: at most ``room``.
+    max_context: int
+    # The same as step_tokens while no sequence is decoding. 0: step_tokens.
+    prefill_step_tokens: int = 0
+    # A step's predicted duration stays within this (inf: tokens bound it alone).
+    target_step_ms: float = math.inf
+    kv_headroom: int = 0
+    # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
+    decode_reservation: int = 1 << 30
+    max_queued: int = 256
+    max_queued_tokens: int = 1 << 20
+    # 0: one unified KV cache (prefixes shared in place). N > 0: every slot owns a
+    # stream of N cells (llama.cpp's kv_unified=false); a prefix is reused by copying
+    # the source slot's whole stream, which beats recomputing it past a few tokens.
+    per_slot_cells: int = 0
+    min_copy_tokens: int = 16
+    max_prefill_chunks: int = 4  # per-slot layout: prompt chunks in one step
+    # How long shorter prompts may overtake one of ``max_context`` tokens; a shorter
+    # prompt is overtaken for proportionally less (see ``Scheduler._virtual_start``).
+    overtake_window: float = 30.0
+    # A finished request's KV stays pinned to its ``session`` for this long: idle
+    # caches without a live session are evicted first.
+    session_ttl: float = 600.0
+
+    @property
+    def per_slot(self) -> bool:
+        return self.per_slot_cells > 0
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """What a running worker's llama.cpp context fixes: a reload cannot change it."""
+        return self.kv_cells, self.slots, self.per_slot_cells
+
+
+def scheduler_limits(cfg: Config, n_ctx_train: int) -> SchedulerLimits:
+    """The scheduler's limits under ``cfg``, for a model trained on ``n_ctx_train``."""
+    e, lim = cfg.engine, cfg.limits
+    return SchedulerLimits(
+        kv_cells=e.kv_cells, slots=e.slots, max_running=e.max_running,
+        step_tokens=e.step_tokens, prefill_step_tokens=e.prefill_step_tokens,
+        room=e.room, max_context=min(e.room, e.max_context or n_ctx_train),
+        target_step_ms=e.target_step_ms, kv_headroom=e.kv_headroom,
+        decode_reservation=e.decode_reservation, per_slot_cells=e.per_slot_cells,
+        max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,
+        overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
+    )

@@ -1,0 +1,60 @@
+"""What a request for generation is: one shape from the HTTP edge to the scheduler.
+
+The HTTP layer builds a :class:`Request` once, from the caller's body, its API key and
+the config. The pool sends it to a worker unchanged (inside a ``Submit`` frame, beside
+the routing id), the worker's core hands it to the scheduler, and the scheduler keeps
+its own bookkeeping (queue place, slot, progress) beside it, privately.
+
+Sans-IO: this module imports msgspec and forged's config schema only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from forged.config import PRIORITIES, Priority
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """How the next token is chosen; llama.cpp's sampler chain is built from this."""
+
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0  # 0: greedy
+    # Each default below leaves its sampler out of the chain.
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    # Penalties over the prompt and the last tokens made, as llama.cpp's server applies them.
+    repeat_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # None: a fresh random seed per request.
+    seed: Annotated[int, Meta(ge=0, le=0xFFFFFFFF)] | None = None
+    # (token, bias) pairs; -inf bans a token.
+    logit_bias: list[tuple[int, float]] = []
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    prompt: list[int]
+    max_tokens: int
+    priority: Priority = "interactive"
+    sampling: Sampling = Sampling()
+    stop: list[str] = []
+    ignore_eos: bool = False
+    # Keep the KV after the request ends, so later requests can reuse it.
+    cache: bool = True
+    # A conversation's name: its KV is kept, pinned, for the next turn.
+    session: str | None = None
+    # Prefix caches are shared within a tenant only (what one tenant sent must not
+    # show in another's ``cached_tokens``).
+    tenant: str = ""
+    # Seconds it may wait for admission (and again after a preemption).
+    queue_timeout: float = math.inf
+
+    @property
+    def rank(self) -> int:
+        """Its class's place in the serving order: 0 is served first."""
+        return PRIORITIES.index(self.priority)

@@ -1,0 +1,236 @@
+"""The worker's sans-IO core around a fake backend: no process, no llama.cpp.
+
+Each test drives frames in and steps, then reads the events out, and checks that
+nothing is left behind: every sampler closed, no request running or queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from forged.engine import frames as fr
+from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, WorkerCore
+from forged.engine.costmodel import CostModel
+from forged.engine.request import Request, Sampling
+from tests.test_scheduler import limits
+
+EOS = 0
+
+
+class FakeSampler:
+    def __init__(self, backend: FakeBackend, script: list[int]) -> None:
+        self.backend, self.script = backend, list(script)
+        backend.open_samplers += 1
+
+    def sample(self, index: int) -> int:
+        assert index >= 0, "sampled a run that asked for no logits"
+        return self.script.pop(0) if self.script else 1
+
+    def close(self) -> None:
+        self.backend.open_samplers -= 1
+
+
+class FakeBackend:
+    """Tokens 1..26 are the letters a..z; token 0 ends the sequence. A request samples
+    the script named by its prompt's first token. Decodes can be made to fail."""
+
+    eog_tokens = [EOS]
+    n_batch = 64
+
+    def __init__(self, scripts: dict[int, list[int]]) -> None:
+        self.scripts = scripts
+        self.open_samplers = 0
+        self.batches: list[list[tuple[int, int]]] = []  # (seq, tokens) per decode
+        self.failing_seqs: set[int] = set()
+        self.full_steps = 0  # the next decodes that find no KV cells
+        self.lengths: dict[int, int] = {}
+
+    def piece(self, token: int) -> bytes:
+        return bytes([ord("a") + token - 1])
+
+    def sampler(self, sampling: Sampling, prompt: list[int]) -> FakeSampler:
+        return FakeSampler(self, self.scripts.get(prompt[0], []))
+
+    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
+        if self.full_steps:
+            self.full_steps -= 1
+            raise NoKVSpace(1)
+        if self.failing_seqs & {seq for seq, _, _, _ in items}:
+            raise DecodeError(-3)
+        self.batches.append([(seq, len(toks)) for seq, _, toks, _ in items])
+        out, n = [], 0
+        for seq, pos, toks, logits in items:
+            assert pos == self.lengths.get(seq, 0), "a chunk out of place"
+            self.lengths[seq] = pos + len(toks)
+            n += len(toks)
+            out.append(n - 1 if logits else -1)
+        return out
+
+    def seq_rm(self, seq: int, p0: int) -> None:
+        self.lengths[seq] = min(self.lengths.get(seq, 0), p0)
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        self.lengths[dst] = n
+
+    def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
+        self.lengths[dst] = n
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def core_with(scripts: dict[int, list[int]], **kw: float) -> tuple[WorkerCore, FakeBackend]:
+    backend = FakeBackend(scripts)
+    core = WorkerCore(backend, limits(**kw), CostModel(), clock=Clock())
+    return core, backend
+
+
+def submit(core: WorkerCore, rid: int, prompt: list[int], max_tokens: int = 10,
+           **kw: object) -> None:
+    request = Request(prompt=prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    core.handle(fr.Submit(rid=rid, request=request), 0.0)
+
+
+def run(core: WorkerCore, steps: int = 50) -> list[fr.Event]:
+    events: list[fr.Event] = []
+    for _ in range(steps):
+        core.step(0.0)
+        frame = core.frame(0.0)
+        events += frame.events if frame is not None else []
+        if not core.busy:
+            break
+    return events
+
+
+def of(events: list[fr.Event], rid: int) -> list[fr.Event]:
+    return [e for e in events if e.rid == rid]
+
+
+def assert_nothing_left(core: WorkerCore, backend: FakeBackend) -> None:
+    assert backend.open_samplers == 0 and not core.streams
+    assert core.sched.n_running == 0 and core.sched.n_queued == 0
+
+
+def test_text_held_for_a_stop_string_is_released_at_the_end_of_sequence() -> None:
+    core, backend = core_with({5: [24, 24, EOS]})  # "x", "x", end
+    submit(core, 1, [5, 6], stop=["xxy"])
+    events = run(core)
+    # "xx" could begin "xxy": held back, then released by the end of the sequence
+    assert not [e for e in events if isinstance(e, fr.Delta)]
+    done = events[-1]
+    assert isinstance(done, fr.Done) and done.text == "xx" and done.finish_reason == "stop"
+    assert done.completion_tokens == 2
+    assert_nothing_left(core, backend)
+
+
+def test_a_stop_string_ends_the_request_and_drops_what_follows() -> None:
+    core, backend = core_with({5: [1, 2, 3, 4]})  # a b c d
+    submit(core, 1, [5], stop=["bc"])
+    done = run(core)[-1]
+    assert isinstance(done, fr.Done) and done.finish_reason == "stop"
+    assert_nothing_left(core, backend)
+
+
+def test_a_failed_step_fails_only_the_request_whose_chunk_fails() -> None:
+    core, backend = core_with({5: [1] * 20, 6: [2] * 20})
+    submit(core, 1, [5, 1, 1], max_tokens=4)
+    submit(core, 2, [6, 2, 2], max_tokens=4)
+    core.step(0.0)  # both prefilled, one token each
+    slot_of_1 = next(seq for seq, n in backend.batches[0] if n == 3)
+    backend.failing_seqs = {slot_of_1}
+    events = run(core)
+    failed = [e for e in events if isinstance(e, fr.Failed)]
+    assert len(failed) == 1 and failed[0].code == "engine_error"
+    done = [e for e in events if isinstance(e, fr.Done)]
+    assert len(done) == 1 and done[0].rid != failed[0].rid and done[0].completion_tokens == 4
+    assert_nothing_left(core, backend)
+
+
+def test_no_kv_space_preempts_the_newest_request_which_resumes_where_it_stopped() -> None:
+    core, backend = core_with({5: [1] * 20, 6: [2] * 20})
+    submit(core, 1, [5, 1, 1], max_tokens=6)
+    submit(core, 2, [6, 2, 2], max_tokens=6)
+    core.step(0.0)
+    core.step(0.0)
+    backend.full_steps = 1  # llama.cpp finds no cells although the ledger said it fits
+    events = run(core)
+    done = {e.rid: e for e in events if isinstance(e, fr.Done)}
+    assert set(done) == {1, 2}
+    assert all(d.completion_tokens == 6 for d in done.values())
+    # the preempted request's text has every token once: it resumed, it did not restart
+    text = {rid: "".join(e.text for e in of(events, rid)
+                         if isinstance(e, fr.Delta | fr.Done)) for rid in (1, 2)}
+    assert text == {1: "a" * 6, 2: "b" * 6}
+    # it was admitted (as callers see it) once, and its prompt was computed again
+    assert [type(e) for e in events].count(fr.Admitted) == 2
+    assert any(n > 3 for batch in backend.batches for _, n in batch)
+    assert_nothing_left(core, backend)
+
+
+def test_no_kv_space_for_a_lone_request_fails_it_with_a_clear_error() -> None:
+    core, backend = core_with({5: [1] * 20})
+    submit(core, 1, [5, 1, 1], max_tokens=6)
+    backend.full_steps = 1
+    events = run(core)
+    assert len(events) == 2 and isinstance(events[0], fr.Admitted)
+    failed = events[1]
+    assert isinstance(failed, fr.Failed) and "KV cache is full" in failed.message
+    assert_nothing_left(core, backend)
+
+
+def test_a_cancel_during_prefill_stops_the_prompt_and_frees_the_request() -> None:
+    core, backend = core_with({5: [1] * 20}, step_tokens=16, prefill_step_tokens=16)
+    submit(core, 1, [5] + [1] * 99, max_tokens=5)
+    core.step(0.0)
+    assert backend.batches == [[(0, 16)]]  # one chunk of the prompt, no token yet
+    core.handle(fr.Cancel(rid=1), 0.0)
+    run(core)
+    assert backend.batches == [[(0, 16)]]  # nothing more was computed for it
+    assert_nothing_left(core, backend)
+    # what was computed stays as prefix cache: a new request shares it
+    submit(core, 2, [5] + [1] * 20, max_tokens=1)
+    admitted = [e for e in run(core) if isinstance(e, fr.Admitted)]
+    assert admitted[0].cached == 16
+
+
+def test_a_request_that_can_never_fit_is_refused_without_a_stream() -> None:
+    core, backend = core_with({}, kv_cells=256)
+    submit(core, 1, [5] * 300)
+    frame = core.frame(0.0)
+    assert frame is not None
+    assert [type(e) for e in frame.events] == [fr.Failed]
+    assert isinstance(frame.events[0], fr.Failed) and frame.events[0].code == "bad_request"
+    assert_nothing_left(core, backend)
+
+
+def test_ignore_eos_bans_the_end_of_sequence_tokens() -> None:
+    core, backend = core_with({5: [1, EOS, 2]})
+    seen: list[Sampling] = []
+    make = backend.sampler
+    backend.sampler = lambda s, p: (seen.append(s), make(s, p))[1]  # type: ignore[method-assign]
+    submit(core, 1, [5], max_tokens=3, ignore_eos=True)
+    done = run(core)[-1]
+    assert seen[0].logit_bias == [(EOS, -float("inf"))]
+    # the fake samples token 0 regardless: with ignore_eos it is text, not an end
+    assert isinstance(done, fr.Done) and done.finish_reason == "length"
+
+
+@pytest.mark.parametrize("interval_passed", [False, True])
+def test_statistics_ride_with_tokens_at_most_every_interval(interval_passed: bool) -> None:
+    core, _ = core_with({5: [1] * 20})
+    submit(core, 1, [5], max_tokens=10)
+    core.step(0.0)
+    first = core.frame(0.0)
+    assert first is not None and first.stats  # admission: statistics at once
+    core.step(0.0)
+    now = 0.06 if interval_passed else 0.01
+    second = core.frame(now)
+    assert second is not None and [type(e) for e in second.events] == [fr.Delta]
+    assert bool(second.stats) is interval_passed
