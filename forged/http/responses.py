@@ -44,32 +44,31 @@ def http_error(status: int, message: str, type_: str, param: str | None = None,
     return HTTPError(status, ErrorBody(ErrorDetail(message, type_, param, code)), retry_after)
 
 
+# What the other domain errors are on the wire: status, OpenAI's error type, and code.
+# The first class that matches wins, so subclasses come before their bases.
+_MAPPING: tuple[tuple[type[e.ForgedError], int, str, str], ...] = (
+    (e.Unauthorized, 401, "invalid_request_error", "invalid_api_key"),
+    (e.RateLimited, 429, "requests", "rate_limit_exceeded"),
+    (e.QueueTimeout, 503, "server_error", "queue_timeout"),
+    (e.Overloaded, 503, "server_error", "overloaded"),
+    (e.Unavailable, 503, "server_error", "unavailable"),
+)
+
+
 def from_exception(exc: e.ForgedError) -> HTTPError:
     """Map a domain error to what the caller sees."""
-    match exc:
-        case e.BadRequest():
-            return http_error(400, str(exc), "invalid_request_error", exc.param, exc.code)
-        case e.ModelNotFound():
-            return http_error(404, str(exc), "invalid_request_error", "model", "model_not_found")
-        case e.Unauthorized():
-            return http_error(401, str(exc), "invalid_request_error", None, "invalid_api_key")
-        case e.RateLimited():
-            return http_error(429, str(exc), "requests", None, "rate_limit_exceeded",
-                              exc.retry_after)
-        case e.QueueTimeout():
-            return http_error(503, str(exc), "server_error", None, "queue_timeout",
-                              exc.retry_after)
-        case e.Overloaded():
-            return http_error(503, str(exc), "server_error", None, "overloaded",
-                              exc.retry_after)
-        case e.Unavailable():
-            return http_error(503, str(exc), "server_error", None, "unavailable",
-                              exc.retry_after)
-        case e.WorkerLost():
-            return http_error(503, f"the model worker stopped: {exc}; retry", "server_error",
-                              None, "worker_lost", 1)
-        case _:
-            return http_error(503, str(exc), "server_error", None, "engine_error", 1)
+    if isinstance(exc, e.BadRequest):
+        return http_error(400, str(exc), "invalid_request_error", exc.param, exc.code)
+    if isinstance(exc, e.ModelNotFound):
+        return http_error(404, str(exc), "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, e.WorkerLost):  # the process restarts at once: retry in a second
+        return http_error(503, f"the model worker stopped: {exc}; retry", "server_error",
+                          None, "worker_lost", 1)
+    for cls, status, type_, code in _MAPPING:
+        if isinstance(exc, cls):
+            return http_error(status, str(exc), type_, None, code,
+                              getattr(exc, "retry_after", None))
+    return http_error(503, str(exc), "server_error", None, "engine_error", 1)
 
 
 _json = msgspec.json.Encoder()

@@ -1,0 +1,65 @@
+"""The shape of the tree: the import arrows that must never exist (docs: STYLE.md's map)
+and short functions. Read from the source with ``ast``; nothing is imported or run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# A function longer than this needs a comment saying why, on the line above its ``def``
+# (or above its decorators), starting with "# Long:".
+MAX_FUNCTION_LINES = 40
+
+SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
+           "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
+           "forged/engine/request.py", "forged/engine/textstream.py"]
+# (modules, what they must never import)
+NEVER = [
+    (SANS_IO, ("trio", "llama_cpp", "forged.engine.backend", "forged.engine.worker",
+               "forged.http", "socket", "select")),
+    (["forged/http/*.py"], ("forged.engine.backend", "forged.engine.worker", "llama_cpp")),
+    (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
+    (["forged/config.py"], ("forged",)),
+    (["bench/*.py"], ("tests",)),
+]
+
+
+def imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+@pytest.mark.parametrize(("patterns", "forbidden"), NEVER, ids=lambda v: str(v)[:40])
+def test_no_forbidden_import_arrow(patterns: list[str], forbidden: tuple[str, ...]) -> None:
+    files = [p for pat in patterns for p in sorted(ROOT.glob(pat))]
+    assert files, patterns
+    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in files for name in imports(p)
+           if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    assert not bad
+
+
+def long_functions(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    out = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        if length > MAX_FUNCTION_LINES and not lines[first - 2].strip().startswith("# Long:"):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+def test_functions_are_short_or_say_why() -> None:
+    found = [f for p in sorted((ROOT / "forged").rglob("*.py")) for f in long_functions(p)]
+    assert not found
