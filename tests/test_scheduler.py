@@ -751,3 +751,33 @@ def test_prefix_caches_are_not_shared_across_tenants() -> None:
     finish_all(s, 2.0)
     admitted = {e.rid: e.cached for e in s.drain_events() if isinstance(e, Admitted)}
     assert admitted == {1: 0, 2: 0, 3: 50}
+
+
+def test_a_request_sharing_only_a_header_does_not_truncate_anothers_cache() -> None:
+    """Two editors on one repository: their prompts share a header, then differ. The
+    second must not cut the first's cached context down to the header."""
+    s = Scheduler(limits(slots=4, max_running=2, step_tokens=256))
+    header = list(range(1000, 1016))
+    s.submit(*seq(1, [*header, *range(100, 300)], 1), 0.0)
+    while s.is_running(1) or s.n_queued:
+        run_step(s, 1.0)
+    slot_a = next(sl for sl in s._slots if sl.tokens)
+    s.submit(*seq(2, [*header, *range(500, 700)], 1), 2.0)
+    plan = s.plan(2.0)
+    assert plan is not None and plan.chunks[0].seq != slot_a.sid
+    assert len(slot_a.tokens) == 216  # still whole: editor A's next request reuses it
+    assert any(isinstance(op, SeqCp) and op.n == 16 for op in plan.ops)  # header shared
+
+
+def test_a_continuation_reuses_its_slot_in_place() -> None:
+    s = Scheduler(limits(slots=4, max_running=2, step_tokens=256))
+    first = list(range(100, 300))
+    s.submit(*seq(1, first, 1), 0.0)
+    while s.is_running(1) or s.n_queued:
+        run_step(s, 1.0)
+    slot = next(sl for sl in s._slots if sl.tokens)
+    # the same file a keystroke later: the last 20 tokens differ
+    s.submit(*seq(2, [*first[:180], *range(900, 930)], 1), 2.0)
+    plan = s.plan(2.0)
+    assert plan is not None and plan.chunks[0].seq == slot.sid
+    assert not any(isinstance(op, SeqCp) for op in plan.ops)

@@ -39,7 +39,12 @@ shortest-first-with-aging order.
 Slots (sequence ids) keep their KV after a request ends; those idle slots are the
 prefix cache. A new request reuses the longest cached prefix of any slot, running or
 idle, through ``seq_cp`` (unified KV makes that free), and idle slots are evicted
-least recently used when cells or slots are needed.
+least recently used when cells or slots are needed. An idle slot is taken over in
+place (truncated after the shared prefix) only when that loses less than half of what
+is reused (a conversation's next turn, an editor's next keystroke); a request that
+shares only a header with it (another editor on the same repository) copies the
+prefix into a free slot instead, so that the other's cache survives
+(``_destination``).
 
 Sessions: a request may name its conversation (``session``). When it ends, its slot is
 pinned to that session for ``session_ttl`` seconds, so the next turn finds its whole
@@ -506,8 +511,7 @@ class Scheduler:
     def _try_admit(self, item: _Queued, now: float) -> bool:
         req = item.req
         src, n = self._best_prefix(req)
-        dst = src if src is not None and self._reusable(self._slots[src], req) else (
-            self._free_slot(src))
+        dst = self._destination(req, src, n)
         if dst is None:
             return False
         if dst != src and self.limits.per_slot and n < self.limits.min_copy_tokens:
@@ -540,6 +544,24 @@ class Scheduler:
                                            item.vstart,
                                           next_prompt=n, cached=n)
         return True
+
+    def _destination(self, req: Request, src: int | None, n: int) -> int | None:
+        """The slot ``req`` runs in. The slot holding its longest prefix, in place, when
+        that keeps most of what the slot holds (the same conversation, the same editor
+        a keystroke later): truncating it loses less than half of what it reuses.
+        Otherwise a free slot, with the prefix copied, so that the cache of whoever
+        shared only a header with ``req`` (another editor on the same repository, a
+        chat with the same system prompt) survives; unless that would throw away more
+        cache than truncating, or a pinned session's."""
+        reusable = src is not None and self._reusable(self._slots[src], req)
+        if src is None or not reusable:
+            return self._free_slot(src)
+        lost = len(self._slots[src].tokens) - n
+        free = self._free_slot(src) if 2 * lost > n else None
+        if free is None or self._pinned(self._slots[free]) or (
+                lost <= len(self._slots[free].tokens)):
+            return src  # a live session's cache weighs more than any tail
+        return free
 
     def _best_prefix(self, req: Request) -> tuple[int | None, int]:
         """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
