@@ -132,6 +132,11 @@ class LimitsConfig(_Section, frozen=True):
     max_logit_bias: Annotated[int, msgspec.Meta(ge=0)] = 1024
     max_json_depth: Positive = 32
     default_priority: Priority = "interactive"
+    # Fill-in-the-middle (/infill, and `suffix` on /v1/completions): the batch size
+    # llama.cpp's /infill layout divides. The code before the cursor keeps its last
+    # 3/4 of it, the code after the cursor its first 1/4, and input_extra what is left
+    # of the context once room for the completion is kept.
+    infill_batch: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 1024
     retry_after: Annotated[int, msgspec.Meta(ge=1)] = 2
 
 

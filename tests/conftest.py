@@ -23,6 +23,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with fill-in-the-middle tokens in its vocabulary."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fim.gguf", fim=True)
+
+
+@pytest.fixture(scope="session")
 def real_model() -> Path:
     if not REAL_MODEL.is_file():
         pytest.fail(f"{REAL_MODEL} is missing: run `make model` (make test does it)")

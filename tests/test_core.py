@@ -234,3 +234,52 @@ def test_statistics_ride_with_tokens_at_most_every_interval(interval_passed: boo
     second = core.frame(now)
     assert second is not None and [type(e) for e in second.events] == [fr.Delta]
     assert bool(second.stats) is interval_passed
+
+
+SPACE, NL, X = ord(" ") - ord("a") + 1, ord("\n") - ord("a") + 1, 24  # the fake's pieces
+
+
+@pytest.mark.parametrize(("script", "sent"), [
+    # the cursor's line is never cut; a line indented by 2 < 4 is cut before its text
+    ([X, NL, SPACE, SPACE, SPACE, SPACE, X, NL, SPACE, SPACE, X, X], "x\n    x\n  "),
+    # blank lines do not count; a line at indent 4 goes on
+    ([NL, NL, SPACE, SPACE, SPACE, SPACE, X, NL, X], "\n\n    x\n"),
+])
+def test_n_indent_stops_before_a_line_that_dedents_past_it(script: list[int], sent: str
+                                                          ) -> None:
+    core, backend = core_with({5: script})
+    submit(core, 1, [5], max_tokens=20, n_indent=4)
+    events = run(core)
+    text = "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done))
+    done = events[-1]
+    assert text == sent and isinstance(done, fr.Done) and done.stop_type == "limit"
+    assert_nothing_left(core, backend)
+
+
+def test_the_time_limit_ends_at_the_first_newline_past_it() -> None:
+    core, backend = core_with({5: [X, NL, X, X, NL, X, NL]})
+    clock = core.clock
+    assert isinstance(clock, Clock)
+    submit(core, 1, [5], max_tokens=20, max_predict_ms=250)
+    text = ""
+    for _ in range(10):
+        core.step(0.0)
+        clock.t += 0.1  # each token takes 100 ms
+        frame = core.frame(0.0)
+        text += "".join(e.text for e in frame.events if isinstance(e, fr.Delta | fr.Done)
+                        ) if frame else ""
+        if not core.busy:
+            break
+    # the first newline came at 100 ms (before the limit), the second at 400 ms
+    assert text == "x\nxx\n"
+    assert_nothing_left(core, backend)
+
+
+def test_a_warm_up_computes_the_prompt_and_says_nothing() -> None:
+    core, backend = core_with({5: [X, X]})
+    submit(core, 1, [5, 1, 2], max_tokens=0)
+    events = run(core)
+    done = events[-1]
+    assert isinstance(done, fr.Done) and done.text == "" and done.completion_tokens == 0
+    assert backend.batches == [[(0, 3)]]  # the prompt, once, and nothing after it
+    assert_nothing_left(core, backend)

@@ -21,7 +21,19 @@ CHATML = (
 )
 
 
-def _vocab() -> tuple[list[bytes], list[float], list[int]]:
+# Qwen2.5-Coder's fill-in-the-middle tokens (and their GGUF metadata keys), for the
+# tiny model that serves /infill in tests.
+FIM_TOKENS = {
+    "<|fim_prefix|>": gguf.Keys.Tokenizer.FIM_PRE_ID,
+    "<|fim_suffix|>": gguf.Keys.Tokenizer.FIM_SUF_ID,
+    "<|fim_middle|>": gguf.Keys.Tokenizer.FIM_MID_ID,
+    "<|fim_pad|>": gguf.Keys.Tokenizer.FIM_PAD_ID,
+    "<|repo_name|>": gguf.Keys.Tokenizer.FIM_REP_ID,
+    "<|file_sep|>": gguf.Keys.Tokenizer.FIM_SEP_ID,
+}
+
+
+def _vocab(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
     T = gguf.TokenType
     toks: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL]
@@ -32,16 +44,18 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
         ch = "\u2581" if c == 0x20 else chr(c)  # SentencePiece writes spaces as U+2581
         toks.append(ch.encode())
         types.append(T.NORMAL)
-    for special in ("<|im_start|>", "<|im_end|>"):
+    specials = ["<|im_start|>", "<|im_end|>", *(FIM_TOKENS if fim else ())]
+    for special in specials:
         toks.append(special.encode())
         types.append(T.CONTROL)
-    scores = [0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(0x7F - 0x20)] + [0.0, 0.0]
-    return toks, scores, [int(t) for t in types]
+    scores = [0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(0x7F - 0x20)]
+    return toks, scores + [0.0] * len(specials), [int(t) for t in types]
 
 
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False) -> Path:
+    """With ``fim``, the vocabulary ends with FIM_TOKENS, named in the metadata."""
     rng = np.random.default_rng(seed)
-    toks, scores, types = _vocab()
+    toks, scores, types = _vocab(fim)
     n_vocab = len(toks)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("forged-tiny-test")
@@ -64,6 +78,9 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(CHATML)
+    if fim:
+        for text, key in FIM_TOKENS.items():
+            w.add_uint32(key, toks.index(text.encode()))
 
     def t(name: str, *shape: int, scale: float = 0.2) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))

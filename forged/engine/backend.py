@@ -21,7 +21,8 @@ from typing import Any, Self
 import llama_cpp as ll
 
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
-from forged.engine.request import Sampling
+from forged.engine.fim import FimTokens
+from forged.engine.request import SamplerName, Sampling
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -107,6 +108,22 @@ class Model(_Closing):
     def eog_tokens(self) -> list[int]:
         return list(self._eog)
 
+    @property
+    def add_bos(self) -> bool:
+        """Whether the model wants BOS at the start of a prompt."""
+        return bool(ll.llama_vocab_get_add_bos(self.vocab))
+
+    def fim_tokens(self) -> FimTokens | None:
+        """The vocabulary's fill-in-the-middle tokens; None without prefix, suffix and
+        middle (llama.cpp reports an absent one as -1)."""
+        v = self.vocab
+        ids = [ll.llama_vocab_fim_pre(v), ll.llama_vocab_fim_suf(v), ll.llama_vocab_fim_mid(v)]
+        if min(ids) < 0:
+            return None
+        rep, sep, pad = (t if t >= 0 else None for t in (
+            ll.llama_vocab_fim_rep(v), ll.llama_vocab_fim_sep(v), ll.llama_vocab_fim_pad(v)))
+        return FimTokens(pre=ids[0], suf=ids[1], mid=ids[2], rep=rep, sep=sep, pad=pad)
+
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = ll.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
@@ -128,6 +145,18 @@ class Model(_Closing):
             n = ll.llama_tokenize(self.vocab, data, len(data), arr, cap, add_special,
                                   parse_special)
         return list(arr[:n])
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``, special tokens written out (as llama.cpp's server
+        reports a prompt)."""
+        arr = (ll.llama_token * len(tokens))(*tokens)
+        cap = 8 * len(tokens) + 16
+        buf = ctypes.create_string_buffer(cap)
+        n = ll.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, True)
+        if n < 0:  # the buffer was too small; -n is the size needed
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_detokenize(self.vocab, arr, len(tokens), buf, -n, False, True)
+        return buf.raw[:n].decode("utf-8", "replace")
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         buf = self._piece_buf
@@ -153,38 +182,47 @@ class Sampler(_Closing):
     """One request's llama.cpp sampler chain (its RNG and penalty history are its own)."""
 
     def __init__(self, model: Model, p: Sampling) -> None:
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        self._ptr = chain
-
-        def add(sampler: Any) -> None:
-            ll.llama_sampler_chain_add(chain, sampler)
-
+        self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        self._model, self._p = model, p
+        self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
+                                                          or p.frequency_penalty)
         if p.logit_bias:
             arr = (ll.llama_logit_bias * len(p.logit_bias))(
                 *(ll.llama_logit_bias(tok, bias) for tok, bias in p.logit_bias)
             )
-            add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), arr))
-        self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
-                                                          or p.frequency_penalty)
-        if self._penalised:
-            # The binding declares an old 5-argument signature (n_vocab first); the C
-            # function now takes 4 and reads penalty_last_n from the first integer
-            # register. Passing last_n twice is right under either ABI.
-            add(ll.llama_sampler_init_penalties(
-                _REPEAT_LAST_N, _REPEAT_LAST_N, p.repeat_penalty, p.frequency_penalty,
-                p.presence_penalty,
-            ))
-        if p.temperature <= 0.0:
-            add(ll.llama_sampler_init_greedy())
-            return
-        if p.top_k > 0:
-            add(ll.llama_sampler_init_top_k(p.top_k))
-        if p.top_p < 1.0:
-            add(ll.llama_sampler_init_top_p(p.top_p, 1))
-        if p.min_p > 0.0:
-            add(ll.llama_sampler_init_min_p(p.min_p, 1))
-        add(ll.llama_sampler_init_temp(p.temperature))
-        add(ll.llama_sampler_init_dist(_RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF))
+            self._add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), arr))
+        # Greedy keeps only what reshapes the distribution rather than cutting it.
+        greedy = p.temperature <= 0.0
+        for name in p.order:
+            if not greedy or name in ("penalties", "infill"):
+                self._stage(name)
+        self._add(ll.llama_sampler_init_greedy() if greedy else ll.llama_sampler_init_dist(
+            _RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF))
+
+    def _add(self, sampler: Any) -> None:
+        ll.llama_sampler_chain_add(self._ptr, sampler)
+
+    def _stage(self, name: SamplerName) -> None:
+        """Add the named sampler, unless its setting leaves it out (top_k 0, ...)."""
+        p = self._p
+        match name:
+            case "penalties" if self._penalised:
+                # The binding declares an old 5-argument signature (n_vocab first); the C
+                # function now takes 4 and reads penalty_last_n from the first integer
+                # register. Passing last_n twice is right under either ABI.
+                self._add(ll.llama_sampler_init_penalties(
+                    _REPEAT_LAST_N, _REPEAT_LAST_N, p.repeat_penalty, p.frequency_penalty,
+                    p.presence_penalty))
+            case "top_k" if p.top_k > 0:
+                self._add(ll.llama_sampler_init_top_k(p.top_k))
+            case "top_p" if p.top_p < 1.0:
+                self._add(ll.llama_sampler_init_top_p(p.top_p, 1))
+            case "min_p" if p.min_p > 0.0:
+                self._add(ll.llama_sampler_init_min_p(p.min_p, 1))
+            case "temperature":
+                self._add(ll.llama_sampler_init_temp(p.temperature))
+            case "infill":
+                self._add(ll.llama_sampler_init_infill(self._model.vocab))
 
     @property
     def penalised(self) -> bool:

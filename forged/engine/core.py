@@ -108,6 +108,9 @@ class _Stream:
     # Admission, then the first token: when, and at which step count.
     admitted_at: tuple[float, int] = (0.0, 0)
     first_at: tuple[float, int] = (0.0, 0)
+    # For n_indent: the indentation of the line being generated, while it is only
+    # whitespace (None once the line has other text, and on the cursor's own line).
+    indent: int | None = None
 
 
 class WorkerCore:
@@ -238,32 +241,48 @@ class WorkerCore:
 
     def _on_token(self, rid: int, tok: int) -> None:
         stream = self.streams[rid]
+        req = stream.request
+        if req.max_tokens == 0:  # a warm-up: the prompt is in the cache now; say nothing
+            self._finish(rid, "limit", "")
+            return
         if tok in stream.eog:
             # What was held back for a possible stop string or a split character is
             # the end of the answer after all.
-            self._finish(rid, "stop", stream.text.flush())
+            text, _ = _within_indent(stream, stream.text.flush())
+            self._finish(rid, "eos", text)
             return
         stream.generated += 1
         if stream.generated == 1:
             stream.first_at = (self.clock(), self._steps + 1)  # this step counts
-        text = stream.text.feed(self.backend.piece(tok))
-        if stream.text.stopped:
-            self._finish(rid, "stop", text)
-        elif stream.generated >= stream.request.max_tokens:
-            self._finish(rid, "length", text + stream.text.flush())
+        piece = self.backend.piece(tok)
+        text = stream.text.feed(piece)
+        stop: fr.StopType | None = "word" if stream.text.stopped else None
+        if stop is None and (stream.generated >= req.max_tokens
+                             or self._out_of_time(stream, piece)):
+            text, stop = text + stream.text.flush(), "limit"
+        text, dedented = _within_indent(stream, text)
+        if dedented or stop is not None:
+            self._finish(rid, stop or "limit", text)
         elif text:
             self.events.append(fr.Delta(rid=rid, text=text))
 
-    def _finish(self, rid: int, reason: fr.FinishReason, text: str) -> None:
+    def _out_of_time(self, stream: _Stream, piece: bytes) -> bool:
+        """llama.cpp's t_max_predict_ms: a newline made after the time limit ends it."""
+        limit = stream.request.max_predict_ms
+        return bool(limit) and b"\n" in piece and (
+            self.clock() - stream.first_at[0]) * 1000 > limit
+
+    def _finish(self, rid: int, stop: fr.StopType, text: str) -> None:
         stream = self.streams[rid]
         self.sched.complete(rid)
         self._close(rid)
         self.events.append(fr.Done(
-            rid=rid, text=text, finish_reason=reason,
+            rid=rid, text=text, stop_type=stop,
             prompt_tokens=len(stream.request.prompt), completion_tokens=stream.generated,
             cached_tokens=stream.cached,
             prefill_s=max(0.0, stream.first_at[0] - stream.admitted_at[0]),
             prefill_steps=max(0, stream.first_at[1] - stream.admitted_at[1]),
+            decode_s=self.clock() - stream.first_at[0] if stream.generated else 0.0,
         ))
 
     # --- frames out -----------------------------------------------------------------------
@@ -290,6 +309,26 @@ class WorkerCore:
     def close(self) -> None:
         for rid in list(self.streams):
             self._close(rid)
+
+
+def _within_indent(stream: _Stream, text: str) -> tuple[str, bool]:
+    """``text`` up to where a line starts with less indentation than ``n_indent``
+    (spaces and tabs count one each), and whether it was cut there. Like llama.cpp,
+    the line of the cursor is never cut; unlike it, the dedented text is never sent."""
+    n = stream.request.n_indent
+    if not n:
+        return text, False
+    for i, ch in enumerate(text):
+        if ch == "\n":
+            stream.indent = 0
+        elif stream.indent is not None:
+            if ch in " \t":
+                stream.indent += 1
+            elif stream.indent < n:
+                return text[:i], True
+            else:
+                stream.indent = None
+    return text, False
 
 
 def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]

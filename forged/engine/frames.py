@@ -97,18 +97,27 @@ class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=Tr
 
 
 FinishReason = Literal["stop", "length"]
+# Why a sequence stopped, in llama.cpp's words: an end-of-generation token, a stop
+# string, or a limit (max_tokens, the time limit, a dedent past n_indent).
+StopType = Literal["eos", "word", "limit"]
 
 
 class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True):
     rid: int
     text: str  # the last delta's text, released at the end
-    finish_reason: FinishReason
+    stop_type: StopType
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     # From admission to the first token, on the worker: where a request's TTFT went.
     prefill_s: float = 0.0
     prefill_steps: int = 0
+    decode_s: float = 0.0  # from the first token to the end
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """OpenAI's name for it."""
+        return "length" if self.stop_type == "limit" else "stop"
 
 
 ErrorCode = Literal["overloaded", "queue_timeout", "engine_error", "bad_request"]

@@ -12,6 +12,7 @@ from typing import Any
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from forged.engine.backend import Model
+from forged.engine.fim import ExtraFile, MixedText, infill_prompt
 from forged.errors import BadRequest
 
 # Used when a GGUF carries no template: ChatML, which SmolLM2 and many others speak.
@@ -32,6 +33,8 @@ class Prompter:
                                          add_generation_prompt=True)
         self.n_vocab = self.model.n_vocab
         self.n_ctx_train = self.model.n_ctx_train
+        self.fim = self.model.fim_tokens()
+        self._bos = self.model.bos if self.model.add_bos else None
 
     def encode_completion(self, text: str) -> list[int]:
         # Like llama.cpp's server and llama-cpp-python: BOS if the model wants one, and
@@ -49,6 +52,20 @@ class Prompter:
         # The template writes BOS itself where the model wants it.
         return self.model.tokenize(self.render_chat(messages), add_special=False,
                                    parse_special=True)
+
+    def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
+                      prompt: str, *, n_batch: int, n_ctx: int, n_predict: int) -> list[int]:
+        """llama.cpp's /infill prompt (forged.engine.fim): each piece tokenized as its
+        server does, the typed ``prompt`` with special tokens parsed, the rest without."""
+        if self.fim is None:
+            raise BadRequest("this model has no fill-in-the-middle tokens (prefix, suffix "
+                             "and middle): serve a FIM-capable model for completions "
+                             "with code after the cursor", code="fim_not_supported")
+        ids = self.model.tokenize(prompt, add_special=False, parse_special=True)
+        return infill_prompt(
+            prefix, suffix, extra, ids, self.fim,
+            lambda s: self.model.tokenize(s, add_special=False, parse_special=False),
+            bos=self._bos, n_batch=n_batch, n_ctx=n_ctx, n_predict=n_predict).tokens
 
     def close(self) -> None:
         self.model.close()

@@ -11,12 +11,17 @@ Sans-IO: this module imports msgspec and forged's config schema only.
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from forged.config import PRIORITIES, Priority
+
+# The samplers forged's chain is made of (llama.cpp's names), and their default order.
+SamplerName = Literal["penalties", "top_k", "top_p", "min_p", "temperature", "infill"]
+SAMPLER_ORDER: tuple[SamplerName, ...] = ("penalties", "top_k", "top_p", "min_p",
+                                          "temperature")
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -35,11 +40,14 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     seed: Annotated[int, Meta(ge=0, le=0xFFFFFFFF)] | None = None
     # (token, bias) pairs; -inf bans a token.
     logit_bias: list[tuple[int, float]] = []
+    # The chain, in order (llama.cpp's `samplers`): a sampler not named is left out.
+    order: tuple[SamplerName, ...] = SAMPLER_ORDER
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     prompt: list[int]
-    max_tokens: int
+    # 0: fill the cache with the prompt and answer at once (an editor's warm-up).
+    max_tokens: Annotated[int, Meta(ge=0)]
     priority: Priority = "interactive"
     sampling: Sampling = Sampling()
     stop: list[str] = []
@@ -53,6 +61,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     tenant: str = ""
     # Seconds it may wait for admission (and again after a preemption).
     queue_timeout: float = math.inf
+    # Editor completions (llama.cpp's /infill): stop at the first newline generated
+    # after this many milliseconds of generation (0: never), and stop before a line
+    # that starts with fewer than this many spaces or tabs (0: never).
+    max_predict_ms: Annotated[float, Meta(ge=0)] = 0.0
+    n_indent: Annotated[int, Meta(ge=0)] = 0
 
     @property
     def rank(self) -> int:

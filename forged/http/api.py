@@ -1,5 +1,5 @@
-"""The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-and a minimal ``/health``. Nothing else is served on this port.
+"""The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/infill`` and a minimal ``/health``. Nothing else is served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -11,11 +11,12 @@ next step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import msgspec
 import trio
@@ -26,9 +27,10 @@ from werkzeug.exceptions import HTTPException
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config
-from forged.engine.request import Request, Sampling
+from forged.engine.request import SAMPLER_ORDER, Request, SamplerName, Sampling
 from forged.http import sse
 from forged.http.generate import Outcome, generate, log_content
+from forged.http.infill import infill_decoder, infill_format, infill_tokens, requested_tokens
 from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import (
     error_response,
@@ -46,6 +48,8 @@ from forged.http.schemas import (
 from forged.http.state import AppState, KeyUsage
 
 access_log = logging.getLogger("forged.access")
+# Generation routes outside /v1/ (llama.cpp's): they need an API key as /v1/ does.
+_GENERATION_PATHS = ("/infill",)
 T = TypeVar("T")
 
 
@@ -73,7 +77,8 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
     async def _request_id() -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
-        if state.keys.enabled and request.path.startswith("/v1/"):
+        if state.keys.enabled and (request.path.startswith("/v1/")
+                                   or request.path in _GENERATION_PATHS):
             g.key = await _authenticate(state)
 
     @app.after_request
@@ -164,6 +169,17 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         return await _run(state, req, prompt, req.max_completion_tokens or req.max_tokens,
                           sse.ChatFormat)
 
+    @app.post("/infill")
+    async def infill() -> Response:
+        req = await _decoded(state, infill_decoder)
+        _check_model(state, req.model)
+        prompt = await infill_tokens(state, req)
+        try:
+            return await _run(state, req, prompt, requested_tokens(req), infill_format(req))
+        except e.ContextTooLong as exc:
+            exc.param = "input_prefix"
+            raise
+
 
 def configure(app: QuartTrio, cfg: Config) -> None:
     """The request limits of ``cfg``: Quart reads them as each request arrives, so a
@@ -239,21 +255,43 @@ async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes
 async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[int]:
     _check_model(state, req.model)
     p = req.prompt
+    given: str | list[str | int]
     if isinstance(p, str):
-        text = p
+        given = p
     elif p and all(isinstance(t, int) for t in p):
         n_vocab = state.prompter.n_vocab
         if any(not 0 <= t < n_vocab for t in p):  # type: ignore[operator]
             raise e.BadRequest(f"token ids must be in [0, {n_vocab})", param="prompt")
-        return list(p)  # type: ignore[arg-type]
+        if req.suffix is None:
+            return list(p)  # type: ignore[arg-type]
+        given = list(p)
     elif len(p) == 1 and isinstance(p[0], str):
-        text = p[0]
+        given = p[0]
     else:
         raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion, text)
+    if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
+        return await trio.to_thread.run_sync(functools.partial(
+            state.prompter.encode_infill, given, req.suffix, [], "",
+            n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
+            n_predict=-1 if req.max_tokens is None else req.max_tokens))
+    assert isinstance(given, str)
+    _refuse_raw_fim(state, given)
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion, given)
     if not tokens:
         raise e.BadRequest("the prompt is empty", param="prompt")
     return tokens
+
+
+# How FIM-trained models write their tokens (StarCoder, Qwen-Coder, CodeLlama, DeepSeek).
+_FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<|fim▁begin|>", "<PRE>")
+
+
+def _refuse_raw_fim(state: AppState, text: str) -> None:
+    """A prompt written with FIM tokens, to a model without them, would be completed as
+    plain text: say so instead."""
+    if state.prompter.fim is None and any(m in text for m in _FIM_MARKERS):
+        raise e.BadRequest("the prompt is written with fill-in-the-middle tokens, but this "
+                           "model has none", param="prompt", code="fim_not_supported")
 
 
 async def _chat_prompt(state: AppState, req: ChatRequest) -> list[int]:
@@ -312,6 +350,8 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=_sampling(state, req), stop=_stops(state, req.stop),
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
+        max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
+        n_indent=getattr(req, "n_indent", 0),
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "",
@@ -334,7 +374,22 @@ def _sampling(state: AppState, req: Any) -> Sampling:
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF, logit_bias=bias,
+        order=SAMPLER_ORDER if req.samplers is None else _sampler_order(req.samplers),
     )
+
+
+# llama.cpp's other names for the samplers forged has.
+_SAMPLER_ALIASES = {"temp": "temperature"}
+
+
+def _sampler_order(names: list[str]) -> tuple[SamplerName, ...]:
+    """llama.cpp's ``samplers``: the chain's samplers, in order."""
+    order = tuple(_SAMPLER_ALIASES.get(n, n) for n in names)
+    for name in order:
+        if name not in get_args(SamplerName):
+            raise e.BadRequest(f"the sampler {name!r} is not supported; forged has "
+                               f"{', '.join(get_args(SamplerName))}", param="samplers")
+    return order  # type: ignore[return-value]
 
 
 def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
@@ -349,7 +404,7 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
 
 
 async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
-               fmt: type[sse.Format]) -> Response:
+               fmt: sse.MakeFormat) -> Response:
     engine_request = _request(state, req, prompt, requested)
     g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"

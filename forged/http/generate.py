@@ -122,7 +122,7 @@ def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
         outcome.completion = []
 
 
-async def generate(state: AppState, req: Any, request: Request, fmt: type[sse.Format],
+async def generate(state: AppState, req: Any, request: Request, fmt: sse.MakeFormat,
                    outcome: Outcome) -> Response:
     out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
     outcome.prompt_tokens = len(request.prompt)

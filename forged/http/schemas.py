@@ -46,10 +46,15 @@ class _Sampling(Struct, kw_only=True):
     priority: Literal["interactive", "batch"] | None = None
     # A conversation's name: its KV stays cached between turns (docs/engine.md).
     session: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # llama.cpp's sampler chain, in order ("top_k", "top_p", "min_p", "temperature",
+    # "penalties", "infill"); the default chain when absent.
+    samplers: Annotated[list[str], Meta(max_length=16)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[int | str]
+    # Fill-in-the-middle: the code after the completion (the prompt is the code before).
+    suffix: str | None = None
 
 
 class ContentPart(Struct):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -72,6 +73,10 @@ class Format:
 
     def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
         raise NotImplementedError
+
+
+# A format's maker: the class, or the class with settings of this request bound.
+MakeFormat = Callable[..., Format]
 
 
 class CompletionFormat(Format):

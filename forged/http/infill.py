@@ -1,0 +1,140 @@
+"""llama.cpp's ``POST /infill``: fill-in-the-middle for the editors engineers use.
+
+llama.vscode and llama.vim send the code before and after the cursor
+(``input_prefix``, ``input_suffix``), what is typed on the cursor's line (``prompt``),
+chunks of other files (``input_extra``), a time limit (``t_max_predict_ms``) and an
+indentation (``n_indent``). The prompt is laid out token for token as llama.cpp's
+server does (:mod:`forged.engine.fim`), so a model sees what it would see there.
+The answer has llama.cpp's fields (``content``, ``stop``, ``stop_type``,
+``tokens_cached``, ``timings``, ...), whole or as SSE chunks.
+
+``id_slot`` is accepted and ignored: forged's shared prefix cache replaces slot
+pinning, so one editor never evicts another's context. The editors' warm-up request
+(``n_predict: 0``) computes the prompt into that cache and answers with no text.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any
+
+import msgspec
+import trio
+from msgspec import Meta
+
+from forged import errors as e
+from forged.config import Priority
+from forged.engine import frames as fr
+from forged.engine.fim import ExtraFile
+from forged.http import sse
+from forged.http.schemas import _Sampling
+from forged.http.state import AppState
+
+# A piece of code: text, or llama.cpp's mix of text and token ids.
+Code = str | list[str | int]
+
+
+class InfillRequest(_Sampling, kw_only=True):
+    input_prefix: Code
+    input_suffix: Code
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""
+    # llama.cpp's name for max_tokens; -1: the default.
+    n_predict: Annotated[int, Meta(ge=-1)] | None = None
+    t_max_predict_ms: Annotated[float, Meta(ge=0)] = 0.0
+    n_indent: Annotated[int, Meta(ge=0)] = 0
+    id_slot: int | None = None
+    # An editor's completion is interactive work, whatever the key's default class.
+    priority: Priority | None = "interactive"
+    # Only these fields of the answer, by path ("timings/prompt_n"), under that name.
+    response_fields: list[str] | None = None
+
+
+infill_decoder = msgspec.json.Decoder(InfillRequest)
+
+
+def requested_tokens(req: InfillRequest) -> int | None:
+    if req.n_predict is not None and req.n_predict >= 0:
+        return req.n_predict
+    return req.max_tokens
+
+
+async def infill_tokens(state: AppState, req: InfillRequest) -> list[int]:
+    for name, code in (("input_prefix", req.input_prefix), ("input_suffix", req.input_suffix)):
+        if not isinstance(code, str) and any(
+                isinstance(t, int) and not 0 <= t < state.prompter.n_vocab for t in code):
+            raise e.BadRequest(f"token ids must be in [0, {state.prompter.n_vocab})",
+                               param=name)
+    wanted = requested_tokens(req)
+    build = functools.partial(
+        state.prompter.encode_infill, req.input_prefix, req.input_suffix, req.input_extra,
+        req.prompt, n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
+        n_predict=-1 if wanted is None else wanted)
+    return await trio.to_thread.run_sync(build)
+
+
+def timings(done: fr.Done) -> dict[str, float]:
+    """llama.cpp's ``timings`` of a finished request."""
+    prompt_n, predicted_n = done.prompt_tokens - done.cached_tokens, done.completion_tokens
+    prompt_ms, predicted_ms = done.prefill_s * 1000, done.decode_s * 1000
+    return {
+        "cache_n": done.cached_tokens,
+        "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms else 0.0,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms else 0.0,
+    }
+
+
+class InfillFormat(sse.Format):
+    """llama.cpp's completion objects: one per SSE event, no ``[DONE]``."""
+
+    object_whole = object_chunk = "infill"
+    id_prefix = "infill-"
+
+    def __init__(self, model: str, created: int, fields: list[str] | None = None) -> None:
+        super().__init__(model, created)
+        self.fields = fields
+
+    def delta(self, text: str) -> bytes:
+        return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
+                          "id_slot": -1})
+
+    def finish(self, done: fr.Done, include_usage: bool) -> bytes:
+        out = self.delta(done.text) if done.text else b""
+        return out + sse.event(self.whole("", done))
+
+    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+        body = {
+            "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
+            "model": self.model, "tokens_predicted": done.completion_tokens,
+            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in text,
+            # forged refuses a prompt that does not fit rather than cutting it
+            "truncated": False, "stop_type": done.stop_type, "stopping_word": "",
+            # as llama.cpp counts it: what the sequence holds now (the reused prefix is
+            # timings.cache_n)
+            "tokens_cached": done.prompt_tokens + done.completion_tokens,
+            "timings": timings(done),
+        }
+        return body if self.fields is None else select(body, self.fields)
+
+
+def select(body: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """llama.cpp's ``response_fields``: each path that exists, under its own name."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        node: Any = body
+        for part in path.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            out[path] = node
+    return out
+
+
+def infill_format(req: InfillRequest) -> sse.MakeFormat:
+    """The answer's format, keeping only ``response_fields`` when asked."""
+    return functools.partial(InfillFormat, fields=req.response_fields)
