@@ -41,12 +41,13 @@ BEST = ["-np", "16", "-b", "256", "-ub", "256"]  # llama-server's best-consisten
 
 
 class LlamaServer:
-    def __init__(self, binary: str, extra: list[str], log: Path) -> None:
+    def __init__(self, binary: str, extra: list[str], log: Path, *, model: Path = MODEL,
+                 context: int = CONTEXT) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
         self.proc = subprocess.Popen(
-            [binary, "-m", str(MODEL), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(CONTEXT),
+            [binary, "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(context),
              "--host", "127.0.0.1", "--port", str(self.port), *extra],
             stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -1,0 +1,110 @@
+"""Write a tiny random-weight llama GGUF with the ``gguf`` package, for fast tests.
+
+The vocabulary is a SentencePiece-style one: three specials, the 256 byte-fallback
+tokens and the printable ASCII characters, so any text tokenizes and any byte
+sequence (UTF-8 split across tokens included) can be generated. The weights are
+random, so the text is nonsense, but llama.cpp runs the full llama graph on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+N_EMBD, N_LAYER, N_HEAD, N_FF, N_CTX = 64, 2, 4, 128, 4096
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+# Qwen2.5-Coder's fill-in-the-middle tokens (and their GGUF metadata keys), for the
+# tiny model that serves /infill in tests.
+FIM_TOKENS = {
+    "<|fim_prefix|>": gguf.Keys.Tokenizer.FIM_PRE_ID,
+    "<|fim_suffix|>": gguf.Keys.Tokenizer.FIM_SUF_ID,
+    "<|fim_middle|>": gguf.Keys.Tokenizer.FIM_MID_ID,
+    "<|fim_pad|>": gguf.Keys.Tokenizer.FIM_PAD_ID,
+    "<|repo_name|>": gguf.Keys.Tokenizer.FIM_REP_ID,
+    "<|file_sep|>": gguf.Keys.Tokenizer.FIM_SEP_ID,
+}
+
+
+def _vocab(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    T = gguf.TokenType
+    toks: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL]
+    for b in range(256):
+        toks.append(f"<0x{b:02X}>".encode())
+        types.append(T.BYTE)
+    for c in range(0x20, 0x7F):
+        ch = "\u2581" if c == 0x20 else chr(c)  # SentencePiece writes spaces as U+2581
+        toks.append(ch.encode())
+        types.append(T.NORMAL)
+    specials = ["<|im_start|>", "<|im_end|>", *(FIM_TOKENS if fim else ())]
+    for special in specials:
+        toks.append(special.encode())
+        types.append(T.CONTROL)
+    scores = [0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(0x7F - 0x20)]
+    return toks, scores + [0.0] * len(specials), [int(t) for t in types]
+
+
+def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False) -> Path:
+    """With ``fim``, the vocabulary ends with FIM_TOKENS, named in the metadata."""
+    rng = np.random.default_rng(seed)
+    toks, scores, types = _vocab(fim)
+    n_vocab = len(toks)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("forged-tiny-test")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD)
+    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHATML)
+    if fim:
+        for text, key in FIM_TOKENS.items():
+            w.add_uint32(key, toks.index(text.encode()))
+
+    def t(name: str, *shape: int, scale: float = 0.2) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    t("token_embd.weight", n_vocab, N_EMBD)
+    for i in range(N_LAYER):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            t(f"blk.{i}.{name}.weight", N_EMBD, N_EMBD)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
+        t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
+    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    # Large output weights make sampling decisive, so greedy runs are long and varied.
+    t("output.weight", n_vocab, N_EMBD, scale=1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_tiny_llama(Path(sys.argv[1]), fim="--fim" in sys.argv)
