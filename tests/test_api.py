@@ -14,7 +14,7 @@ import trio
 
 from forged.auth import add_key
 from forged.engine import testhooks
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, RunningDaemon
 
 pytestmark = pytest.mark.trio
 
@@ -146,36 +146,44 @@ async def test_bad_input_gets_openai_4xx_and_loses_nothing(
             assert d.stats()["kv_cells_active"] == 0
 
 
+async def assert_a_dropped_stream_is_freed_within_a_step(
+        d: RunningDaemon, path: str, body: dict[str, Any], events: int) -> None:
+    """Stream ``body`` to ``path`` over a raw connection, drop it after ``events`` SSE
+    events, and check that the engine let go of it within the step in flight."""
+    # Slow steps (500 ms) make "within one step" countable on a tiny model, with
+    # room for a slow machine to notice the drop within the step in flight.
+    step = 0.5
+    testhooks.slow_steps(d.daemon.pool, 0, step)
+    raw = json.dumps(body).encode()
+    host, port = d.url.removeprefix("http://").rsplit(":", 1)
+    sock = await trio.open_tcp_stream(host, int(port))
+    await sock.send_all(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    received = b""
+    while received.count(b"data: {") < events:
+        received += await sock.receive_some(65536)
+    assert d.stats()["running"] == 1
+    await trio.sleep(2 * step)  # statistics arrive with each (slow) step
+    steps_at_drop = d.stats()["steps"]
+    await sock.aclose()
+    await until(lambda: d.stats()["running"] == 0)
+    st = d.stats()
+    assert st["kv_cells_active"] == 0
+    # At most the step in flight when the cancel arrived (and one whose statistics
+    # were still on the wire) ran after the drop.
+    assert st["steps"] - steps_at_drop <= 2
+    assert d.daemon.pool.in_flight() == 0
+
+
 async def test_disconnect_frees_the_sequence_within_a_step(
     tiny_model: Path, start_daemon: DaemonFactory
 ) -> None:
     with trio.fail_after(30):
         async with start_daemon(tiny_model) as d:
-            # Slow steps (500 ms) make "within one step" countable on a tiny model, with
-            # room for a slow machine to notice the drop within the step in flight.
-            step = 0.5
-            testhooks.slow_steps(d.daemon.pool, 0, step)
-            body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 2000,
-                               "ignore_eos": True, "stream": True}).encode()
-            host, port = d.url.removeprefix("http://").rsplit(":", 1)
-            sock = await trio.open_tcp_stream(host, int(port))
-            await sock.send_all(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            received = b""
-            while received.count(b"data: {") < 2:
-                received += await sock.receive_some(65536)
-            assert d.stats()["running"] == 1
-            await trio.sleep(2 * step)  # statistics arrive with each (slow) step
-            steps_at_drop = d.stats()["steps"]
-            await sock.aclose()
-            await until(lambda: d.stats()["running"] == 0)
-            st = d.stats()
-            assert st["kv_cells_active"] == 0
-            # At most the step in flight when the cancel arrived (and one whose
-            # statistics were still on the wire) ran after the drop.
-            assert st["steps"] - steps_at_drop <= 2
-            assert d.daemon.pool.in_flight() == 0
+            await assert_a_dropped_stream_is_freed_within_a_step(
+                d, "/v1/completions", {"prompt": "Tell me a long story", "max_tokens": 2000,
+                                       "ignore_eos": True, "stream": True}, events=2)
 
 
 async def test_worker_crash_gives_clean_errors_and_restarts(
