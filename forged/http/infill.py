@@ -27,14 +27,14 @@ from forged.config import Priority
 from forged.engine import frames as fr
 from forged.engine.fim import ExtraFile
 from forged.http import sse
-from forged.http.schemas import _Sampling
+from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
 
 # A piece of code: text, or llama.cpp's mix of text and token ids.
 Code = str | list[str | int]
 
 
-class InfillRequest(_Sampling, kw_only=True):
+class InfillRequest(GenerationFields, kw_only=True):
     input_prefix: Code
     input_suffix: Code
     input_extra: list[ExtraFile] = []

@@ -22,7 +22,9 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class _Sampling(Struct, kw_only=True):
+class GenerationFields(Struct, kw_only=True):
+    """What every generation route takes (completions, chat, infill)."""
+
     model: str | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
@@ -51,7 +53,7 @@ class _Sampling(Struct, kw_only=True):
     samplers: Annotated[list[str], Meta(max_length=16)] | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(GenerationFields, kw_only=True):
     prompt: str | list[int | str]
     # Fill-in-the-middle: the code after the completion (the prompt is the code before).
     suffix: str | None = None
@@ -71,7 +73,7 @@ class ChatMessage(Struct):
     name: str | None = None
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ChatRequest(GenerationFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
 
