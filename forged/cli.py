@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
                      "cache; of different tenants never (default: the one shared tenant)")
     add.set_defaults(func=cmd_keys_add)
+    from forged.retrieval.cli import add_index_commands
+
+    add_index_commands(sub)
     status = sub.add_parser("status", help="summarise a running daemon")
     status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     status.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "

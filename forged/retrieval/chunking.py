@@ -1,0 +1,160 @@
+"""Cut a source file into chunks worth retrieving, and split identifiers into words.
+
+Pure: text in, chunks out. No file system, no database.
+
+Python files are cut along their top-level statements (``ast``): each top-level
+``def``/``class`` is one chunk together with its decorators and the comment lines
+directly above it, and the module-level code between definitions is grouped into
+one chunk. A definition longer than ``window`` lines is split into overlapping line
+windows, every window keeping the definition's name in ``defines`` so that a query
+for the name still reaches each part. Other files, and Python that does not parse,
+are cut into overlapping line windows.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+WINDOW = 60
+OVERLAP = 15
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Word boundaries inside an identifier: "HTTPServer" -> HTTP|Server, "openNursery" ->
+# open|Nursery, "v2Api" -> v|2|Api.
+_PARTS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    path: str
+    start_line: int  # 1-based, inclusive
+    end_line: int  # inclusive
+    text: str
+    defines: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()
+
+
+@dataclass
+class _Span:
+    start: int
+    end: int
+    defines: list[str] = field(default_factory=list)
+
+
+def split_identifier(name: str) -> list[str]:
+    """``open_nursery``, ``openNursery``, ``OpenNursery`` -> ``["open", "nursery"]``."""
+    return [p.lower() for p in _PARTS.findall(name)]
+
+
+def split_words(names: list[str] | tuple[str, ...]) -> str:
+    """The identifiers' parts as one space-separated string, for full-text indexing."""
+    return " ".join(p for n in names for p in split_identifier(n))
+
+
+def identifiers(text: str) -> list[str]:
+    """Distinct identifier-like tokens of ``text``, in first-seen order."""
+    return list(dict.fromkeys(_IDENT.findall(text)))
+
+
+def chunk_file(path: str, text: str, *, window: int = WINDOW,
+               overlap: int = OVERLAP) -> list[Chunk]:
+    lines = text.splitlines()
+    if not lines:
+        return []
+    spans = _python_spans(text, lines) if path.endswith((".py", ".pyi")) else None
+    if spans is None:
+        spans = [_Span(1, len(lines))]
+    out: list[Chunk] = []
+    for span in spans:
+        for start, end in line_windows(span.start, span.end, window, overlap):
+            body = "\n".join(lines[start - 1:end])
+            defines = tuple(dict.fromkeys(span.defines))
+            uses = tuple(n for n in identifiers(body) if n not in defines)
+            out.append(Chunk(path, start, end, body, defines, uses))
+    return out
+
+
+def line_windows(start: int, end: int, window: int, overlap: int) -> list[tuple[int, int]]:
+    """Overlapping ``(first, last)`` line ranges covering ``start..end``."""
+    if end - start + 1 <= window:
+        return [(start, end)]
+    step = max(1, window - overlap)
+    out = []
+    first = start
+    while True:
+        last = min(end, first + window - 1)
+        out.append((first, last))
+        if last == end:
+            return out
+        first += step
+
+
+def _python_spans(text: str, lines: list[str]) -> list[_Span] | None:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None  # not Python we can read: line windows will do
+    spans: list[_Span] = []
+    loose: _Span | None = None  # module-level code gathered between definitions
+    for node in tree.body:
+        start = _leading_comments(lines, min([node.lineno,
+                                              *(d.lineno for d in _decorators(node))]))
+        end = node.end_lineno or node.lineno
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            loose = None
+            spans.append(_Span(start, end, _defined_by(node)))
+            continue
+        if loose is None:
+            loose = _Span(start, end)
+            spans.append(loose)
+        loose.end = end
+        loose.defines += _assigned_names(node)
+    _cover_gaps(spans, len(lines))
+    return spans
+
+
+def _decorators(node: ast.stmt) -> list[ast.expr]:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return node.decorator_list
+    return []
+
+
+def _leading_comments(lines: list[str], first: int) -> int:
+    """Move ``first`` up over the comment lines directly above it."""
+    while first > 1 and lines[first - 2].lstrip().startswith("#"):
+        first -= 1
+    return first
+
+
+def _defined_by(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> list[str]:
+    names = [node.name]
+    if isinstance(node, ast.ClassDef):
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.append(item.name)
+            else:
+                names += _assigned_names(item)
+    return names
+
+
+def _assigned_names(node: ast.stmt) -> list[str]:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+        targets = [node.target]
+    # An import is a use, not a definition: ranking the importer level with the
+    # definition would defeat "definitions above mere uses".
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+
+
+def _cover_gaps(spans: list[_Span], n_lines: int) -> None:
+    """Give blank lines and trailing comments to a neighbour so no line is lost; the
+    module docstring's leading lines and a file's tail belong to the nearest span."""
+    if not spans:
+        spans.append(_Span(1, n_lines))
+        return
+    spans[0].start = 1
+    spans[-1].end = n_lines

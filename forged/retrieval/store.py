@@ -1,0 +1,265 @@
+"""One repository's index: an SQLite file with an FTS5 table of chunks.
+
+Each index is ``<directory>/<NAME>.sqlite3`` (the daemon's directory is
+``server.state_dir/index``). It remembers its source folder, and for every file a
+version: the git blob id for a file that is clean in a git work tree, otherwise
+``size:mtime_ns``. ``update`` lists the source, compares versions, and re-chunks only
+the files whose version changed, so an unchanged repository costs one ``git
+ls-files`` and one table read.
+
+Ranking is FTS5's BM25 over four columns: the identifiers a chunk defines (heaviest),
+its path's words, and the identifiers it uses. Identifiers are stored split into
+lowercase words (``open_nursery`` and ``openNursery`` both become ``open nursery``),
+and queries are split the same way, so either spelling finds the other.
+
+Error handling: a name that is not a plain file name, or an index that does not
+exist, raises ``IndexError_`` with a message meant for the admin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from forged.retrieval.chunking import chunk_file, identifiers, split_identifier, split_words
+
+MAX_FILE_BYTES = 1 << 20
+BINARY_PROBE = 8192
+SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", "build", "dist", ".venv",
+                       "venv", ".tox", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
+# bm25() weights, one per column of ``chunks`` in order; UNINDEXED columns get 0.
+WEIGHTS = (0.0, 0.0, 0.0, 0.0, 10.0, 3.0, 1.0)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (
+    path TEXT PRIMARY KEY, version TEXT NOT NULL, chunks INTEGER NOT NULL,
+    skipped TEXT, indexed_at REAL NOT NULL);
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks USING fts5(
+    path UNINDEXED, start_line UNINDEXED, end_line UNINDEXED, text UNINDEXED,
+    defines, path_words, uses, tokenize = 'unicode61');
+"""
+
+
+class IndexError_(Exception):
+    """An index that cannot be created, found or read; the message names it."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    path: str
+    start_line: int
+    end_line: int
+    score: float
+    text: str
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    files: int  # files listed in the source, skipped ones included
+    rechunked: int  # files read and chunked again
+    removed: int  # files gone from the source
+    seconds: float
+
+
+@dataclass(frozen=True)
+class IndexInfo:
+    name: str
+    source: str
+    files: int
+    chunks: int
+    size: int  # bytes of the database file
+    updated_at: float | None
+
+
+def index_path(directory: Path, name: str) -> Path:
+    if not _NAME.fullmatch(name):
+        raise IndexError_(f"index name {name!r}: use letters, digits, '.', '_' or '-'")
+    return directory / f"{name}.sqlite3"
+
+
+def list_indexes(directory: Path) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.sqlite3")) if directory.is_dir() else []
+
+
+class Index:
+    """Resource handling: holds one SQLite connection; use as a context manager."""
+
+    def __init__(self, db: sqlite3.Connection, name: str, source: Path) -> None:
+        self.db, self.name, self.source = db, name, source
+
+    @classmethod
+    def create(cls, directory: Path, name: str, source: Path) -> Index:
+        path = index_path(directory, name)
+        if path.exists():
+            raise IndexError_(f"index {name!r} exists already ({path})")
+        if not source.is_dir():
+            raise IndexError_(f"{source}: not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path)
+        db.executescript(SCHEMA)
+        with db:
+            db.execute("INSERT INTO meta VALUES ('source', ?)", (str(source.resolve()),))
+        return cls(db, name, source.resolve())
+
+    @classmethod
+    def open(cls, directory: Path, name: str) -> Index:
+        path = index_path(directory, name)
+        if not path.exists():
+            raise IndexError_(f"no index {name!r} in {directory}")
+        db = sqlite3.connect(path)
+        row = db.execute("SELECT value FROM meta WHERE key = 'source'").fetchone()
+        return cls(db, name, Path(row[0]))
+
+    def __enter__(self) -> Index:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.close()
+
+    def update(self, max_bytes: int = MAX_FILE_BYTES) -> UpdateStats:
+        t0 = time.monotonic()
+        listed = dict(list_source(self.source))
+        known = dict(self.db.execute("SELECT path, version FROM files"))
+        gone = [p for p in known if p not in listed]
+        changed = [p for p, v in listed.items() if known.get(p) != v]
+        with self.db:  # one transaction: a crash leaves the previous index intact
+            for path in gone:
+                self._forget(path)
+            for path in changed:
+                self._forget(path)
+                self._add(path, listed[path], max_bytes)
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
+                            (repr(time.time()),))
+        return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0)
+
+    def _forget(self, path: str) -> None:
+        self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
+        self.db.execute("DELETE FROM files WHERE path = ?", (path,))
+
+    def _add(self, path: str, version: str, max_bytes: int) -> None:
+        data, skipped = read_source_file(self.source / path, max_bytes)
+        chunks = chunk_file(path, data.decode("utf-8", "replace")) if data is not None else []
+        words = split_words(path.replace("/", " ").replace(".", " ").split())
+        self.db.executemany(
+            "INSERT INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(c.path, c.start_line, c.end_line, c.text, split_words(c.defines), words,
+              split_words(c.uses)) for c in chunks])
+        self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)",
+                        (path, version, len(chunks), skipped, time.time()))
+
+    def search(self, query: str, limit: int = 10) -> list[Hit]:
+        match = fts_query(query)
+        if not match:
+            return []
+        weights = ", ".join(str(w) for w in WEIGHTS)
+        rows = self.db.execute(
+            f"SELECT path, start_line, end_line, bm25(chunks, {weights}) AS r, text "
+            "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
+        # bm25() is lower-is-better and negative; report higher-is-better.
+        return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
+
+    def info(self) -> IndexInfo:
+        files, chunks = self.db.execute(
+            "SELECT count(*), coalesce(sum(chunks), 0) FROM files WHERE skipped IS NULL"
+        ).fetchone()
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'updated_at'").fetchone()
+        size = sum(Path(p).stat().st_size for _, _, p in self.db.execute("PRAGMA database_list")
+                   if p)
+        return IndexInfo(self.name, str(self.source), files, chunks, size,
+                         float(row[0]) if row else None)
+
+
+def fts_query(query: str) -> str:
+    """Any of the query's identifier words, each quoted so FTS5 syntax cannot leak in."""
+    words = dict.fromkeys(w for name in identifiers(query) for w in split_identifier(name))
+    return " OR ".join(f'"{w}"' for w in words)
+
+
+def read_source_file(path: Path, max_bytes: int) -> tuple[bytes | None, str | None]:
+    """The file's bytes, or None and why it is skipped (too large, binary, unreadable)."""
+    try:
+        if path.stat().st_size > max_bytes:
+            return None, "large"
+        data = path.read_bytes()
+    except OSError:
+        return None, "unreadable"
+    if b"\0" in data[:BINARY_PROBE]:
+        return None, "binary"
+    return data, None
+
+
+def list_source(root: Path) -> Iterator[tuple[str, str]]:
+    """``(relative path, version)`` of every candidate file under ``root``."""
+    if _git(root, "rev-parse", "--is-inside-work-tree") == b"true\n":
+        yield from _list_git(root)
+    else:
+        yield from _list_folder(root)
+
+
+def _skipped_dir(rel: str) -> bool:
+    return any(part in SKIP_DIRS for part in rel.split("/")[:-1])
+
+
+def _list_git(root: Path) -> Iterator[tuple[str, str]]:
+    # Tracked files carry their blob id from the git index; those edited since (and
+    # untracked ones, .gitignore applied) are versioned by size and mtime instead.
+    dirty = set(_git_paths(root, "diff", "--name-only", "--relative", "-z", "--no-renames"))
+    for entry in (_git(root, "ls-files", "-s", "-z") or b"").split(b"\0"):
+        if not entry:
+            continue
+        meta, _, raw = entry.partition(b"\t")
+        mode, blob, _stage = meta.split(b" ")
+        rel = os.fsdecode(raw)
+        if mode in (b"120000", b"160000") or _skipped_dir(rel):
+            continue  # symlinks and submodules are not this repository's text
+        if rel in dirty:
+            version = _stat_version(root / rel)
+            if version:
+                yield rel, version
+        else:
+            yield rel, blob.decode()
+    for rel in _git_paths(root, "ls-files", "--others", "--exclude-standard", "-z"):
+        version = _stat_version(root / rel)
+        if version and not _skipped_dir(rel):
+            yield rel, version
+
+
+def _list_folder(root: Path) -> Iterator[tuple[str, str]]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            path = Path(dirpath, name)
+            version = _stat_version(path)
+            if version:
+                yield path.relative_to(root).as_posix(), version
+
+
+def _stat_version(path: Path) -> str | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None  # deleted from the work tree but still in git's index
+    if not path.is_file() or path.is_symlink():
+        return None
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _git_paths(root: Path, *args: str) -> list[str]:
+    return [os.fsdecode(p) for p in (_git(root, *args) or b"").split(b"\0") if p]
+
+
+def _git(root: Path, *args: str) -> bytes | None:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                              check=False, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None

@@ -1,0 +1,169 @@
+"""The repository index: chunking, identifier splitting, the SQLite store's incremental
+update and ranking, and ``forged index``. Plain synchronous tests on tmp_path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from forged.cli import main
+from forged.retrieval.chunking import chunk_file, line_windows, split_identifier
+from forged.retrieval.store import Index, list_source
+
+PY = '''"""A module."""
+
+import trio
+
+LIMIT = 3
+
+
+# Opens the nursery everybody uses.
+@decorate
+def open_nursery(strict: bool) -> Nursery:
+    return Nursery(strict)
+
+
+class Pool:
+    size = 4
+
+    def spawn(self) -> None:
+        open_nursery(True)
+
+
+run = trio.run
+'''
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t",
+                    *args], check=True, capture_output=True)
+
+
+def make_repo(root: Path) -> None:
+    root.mkdir()
+    (root / "nursery.py").write_text(PY)
+    (root / "caller.py").write_text("def main():\n    return open_nursery(False)\n")
+    (root / "notes.md").write_text("nothing about it here\n")
+    (root / ".gitignore").write_text("secret.txt\n")
+    (root / "secret.txt").write_text("open_nursery leaked\n")
+    (root / "blob.bin").write_bytes(b"open_nursery\0\1\2")
+    (root / "huge.py").write_text("open_nursery = 1\n" * 80_000)  # > 1 MiB
+    (root / "node_modules").mkdir()
+    (root / "node_modules" / "dep.js").write_text("openNursery()\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "init")
+
+
+def test_identifiers_split_on_snake_and_camel_case() -> None:
+    for name in ("open_nursery", "openNursery", "OpenNursery", "OPEN_NURSERY"):
+        assert split_identifier(name) == ["open", "nursery"]
+    assert split_identifier("HTTPServerError") == ["http", "server", "error"]
+    assert split_identifier("parse_v2Header") == ["parse", "v", "2", "header"]
+
+
+def test_python_chunks_follow_top_level_definitions() -> None:
+    chunks = chunk_file("m.py", PY)
+    lines = PY.splitlines()
+    spans = [(c.start_line, c.end_line, c.defines) for c in chunks]
+    assert spans == [(1, 5, ("LIMIT",)),
+                     (8, 11, ("open_nursery",)),  # the comment and decorator come along
+                     (14, 18, ("Pool", "size", "spawn")),
+                     (21, 21, ("run",))]
+    fn = chunks[1]
+    assert fn.text == "\n".join(lines[7:11]) and fn.text.startswith("# Opens")
+    assert "@decorate" in fn.text
+    assert {"Nursery", "strict", "decorate"} <= set(fn.uses)
+    assert "open_nursery" in chunks[2].uses and "open_nursery" not in chunks[2].defines
+
+
+def test_long_definition_and_other_files_are_overlapping_windows() -> None:
+    body = "def big():\n" + "".join(f"    x{i} = {i}\n" for i in range(149))
+    chunks = chunk_file("big.py", body)
+    assert [(c.start_line, c.end_line) for c in chunks] == [(1, 60), (46, 105), (91, 150)]
+    assert all(c.defines == ("big",) for c in chunks)
+    text = "".join(f"line {i}\n" for i in range(100))
+    assert [(c.start_line, c.end_line) for c in chunk_file("a.c", text)] == [(1, 60), (46, 100)]
+    assert line_windows(1, 10, 60, 15) == [(1, 10)]
+    assert chunk_file("broken.py", "def (:\n")[0].end_line == 1  # unparsable: windows
+    assert chunk_file("empty.py", "") == []
+
+
+def test_git_repo_is_indexed_and_ranked(tmp_path: Path) -> None:
+    make_repo(tmp_path / "repo")
+    with Index.create(tmp_path / "index", "r", tmp_path / "repo") as idx:
+        stats = idx.update()
+        paths = dict(idx.db.execute("SELECT path, skipped FROM files"))
+        assert paths == {"nursery.py": None, "caller.py": None, "notes.md": None,
+                         ".gitignore": None, "blob.bin": "binary", "huge.py": "large"}
+        assert stats.rechunked == 6
+        for query in ("open_nursery", "openNursery", "OpenNursery"):
+            hits = idx.search(query, 5)
+            assert (hits[0].path, hits[0].start_line, hits[0].end_line) == ("nursery.py", 8, 11)
+            assert {h.path for h in hits} >= {"caller.py"}  # a mere use, ranked below
+            assert not {h.path for h in hits} & {"secret.txt", "blob.bin", "huge.py"}
+        assert idx.search("Pool spawn")[0].start_line == 14
+        assert idx.search("") == [] and idx.search('" OR (') == []
+
+
+def test_update_is_incremental(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    make_repo(repo)
+    with Index.create(tmp_path / "index", "r", repo) as idx:
+        idx.update()
+        assert idx.update().rechunked == 0  # unchanged: nothing read again
+        (repo / "caller.py").write_text("def main():\n    return startSoon()\n")
+        stats = idx.update()  # edited, not committed: size and mtime notice it
+        assert (stats.rechunked, stats.removed) == (1, 0)
+        assert [h.path for h in idx.search("start_soon")] == ["caller.py"]
+        git(repo, "commit", "-qam", "edit")
+        assert idx.update().rechunked == 1  # now versioned by its blob id again
+        assert idx.update().rechunked == 0
+        git(repo, "mv", "notes.md", "README.md")
+        (repo / "nursery.py").unlink()
+        stats = idx.update()
+        assert (stats.rechunked, stats.removed) == (1, 2)
+        assert [h.path for h in idx.search("nothing")] == ["README.md"]
+        assert [h.path for h in idx.search("open_nursery")] == []
+        assert idx.info().files == 3
+
+
+def test_plain_folder_uses_size_and_mtime(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "__pycache__").mkdir(parents=True)
+    (src / "__pycache__" / "x.py").write_text("def cached(): pass\n")
+    (src / "a.py").write_text("def alpha(): pass\n")
+    (src / "b.txt").write_text("beta\n")
+    assert sorted(p for p, _ in list_source(src)) == ["a.py", "b.txt"]
+    with Index.create(tmp_path / "index", "f", src) as idx:
+        assert idx.update().rechunked == 2
+        assert idx.update().rechunked == 0
+        os.utime(src / "b.txt", ns=(1, 1))
+        assert idx.update().rechunked == 1
+        assert idx.search("alpha")[0].path == "a.py"
+
+
+def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "forged.toml"
+    cfg.write_text(f"[server]\nstate_dir = '{tmp_path / 'state'}'\n")
+    make_repo(tmp_path / "repo")
+    c = ["--config", str(cfg)]
+    assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 0
+    assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 1  # exists already
+    assert main(["index", "update", *c]) == 0
+    assert "updated 'r': 6 files, 0 re-chunked" in capsys.readouterr().err
+    assert main(["index", "update", "r", *c]) == 0
+    assert "6 files, 0 re-chunked, 0 removed" in capsys.readouterr().err
+    assert main(["index", "list", *c]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:3] == ["r", "4", "7"] and row[-1] == str(tmp_path / "repo")
+    assert (tmp_path / "state" / "index" / "r.sqlite3").exists()
+    assert main(["index", "rm", "r", *c]) == 0
+    assert main(["index", "rm", "r", *c]) == 1
+    assert main(["index", "update", "nope", *c]) == 1
+    assert main(["index", "add", "../x", str(tmp_path), *c]) == 1
+    main(["index", "list", *c])
+    assert capsys.readouterr().out.count("\n") == 1  # the header only
