@@ -11,7 +11,7 @@ import pytest
 
 from forged.cli import main
 from forged.retrieval.chunking import chunk_file, line_windows, split_identifier
-from forged.retrieval.store import Index, list_source
+from forged.retrieval.store import Index, IndexError_, list_source
 
 PY = '''"""A module."""
 
@@ -144,6 +144,15 @@ def test_plain_folder_uses_size_and_mtime(tmp_path: Path) -> None:
         os.utime(src / "b.txt", ns=(1, 1))
         assert idx.update().rechunked == 1
         assert idx.search("alpha")[0].path == "a.py"
+
+
+def test_a_repository_git_refuses_is_not_walked_without_its_gitignore(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / ".git").mkdir(parents=True)  # not a repository git can read
+    (src / ".gitignore").write_text("secret.env\n")
+    (src / "secret.env").write_text("TOKEN=1\n")
+    with pytest.raises(IndexError_, match="git cannot read this repository"):
+        list(list_source(src))
 
 
 def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

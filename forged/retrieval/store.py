@@ -200,6 +200,11 @@ def list_source(root: Path) -> Iterator[tuple[str, str]]:
     """``(relative path, version)`` of every candidate file under ``root``."""
     if _git(root, "rev-parse", "--is-inside-work-tree") == b"true\n":
         yield from _list_git(root)
+    elif (root / ".git").exists():
+        # A repository git refuses to read (another owner's: "dubious ownership") would
+        # be walked as a plain folder, its .gitignore ignored: refuse instead.
+        raise IndexError_(f"{root}: git cannot read this repository; `git -C {root} "
+                          "status`, run as the user that indexes, says why")
     else:
         yield from _list_folder(root)
 
