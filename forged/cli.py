@@ -150,6 +150,21 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = sub.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    add = keys_sub.add_parser("add", help="create a key, print it once, store its hash")
+    add.add_argument("name")
+    add.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    add.add_argument("--keys-file", help="default: auth.keys_file from the config")
+    add.add_argument("--max-streams", type=int, default=16)
+    add.add_argument("--max-queued", type=int, default=32)
+    add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
+    add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
+                     "cache; of different tenants never (default: the one shared tenant)")
+    add.set_defaults(func=cmd_keys_add)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
                                 else None)
@@ -164,18 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     check.set_defaults(func=cmd_check_config)
-    keys = sub.add_parser("keys", help="manage API keys")
-    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    add = keys_sub.add_parser("add", help="create a key, print it once, store its hash")
-    add.add_argument("name")
-    add.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
-    add.add_argument("--keys-file", help="default: auth.keys_file from the config")
-    add.add_argument("--max-streams", type=int, default=16)
-    add.add_argument("--max-queued", type=int, default=32)
-    add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
-    add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
-                     "cache; of different tenants never (default: the one shared tenant)")
-    add.set_defaults(func=cmd_keys_add)
+    _add_keys_commands(sub)
     from forged.retrieval.cli import add_index_commands
 
     add_index_commands(sub)

@@ -24,6 +24,9 @@ NEVER = [
     (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
     (["forged/config.py"], ("forged",)),
     (["bench/*.py"], ("tests",)),
+    # retrieval and decoding meet only in http, which builds the prompt
+    (["forged/retrieval/*.py"], ("forged.engine", "forged.http", "forged.daemon", "trio",
+                                 "llama_cpp")),
 ]
 
 

@@ -11,7 +11,6 @@ next step.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import time
@@ -30,7 +29,14 @@ from forged.config import Config
 from forged.engine.request import SAMPLER_ORDER, Request, SamplerName, Sampling
 from forged.http import sse
 from forged.http.generate import Outcome, generate, log_content
-from forged.http.infill import infill_decoder, infill_format, infill_tokens, requested_tokens
+from forged.http.infill import (
+    check_ids,
+    fim_prompt,
+    infill_decoder,
+    infill_format,
+    infill_tokens,
+    requested_tokens,
+)
 from forged.http.lifetime import RequestResources, resources
 from forged.http.responses import (
     error_response,
@@ -259,9 +265,7 @@ async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[in
     if isinstance(p, str):
         given = p
     elif p and all(isinstance(t, int) for t in p):
-        n_vocab = state.prompter.n_vocab
-        if any(not 0 <= t < n_vocab for t in p):  # type: ignore[operator]
-            raise e.BadRequest(f"token ids must be in [0, {n_vocab})", param="prompt")
+        check_ids(state, p, "prompt")
         if req.suffix is None:
             return list(p)  # type: ignore[arg-type]
         given = list(p)
@@ -270,10 +274,7 @@ async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[in
     else:
         raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
-        return await trio.to_thread.run_sync(functools.partial(
-            state.prompter.encode_infill, given, req.suffix, [], "",
-            n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
-            n_predict=-1 if req.max_tokens is None else req.max_tokens))
+        return await fim_prompt(state, given, req.suffix, [], "", req.max_tokens)
     assert isinstance(given, str)
     _refuse_raw_fim(state, given)
     tokens = await trio.to_thread.run_sync(state.prompter.encode_completion, given)

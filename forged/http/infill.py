@@ -59,18 +59,28 @@ def requested_tokens(req: InfillRequest) -> int | None:
     return req.max_tokens
 
 
+def check_ids(state: AppState, code: Code | list[int], param: str) -> None:
+    """Token ids given in place of text must be in the vocabulary."""
+    n_vocab = state.prompter.n_vocab
+    if not isinstance(code, str) and any(
+            isinstance(t, int) and not 0 <= t < n_vocab for t in code):
+        raise e.BadRequest(f"token ids must be in [0, {n_vocab})", param=param)
+
+
+async def fim_prompt(state: AppState, prefix: Code, suffix: Code, extra: list[ExtraFile],
+                     typed: str, wanted: int | None) -> list[int]:
+    """The infill layout (llama.cpp's) under this config, for ``wanted`` new tokens."""
+    return await trio.to_thread.run_sync(functools.partial(
+        state.prompter.encode_infill, prefix, suffix, extra, typed,
+        n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
+        n_predict=-1 if wanted is None else wanted))
+
+
 async def infill_tokens(state: AppState, req: InfillRequest) -> list[int]:
-    for name, code in (("input_prefix", req.input_prefix), ("input_suffix", req.input_suffix)):
-        if not isinstance(code, str) and any(
-                isinstance(t, int) and not 0 <= t < state.prompter.n_vocab for t in code):
-            raise e.BadRequest(f"token ids must be in [0, {state.prompter.n_vocab})",
-                               param=name)
-    wanted = requested_tokens(req)
-    build = functools.partial(
-        state.prompter.encode_infill, req.input_prefix, req.input_suffix, req.input_extra,
-        req.prompt, n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
-        n_predict=-1 if wanted is None else wanted)
-    return await trio.to_thread.run_sync(build)
+    check_ids(state, req.input_prefix, "input_prefix")
+    check_ids(state, req.input_suffix, "input_suffix")
+    return await fim_prompt(state, req.input_prefix, req.input_suffix, req.input_extra,
+                            req.prompt, requested_tokens(req))
 
 
 def timings(done: fr.Done) -> dict[str, float]:
