@@ -21,6 +21,30 @@ CHATML = (
 )
 
 
+# A Hermes tool-calling template in the manner of Qwen2.5's: the tools in the system
+# turn, calls as <tool_call> blocks, results as <tool_response> blocks in user turns.
+HERMES_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n"
+    "{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{{ m.content or '' }}{% for tc in m.tool_calls %}<tool_call>\n"
+    "{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+
+
 # Qwen2.5-Coder's fill-in-the-middle tokens (and their GGUF metadata keys), for the
 # tiny model that serves /infill in tests.
 FIM_TOKENS = {
@@ -33,7 +57,8 @@ FIM_TOKENS = {
 }
 
 
-def _vocab(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+def _vocab(fim: bool = False, tools: bool = False
+           ) -> tuple[list[bytes], list[float], list[int]]:
     T = gguf.TokenType
     toks: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL]
@@ -44,7 +69,8 @@ def _vocab(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
         ch = "\u2581" if c == 0x20 else chr(c)  # SentencePiece writes spaces as U+2581
         toks.append(ch.encode())
         types.append(T.NORMAL)
-    specials = ["<|im_start|>", "<|im_end|>", *(FIM_TOKENS if fim else ())]
+    specials = ["<|im_start|>", "<|im_end|>", *(FIM_TOKENS if fim else ()),
+                *(TOOL_TOKENS if tools else ())]
     for special in specials:
         toks.append(special.encode())
         types.append(T.CONTROL)
@@ -52,10 +78,12 @@ def _vocab(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
     return toks, scores + [0.0] * len(specials), [int(t) for t in types]
 
 
-def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False) -> Path:
-    """With ``fim``, the vocabulary ends with FIM_TOKENS, named in the metadata."""
+def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False,
+                     tools: bool = False) -> Path:
+    """With ``fim``, the vocabulary ends with FIM_TOKENS, named in the metadata; with
+    ``tools``, with TOOL_TOKENS, and the chat template is HERMES_TOOLS."""
     rng = np.random.default_rng(seed)
-    toks, scores, types = _vocab(fim)
+    toks, scores, types = _vocab(fim, tools)
     n_vocab = len(toks)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("forged-tiny-test")
@@ -77,7 +105,7 @@ def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False) -> Path:
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(HERMES_TOOLS if tools else CHATML)
     if fim:
         for text, key in FIM_TOKENS.items():
             w.add_uint32(key, toks.index(text.encode()))

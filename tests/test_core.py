@@ -47,7 +47,7 @@ class FakeBackend:
         self.full_steps = 0  # the next decodes that find no KV cells
         self.lengths: dict[int, int] = {}
 
-    def piece(self, token: int) -> bytes:
+    def piece(self, token: int, special: bool = False) -> bytes:
         return bytes([ord("a") + token - 1])
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> FakeSampler:

@@ -22,7 +22,7 @@ import llama_cpp as ll
 
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
 from forged.engine.fim import FimTokens
-from forged.engine.request import SamplerName, Sampling
+from forged.engine.request import Grammar, SamplerName, Sampling
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -178,10 +178,41 @@ _REPEAT_LAST_N = 64
 _RANDOM_SEED = 0xFFFFFFFF
 
 
-class Sampler(_Closing):
-    """One request's llama.cpp sampler chain (its RNG and penalty history are its own)."""
+def grammar_sampler(model: Model, g: Grammar) -> Any:
+    """llama.cpp's grammar sampler for ``g``; raises ValueError if llama.cpp cannot
+    parse the grammar (it returns no sampler and logs why)."""
+    gbnf, root = g.gbnf.encode(), b"root"
+    if not g.lazy:
+        ptr = ll.llama_sampler_init_grammar(model.vocab, gbnf, root)
+    else:
+        patterns = (ctypes.c_char_p * max(1, len(g.trigger_patterns)))(
+            *(t.encode() for t in g.trigger_patterns))
+        tokens = (ll.llama_token * max(1, len(g.trigger_tokens)))(*g.trigger_tokens)
+        ptr = ll.llama_sampler_init_grammar_lazy_patterns(
+            model.vocab, gbnf, root, patterns, len(g.trigger_patterns), tokens,
+            len(g.trigger_tokens))
+    if not ptr:
+        raise ValueError("llama.cpp could not parse the grammar")
+    return ptr
 
-    def __init__(self, model: Model, p: Sampling) -> None:
+
+def check_grammar(model: Model, g: Grammar) -> None:
+    """Raise ValueError unless llama.cpp accepts ``g`` (the daemon checks each request's
+    grammar with its vocabulary-only model before a worker sees it)."""
+    ll.llama_sampler_free(grammar_sampler(model, g))
+
+
+class Sampler(_Closing):
+    """One request's llama.cpp sampler chain (its RNG and penalty history are its own).
+
+    With a grammar, the chain is nested: the grammar first, then the request's chain.
+    Penalties want the prompt in their history, but a grammar must only ever see what
+    it constrains (a token it cannot accept aborts the process), so the prompt is fed
+    to the inner chain before the outer one exists. Sampling through the outer chain
+    then accepts each new token into both.
+    """
+
+    def __init__(self, model: Model, p: Sampling, prompt: Sequence[int] = ()) -> None:
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._model, self._p = model, p
         self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
@@ -198,6 +229,21 @@ class Sampler(_Closing):
                 self._stage(name)
         self._add(ll.llama_sampler_init_greedy() if greedy else ll.llama_sampler_init_dist(
             _RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF))
+        if self._penalised:  # as llama.cpp's server does: the prompt counts
+            self.accept(prompt)
+        if p.grammar is not None:
+            try:
+                grammar = grammar_sampler(model, p.grammar)
+            except ValueError:
+                self.close()
+                raise
+            self._nest_under(grammar)
+
+    def _nest_under(self, grammar: Any) -> None:
+        outer = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        ll.llama_sampler_chain_add(outer, grammar)
+        ll.llama_sampler_chain_add(outer, self._ptr)  # the outer chain owns it now
+        self._ptr = outer
 
     def _add(self, sampler: Any) -> None:
         ll.llama_sampler_chain_add(self._ptr, sampler)
@@ -223,11 +269,6 @@ class Sampler(_Closing):
                 self._add(ll.llama_sampler_init_temp(p.temperature))
             case "infill":
                 self._add(ll.llama_sampler_init_infill(self._model.vocab))
-
-    @property
-    def penalised(self) -> bool:
-        """Whether the chain has penalties, which want the prompt in their history."""
-        return self._penalised
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Feed prompt tokens to the penalty history, as llama.cpp's server does."""
@@ -361,14 +402,11 @@ class Llama(_Closing):
         self.eog_tokens = self.model.eog_tokens
         self.n_batch = params.n_batch
 
-    def piece(self, token: int) -> bytes:
-        return self.model.piece(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.model.piece(token, special=special)
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
-        sampler = Sampler(self.model, sampling)
-        if sampler.penalised:  # as llama.cpp's server does: the prompt counts
-            sampler.accept(prompt)
-        return _BoundSampler(sampler, self.ctx)
+        return _BoundSampler(Sampler(self.model, sampling, prompt), self.ctx)
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         return self.ctx.decode(items)

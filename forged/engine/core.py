@@ -79,9 +79,11 @@ class Backend(Protocol):
     eog_tokens: list[int]
     n_batch: int
 
-    def piece(self, token: int) -> bytes: ...
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The token's text; a special token's only when ``special``."""
 
-    def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler: ...
+    def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
+        """A sampler for one request; ValueError if its grammar cannot be parsed."""
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         """Batch index of each item's last token (-1 without logits); raises
@@ -159,7 +161,12 @@ class WorkerCore:
             sampling = msgspec.structs.replace(
                 sampling, logit_bias=[*sampling.logit_bias, *((t, _NEVER) for t in eog)])
             eog = frozenset()
-        sampler = self.backend.sampler(sampling, req.prompt)
+        try:
+            sampler = self.backend.sampler(sampling, req.prompt)
+        except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
+            self.sched.drop(rid)
+            self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
+            return
         self.streams[rid] = _Stream(req, sampler, TextStream(req.stop), eog)
 
     def _close(self, rid: int) -> None:
@@ -254,7 +261,7 @@ class WorkerCore:
         stream.generated += 1
         if stream.generated == 1:
             stream.first_at = (self.clock(), self._steps + 1)  # this step counts
-        piece = self.backend.piece(tok)
+        piece = self.backend.piece(tok, tok in req.preserve)
         text = stream.text.feed(piece)
         stop: fr.StopType | None = "word" if stream.text.stopped else None
         if stop is None and (stream.generated >= req.max_tokens

@@ -11,8 +11,10 @@ from typing import Any
 
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from forged.engine.backend import Model
+from forged.engine.backend import Model, check_grammar
 from forged.engine.fim import ExtraFile, MixedText, infill_prompt
+from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
+from forged.engine.request import Grammar
 from forged.errors import BadRequest
 
 # Used when a GGUF carries no template: ChatML, which SmolLM2 and many others speak.
@@ -31,6 +33,13 @@ class Prompter:
         bos = self.model.piece(self.model.bos, special=True).decode("utf-8", "replace")
         self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos,
                                          add_generation_prompt=True)
+        # A template that renders tools and writes calls as <tool_call> blocks (the
+        # format forged parses); others get the tools in a system message of forged's.
+        self.renders_tools = "tools" in template and TOOL_OPEN in template
+        # <tool_call> and </tool_call> where they are single special tokens: their text
+        # must reach the tool-call parser (llama.cpp's "preserved tokens").
+        self.tool_tokens = [t for t in map(self._special_token, (TOOL_OPEN, TOOL_CLOSE))
+                            if t is not None]
         self.n_vocab = self.model.n_vocab
         self.n_ctx_train = self.model.n_ctx_train
         self.fim = self.model.fim_tokens()
@@ -41,16 +50,28 @@ class Prompter:
         # special tokens written in the text are parsed as such.
         return self.model.tokenize(text, add_special=True, parse_special=True)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def _special_token(self, text: str) -> int | None:
+        ids = self.model.tokenize(text, add_special=False, parse_special=True)
+        plain = self.model.tokenize(text, add_special=False, parse_special=False)
+        return ids[0] if len(ids) == 1 and ids != plain else None
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """ValueError unless llama.cpp parses ``grammar`` (it logs where it fails)."""
+        check_grammar(self.model, grammar)
+
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> str:
         try:
-            return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
+            return str(self._chat(messages=messages,  # type: ignore[arg-type]
+                                  tools=tools).prompt)  # type: ignore[arg-type]
         except Exception as exc:  # a template's raise_exception or a Jinja2 error
             raise BadRequest(f"the chat template rejected the messages: {exc}",
                              param="messages") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it.
-        return self.model.tokenize(self.render_chat(messages), add_special=False,
+        return self.model.tokenize(self.render_chat(messages, tools), add_special=False,
                                    parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],

@@ -24,6 +24,21 @@ SAMPLER_ORDER: tuple[SamplerName, ...] = ("penalties", "top_k", "top_p", "min_p"
                                           "temperature")
 
 
+class Grammar(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """A GBNF grammar the output must match (llama.cpp's grammar sampler).
+
+    Lazy, it constrains nothing until the text generated matches one of
+    ``trigger_patterns`` (whole-text regexes; the grammar applies from the pattern's
+    first group on) or one of ``trigger_tokens`` is sampled: how a tool call is
+    constrained once the model starts one of its own accord.
+    """
+
+    gbnf: str
+    lazy: bool = False
+    trigger_patterns: list[str] = []
+    trigger_tokens: list[int] = []
+
+
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """How the next token is chosen; llama.cpp's sampler chain is built from this."""
 
@@ -42,6 +57,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     logit_bias: list[tuple[int, float]] = []
     # The chain, in order (llama.cpp's `samplers`): a sampler not named is left out.
     order: tuple[SamplerName, ...] = SAMPLER_ORDER
+    # Structured output and tool calls: applied before every other sampler.
+    grammar: Grammar | None = None
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -66,6 +83,9 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # that starts with fewer than this many spaces or tabs (0: never).
     max_predict_ms: Annotated[float, Meta(ge=0)] = 0.0
     n_indent: Annotated[int, Meta(ge=0)] = 0
+    # Special tokens whose text is part of the answer (llama.cpp's preserved tokens):
+    # a tool call's <tool_call> where the vocabulary has it as one special token.
+    preserve: list[int] = []
 
     @property
     def rank(self) -> int:

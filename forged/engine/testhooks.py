@@ -85,8 +85,8 @@ class HookedBackend:
             self._poisoned.discard(seq)
         self.inner.seq_rm(seq, p0)
 
-    def piece(self, token: int) -> bytes:
-        return self.inner.piece(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.inner.piece(token, special)
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
         return self.inner.sampler(sampling, prompt)

@@ -11,6 +11,7 @@ next step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -26,8 +27,9 @@ from werkzeug.exceptions import HTTPException
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config
-from forged.engine.request import SAMPLER_ORDER, Request, SamplerName, Sampling
+from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import sse
+from forged.http.chat import chat_prompt
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
     check_ids,
@@ -45,13 +47,13 @@ from forged.http.responses import (
     json_response,
 )
 from forged.http.schemas import (
-    ChatRequest,
     CompletionRequest,
     body_error,
     chat_decoder,
     completion_decoder,
 )
 from forged.http.state import AppState, KeyUsage
+from forged.http.structured import request_grammar
 
 access_log = logging.getLogger("forged.access")
 # Generation routes outside /v1/ (llama.cpp's): they need an API key as /v1/ does.
@@ -171,9 +173,16 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         req = await _decoded(state, chat_decoder)
-        prompt = await _chat_prompt(state, req)
-        return await _run(state, req, prompt, req.max_completion_tokens or req.max_tokens,
-                          sse.ChatFormat)
+        _check_model(state, req.model)
+        prompt = await chat_prompt(state, req)
+        plan = prompt.tools
+        if plan is not None and request_grammar(req) is not None:
+            raise e.BadRequest("response_format cannot be combined with tools",
+                               param="response_format")
+        return await _run(state, req, prompt.tokens,
+                          req.max_completion_tokens or req.max_tokens,
+                          functools.partial(sse.ChatFormat, tools=plan is not None),
+                          grammar=plan.grammar if plan else None)
 
     @app.post("/infill")
     async def infill() -> Response:
@@ -295,29 +304,6 @@ def _refuse_raw_fim(state: AppState, text: str) -> None:
                            "model has none", param="prompt", code="fim_not_supported")
 
 
-async def _chat_prompt(state: AppState, req: ChatRequest) -> list[int]:
-    _check_model(state, req.model)
-    lim = state.cfg.limits
-    if len(req.messages) > lim.max_messages:
-        raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-    return await trio.to_thread.run_sync(state.prompter.encode_chat, messages)
-
-
-def _message_dict(i: int, m: Any) -> dict[str, Any]:
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise e.BadRequest(f"content parts of type {part.type!r} are not supported",
-                                   param=f"messages[{i}].content")
-            texts.append(part.text)
-        content = "".join(texts)
-    role = "system" if m.role == "developer" else m.role
-    return {"role": role, "content": content or ""}
-
-
 def _check_model(state: AppState, model: str | None) -> None:
     if model is not None and model not in state.model_ids:
         raise e.ModelNotFound(model)
@@ -326,8 +312,8 @@ def _check_model(state: AppState, model: str | None) -> None:
 # --- generation --------------------------------------------------------------------------
 
 
-def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
-             ) -> Request:
+def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
+             grammar: Grammar | None) -> Request:
     """The one engine request for this body, its API key and the config."""
     lim, limit = state.cfg.limits, state.max_context
     if len(prompt) >= limit:
@@ -349,7 +335,8 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
     return Request(
         prompt=prompt, max_tokens=max_tokens,
         priority=req.priority or (key.priority if key else lim.default_priority),
-        sampling=_sampling(state, req), stop=_stops(state, req.stop),
+        sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
+        stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
         n_indent=getattr(req, "n_indent", 0),
@@ -405,8 +392,12 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
 
 
 async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
-               fmt: sse.MakeFormat) -> Response:
-    engine_request = _request(state, req, prompt, requested)
+               fmt: sse.MakeFormat, *, grammar: Grammar | None = None) -> Response:
+    """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own."""
+    grammar = grammar or request_grammar(req)
+    if grammar is not None:
+        await _check_grammar(state, req, grammar)
+    engine_request = _request(state, req, prompt, requested, grammar)
     g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")
@@ -419,6 +410,16 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     if key is not None:
         outcome.usage = _admit_key(state, key)
     return await generate(state, req, engine_request, fmt, outcome)
+
+
+async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
+    if req.ignore_eos:  # a finished grammar allows only the end of generation
+        raise e.BadRequest("ignore_eos cannot be combined with a grammar or a JSON "
+                           "schema", param="ignore_eos")
+    try:
+        await trio.to_thread.run_sync(state.prompter.check_grammar, grammar)
+    except ValueError as exc:
+        raise e.BadRequest("llama.cpp could not parse the grammar", param="grammar") from exc
 
 
 def _admit_key(state: AppState, key: KeyEntry) -> KeyUsage:

@@ -8,7 +8,7 @@ a wrong type or a value out of range is an error that names the field.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -51,6 +51,12 @@ class GenerationFields(Struct, kw_only=True):
     # llama.cpp's sampler chain, in order ("top_k", "top_p", "min_p", "temperature",
     # "penalties", "infill"); the default chain when absent.
     samplers: Annotated[list[str], Meta(max_length=16)] | None = None
+    # Structured output (forged.http.structured): OpenAI's, llama.cpp's and vLLM's words.
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: Annotated[str, Meta(max_length=65536)] | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_choice: Annotated[list[str], Meta(max_length=256)] | None = None
 
 
 class CompletionRequest(GenerationFields, kw_only=True):
@@ -71,11 +77,17 @@ class ChatMessage(Struct):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's earlier calls, and a tool's answer to one (forged.http.tools).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(GenerationFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 completion_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -10,6 +10,7 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.http.responses import HTTPError
+from forged.http.tools import ToolCallParser
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -61,12 +62,20 @@ class Format:
         out = b""
         if done.text:
             out += self.delta(done.text)
-        out += self._final_chunk(done.finish_reason)
+        out += self._tail()
+        out += self._final_chunk(self._reason(done))
         if include_usage:
             u = self._envelope(self.object_chunk, [])
             u["usage"] = usage(done)
             out += event(u)
         return out + DONE
+
+    def _tail(self) -> bytes:
+        """Frames for what a subclass still holds when the answer ends."""
+        return b""
+
+    def _reason(self, done: fr.Done) -> str:
+        return done.finish_reason
 
     def _final_chunk(self, reason: str) -> bytes:
         raise NotImplementedError
@@ -99,25 +108,60 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """Chat's shapes. With ``tools``, the answer's ``<tool_call>`` blocks are parsed
+    out of the content (forged.http.tools) and sent as ``tool_calls``."""
+
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(self, model: str, created: int, *, tools: bool = False) -> None:
+        super().__init__(model, created)
+        self.parser = ToolCallParser() if tools else None
 
     def start(self) -> bytes:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
     def delta(self, text: str) -> bytes:
+        if self.parser is None:
+            return self._content(text)
+        before = len(self.parser.calls)
+        content, calls = self.parser.feed(text)
+        out = self._content(content) if content else b""
+        for i, call in enumerate(calls, before):
+            out += self._chunk({"index": 0, "delta": {"tool_calls": [call.openai(i)]},
+                                "logprobs": None, "finish_reason": None})
+        return out
+
+    def _content(self, text: str) -> bytes:
         return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None,
                             "finish_reason": None})
+
+    def _tail(self) -> bytes:
+        rest = self.parser.flush() if self.parser is not None else ""
+        return self._content(rest) if rest else b""
+
+    def _reason(self, done: fr.Done) -> str:
+        called = self.parser is not None and self.parser.calls
+        return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
 
     def _final_chunk(self, reason: str) -> bytes:
         return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
 
     def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.parser is not None:
+            content, calls = self.parser.feed(text)
+            content += self.parser.flush()
+            message["content"] = content or None
+            if calls:
+                message["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
+                for c in message["tool_calls"]:
+                    del c["index"]  # a whole message's calls have no index
         out = self._envelope(self.object_whole, [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": done.finish_reason,
+            "index": 0, "message": message, "logprobs": None,
+            "finish_reason": self._reason(done),
         }])
         out["usage"] = usage(done)
         return out

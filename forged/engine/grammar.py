@@ -1,0 +1,143 @@
+"""Grammars for constrained output, written with llama-cpp-python's JSON-schema-to-GBNF
+converter (pure Python: it builds GBNF text and calls nothing of llama.cpp; the daemon
+uses it, and llama.cpp checks and runs the result in :mod:`forged.engine.backend`).
+
+The converter ignores what it cannot express (``minimum``, ``uniqueItems``, ...), and
+the output would then not validate. So a schema is walked first (:func:`check_schema`)
+and any keyword outside what the converter enforces is a 400 that names the keyword and
+where it is: what forged returns always validates against the schema it accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+
+from forged import errors as e
+from forged.engine.request import Grammar
+
+# The Hermes tool-call markers: the one tool-call syntax forged writes and parses.
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+# What the converter turns into grammar, by the kind of schema it applies to.
+_ENFORCED = frozenset({
+    "type", "$ref", "anyOf", "allOf", "const", "enum",
+    "properties", "required", "additionalProperties",
+    "items", "prefixItems", "minItems", "maxItems",
+    "pattern", "format", "minLength", "maxLength",
+    "$defs", "definitions",
+})
+# Words that describe a schema and constrain nothing.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment",
+    "deprecated", "readOnly", "writeOnly", "strict",
+})
+# The string formats the converter has rules for.
+_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3",
+                      "uuid4", "uuid5"})
+_WHY = {
+    "oneOf": "a grammar cannot enforce that exactly one branch matches; use anyOf",
+}
+_MAX_SCHEMA_BYTES = 64 * 1024
+# llama-cpp-python's converter lets a string hold raw control characters, which JSON
+# forbids (llama.cpp's own converter and JSON grammar exclude them): its rule, mended.
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+_JSON_OBJECT = JSON_GBNF  # llama.cpp's JSON grammar: an object at the top
+
+
+def schema_grammar(schema: Any, param: str) -> Grammar:
+    """The grammar of JSON that matches ``schema``, or a BadRequest naming what the
+    grammar could not enforce."""
+    if not isinstance(schema, dict):
+        raise e.BadRequest("a JSON schema must be an object", param=param)
+    if len(json.dumps(schema)) > _MAX_SCHEMA_BYTES:
+        raise e.BadRequest(f"the JSON schema is larger than {_MAX_SCHEMA_BYTES} bytes",
+                           param=param)
+    check_schema(schema, param)
+    return Grammar(gbnf=_convert(schema, "", param))
+
+
+def _convert(schema: dict[str, Any], name: str, param: str) -> str:
+    """GBNF for ``schema``, its top rule called ``name`` ("" is ``root``)."""
+    order = {"name": 0, "arguments": 1}  # a tool call's name before its arguments
+    converter = SchemaConverter(  # type: ignore[no-untyped-call]
+        prop_order=order, allow_fetch=False, dotall=False, raw_pattern=False)
+    schema = copy.deepcopy(schema)  # resolve_refs rewrites the $refs in place
+    try:
+        converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
+    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise e.BadRequest(f"the JSON schema cannot be turned into a grammar: {exc}",
+                           param=param) from exc
+    gbnf = str(converter.format_grammar())  # type: ignore[no-untyped-call]
+    return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+def json_object_grammar() -> Grammar:
+    return Grammar(gbnf=_JSON_OBJECT)
+
+
+def choice_grammar(choices: list[str], param: str) -> Grammar:
+    """vLLM's guided_choice: the answer is exactly one of ``choices``."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise e.BadRequest("guided_choice must be a list of non-empty strings", param=param)
+    return Grammar(gbnf="root ::= " + " | ".join(json.dumps(c) for c in choices))
+
+
+def check_schema(node: Any, where: str, depth: int = 0) -> None:
+    """A BadRequest naming the first keyword of ``node`` the grammar cannot enforce."""
+    if depth > 32:
+        raise e.BadRequest("the JSON schema is nested more than 32 levels deep", param=where)
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise e.BadRequest(f"{where}: a schema must be an object", param=where)
+    for key, value in node.items():
+        at = f"{where}.{key}"
+        if key in _ANNOTATIONS:
+            continue
+        if key not in _ENFORCED:
+            why = _WHY.get(key, "the grammar cannot enforce it")
+            raise e.BadRequest(f"the JSON schema keyword {key!r} is not supported ({why})",
+                               param=at)
+        if key == "format" and value not in _FORMATS:
+            raise e.BadRequest(f"the string format {value!r} is not supported; forged "
+                               f"enforces {', '.join(sorted(_FORMATS))}", param=at)
+        for i, sub in _subschemas(key, value):
+            check_schema(sub, f"{at}{i}", depth + 1)
+
+
+def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
+    """The schemas inside ``key``'s value, each with its place for error messages."""
+    match key:
+        case "properties" | "$defs" | "definitions" if isinstance(value, dict):
+            return [(f".{k}", v) for k, v in value.items()]
+        case "anyOf" | "allOf" | "prefixItems" if isinstance(value, list):
+            return [(f"[{i}]", v) for i, v in enumerate(value)]
+        case "items" if isinstance(value, list):
+            return [(f"[{i}]", v) for i, v in enumerate(value)]
+        case "items" | "additionalProperties":
+            return [("", value)]
+    return []
+
+
+def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> Grammar:
+    """A grammar for ``<tool_call>`` blocks, each a call of one of ``functions``."""
+    calls = {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+        "required": ["name", "arguments"], "additionalProperties": False,
+    } for f in functions]}
+    rules = [
+        f'root ::= tool-call{" (tool-ws tool-call)*" if many else ""}',
+        f'tool-call ::= "{TOOL_OPEN}" tool-ws call tool-ws "{TOOL_CLOSE}"',
+        'tool-ws ::= [ \\n]{0,2}',
+        _convert(calls, "call", "tools"),
+    ]
+    # Lazy: from the first "<tool_call>" the model writes, the grammar holds.
+    triggers = [r"[\s\S]*?(" + re.escape(TOOL_OPEN) + r")[\s\S]*"] if lazy else []
+    return Grammar(gbnf="\n".join(rules), lazy=lazy, trigger_patterns=triggers)

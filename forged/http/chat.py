@@ -1,0 +1,77 @@
+"""A chat request's prompt: its messages (and tools) through the model's chat template.
+
+The messages are checked and turned into what chat templates expect (Hugging Face's
+conventions: ``role``, ``content``, and for tools ``tool_calls`` with ``arguments`` as
+a value, ``tool_call_id``). With tools, :mod:`forged.http.tools` decides whether the
+template renders them or forged's system message carries them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from forged import errors as e
+from forged.http.schemas import ChatMessage, ChatRequest
+from forged.http.state import AppState
+from forged.http.tools import ToolPlan, fold_into_messages, parse_arguments, plan_tools
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    tokens: list[int]
+    tools: ToolPlan | None
+
+
+async def chat_prompt(state: AppState, req: ChatRequest) -> ChatPrompt:
+    lim = state.cfg.limits
+    if len(req.messages) > lim.max_messages:
+        raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
+    tools = None
+    if plan is not None and state.prompter.renders_tools:
+        tools = plan.tools
+    else:  # the template knows nothing of tools: forged writes them into the turns
+        messages = fold_into_messages(messages, plan.tools if plan else None)
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools)
+    return ChatPrompt(tokens, plan)
+
+
+def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": _text(m, f"{where}.content")}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise e.BadRequest("only assistant messages carry tool_calls",
+                               param=f"{where}.tool_calls")
+        out["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]")
+                             for j, c in enumerate(m.tool_calls)]
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id or ""
+    return out
+
+
+def _text(m: ChatMessage, where: str) -> str:
+    content = m.content
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise e.BadRequest(f"content parts of type {part.type!r} are not supported",
+                               param=where)
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise e.BadRequest("a tool call needs function.name", param=f"{where}.function")
+    args = parse_arguments(fn.get("arguments", "{}"), f"{where}.function.arguments")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}

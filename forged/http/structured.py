@@ -1,0 +1,68 @@
+"""Structured output: ``response_format`` and its cousins, as a grammar for the engine.
+
+A caller asks for JSON, JSON matching a schema, or a grammar of its own, in the words
+of whichever API it was written for:
+
+* OpenAI: ``response_format`` ``{"type": "json_object"}`` or ``{"type": "json_schema",
+  "json_schema": {"name": ..., "schema": {...}}}`` (chat, and forged takes it on
+  completions too);
+* llama.cpp's server: ``json_schema`` (a schema) and ``grammar`` (GBNF), and a
+  ``schema`` inside ``response_format`` of type ``json_object``;
+* vLLM: ``guided_json`` (a schema) and ``guided_choice`` (a list of strings).
+
+Each becomes one :class:`~forged.engine.request.Grammar` (:mod:`forged.engine.grammar`),
+which llama.cpp checks on the daemon's vocabulary before a worker sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forged import errors as e
+from forged.engine.grammar import choice_grammar, json_object_grammar, schema_grammar
+from forged.engine.request import Grammar
+
+
+def request_grammar(body: Any) -> Grammar | None:
+    """The one grammar this request's body asks for, if any."""
+    asked = [(name, value) for name in ("response_format", "json_schema", "grammar",
+                                        "guided_json", "guided_choice")
+             if (value := getattr(body, name, None)) is not None]
+    asked = [(n, v) for n, v in asked if not (n == "response_format" and _is_text(v))]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise e.BadRequest(f"{asked[0][0]} and {asked[1][0]} cannot be used together",
+                           param=asked[1][0])
+    name, value = asked[0]
+    match name:
+        case "response_format":
+            return _response_format(value)
+        case "json_schema" | "guided_json":
+            return schema_grammar(value, name)
+        case "guided_choice":
+            return choice_grammar(value, name)
+    return Grammar(gbnf=value)  # llama.cpp's grammar: checked by llama.cpp itself
+
+
+def _is_text(fmt: Any) -> bool:
+    return isinstance(fmt, dict) and fmt.get("type") == "text"
+
+
+def _response_format(fmt: Any) -> Grammar:
+    if not isinstance(fmt, dict):
+        raise e.BadRequest("response_format must be an object", param="response_format")
+    match fmt.get("type"):
+        case "json_object":
+            schema = fmt.get("schema")  # llama.cpp's extension
+            return json_object_grammar() if schema is None else \
+                schema_grammar(schema, "response_format.schema")
+        case "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise e.BadRequest("response_format.json_schema.schema is required",
+                                   param="response_format.json_schema")
+            return schema_grammar(spec["schema"], "response_format.json_schema.schema")
+    raise e.BadRequest(f"response_format type {fmt.get('type')!r} is not supported; "
+                       "use text, json_object or json_schema",
+                       param="response_format.type")

@@ -1,0 +1,247 @@
+"""Tool calls on chat: the request's ``tools`` into the prompt and a grammar, and the
+model's ``<tool_call>`` blocks back out as OpenAI's ``tool_calls``.
+
+forged speaks one tool-call syntax, the Hermes format most open chat models are
+trained on (Qwen2.5, Hermes, SmolLM3, ...)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    </tool_call>
+
+* **The prompt.** A chat template that takes ``tools`` and writes ``<tool_call>``
+  renders them itself. Any other template gets them in a system message of forged's
+  (:data:`SYSTEM_PROMPT`, placed before the caller's own system message), with earlier
+  calls written as ``<tool_call>`` blocks in the assistant's turns and tool results
+  as ``<tool_response>`` blocks in user turns, as Qwen2.5's template does.
+* **The grammar.** ``tool_choice`` ``required`` or a named function: the answer is
+  one call (several with ``parallel_tool_calls``) that matches the functions' schemas,
+  from its first token. ``auto``: the model writes what it likes until it writes
+  ``<tool_call>`` (llama.cpp's lazy grammar triggers), and from there the call is
+  constrained. ``none``: no tools in the prompt and no grammar.
+* **The answer.** :class:`ToolCallParser` takes the text as it streams and splits it
+  into content and calls; text that could still become ``<tool_call>`` is held back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from forged import errors as e
+from forged.engine.grammar import TOOL_CLOSE as CLOSE
+from forged.engine.grammar import TOOL_OPEN as OPEN
+from forged.engine.grammar import call_grammar, check_schema
+from forged.engine.request import Grammar
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+
+SYSTEM_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools do to its prompt, its sampling and its answer."""
+
+    tools: list[dict[str, Any]]  # as the template sees them: OpenAI's tool objects
+    grammar: Grammar | None
+    parse: bool  # whether the answer is searched for calls
+
+
+def plan_tools(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolPlan | None:
+    """Check ``tools`` and ``tool_choice``; None when the request has no tools."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise e.BadRequest("tool_choice needs tools", param="tool_choice")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise e.BadRequest(f"at most {MAX_TOOLS} tools are allowed", param="tools")
+    functions = [_function(i, t) for i, t in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise e.BadRequest("tool names must be unique", param="tools")
+    wanted = _choice(choice, names)
+    if wanted == "none":
+        return None
+    many = parallel is not False
+    allowed = [f for f in functions if wanted in ("auto", "required") or f["name"] == wanted]
+    grammar = call_grammar(allowed, many=many, lazy=wanted == "auto")
+    return ToolPlan([{"type": "function", "function": f} for f in functions], grammar, True)
+
+
+def _function(i: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise e.BadRequest("only tools of type 'function' are supported", param=f"{where}.type")
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise e.BadRequest("a tool needs function.name", param=f"{where}.function")
+    if not _NAME.match(fn["name"]):
+        raise e.BadRequest("a function name has 1 to 64 letters, digits, _ or -",
+                           param=f"{where}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    check_schema(params, f"{where}.function.parameters")
+    out = {"name": fn["name"], "parameters": params}
+    if isinstance(fn.get("description"), str):
+        out["description"] = fn["description"]
+    return out
+
+
+def _choice(choice: Any, names: list[str]) -> str:
+    """``none``, ``auto``, ``required`` or the one function's name."""
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return str(choice)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name in names:
+            return str(name)
+        raise e.BadRequest(f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice.function.name")
+    raise e.BadRequest("tool_choice must be none, auto, required or "
+                       '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+
+
+# --- the prompt ------------------------------------------------------------------------
+
+
+def system_prompt(tools: list[dict[str, Any]]) -> str:
+    return SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+
+
+def fold_into_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                       ) -> list[dict[str, Any]]:
+    """For a template that knows nothing of tools: the tools as a system message, and
+    earlier calls and results written in the Hermes format as plain turns."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            blocks = "\n".join(f"{OPEN}\n{json.dumps(_call_json(c))}\n{CLOSE}"
+                               for c in m["tool_calls"])
+            out.append({"role": "assistant",
+                        "content": (m["content"] + "\n" if m["content"] else "") + blocks})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        text = system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    return {"name": fn["name"], "arguments": fn["arguments"]}
+
+
+def parse_arguments(raw: Any, where: str) -> Any:
+    """An assistant message's ``function.arguments`` (a JSON string, as OpenAI sends
+    it) as a value, for templates that write it out as JSON."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise e.BadRequest("function.arguments must be a JSON string", param=where) from exc
+
+
+# --- the answer ------------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int) -> dict[str, Any]:
+        return {"index": index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolCallParser:
+    """Splits streamed text into content and tool calls.
+
+    ``feed`` returns the content that is certain and the calls completed so far; text
+    that may be the start of ``<tool_call>``, and a call still being written, wait.
+    A block that does not hold a call (``{"name", "arguments"}`` JSON) is content.
+    """
+
+    calls: list[ToolCall] = field(default_factory=list)
+    _buf: str = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        content, new = "", []
+        while True:
+            start = self._buf.find(OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buf, OPEN)
+                content += self._text(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            content += self._text(self._buf[:start])
+            end = self._buf.find(CLOSE, start)
+            if end < 0:
+                self._buf = self._buf[start:]
+                break
+            block = self._buf[start:end + len(CLOSE)]
+            self._buf = self._buf[end + len(CLOSE):]
+            call = _parse_call(block[len(OPEN):-len(CLOSE)])
+            if call is None:
+                content += block
+            else:
+                new.append(call)
+                self.calls.append(call)
+        return content, new
+
+    def _text(self, segment: str) -> str:
+        # Between and after calls, whitespace is layout, not content.
+        return "" if self.calls and segment.isspace() else segment
+
+    def flush(self) -> str:
+        """What is left at the end: an unfinished block is content."""
+        rest, self._buf = self._buf, ""
+        return rest
+
+
+def _partial_suffix(text: str, word: str) -> int:
+    """The length of the longest end of ``text`` that begins ``word``."""
+    for n in range(min(len(text), len(word) - 1), 0, -1):
+        if word.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))

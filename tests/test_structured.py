@@ -1,0 +1,369 @@
+"""Structured output and tool calls (issue 18): grammars, tools and their parser.
+
+The unit tests check the schema walk, the tools' checks and the parser without a
+model. The end-to-end tests go through the official openai client: on the tiny
+random-weight model (whose chat template renders tools and whose vocabulary has
+<tool_call> as a special token) and on SmolLM2 (whose template knows nothing of
+tools, so forged's system message carries them). Every sampled output at temperature
+1 must parse and validate against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from forged import errors as e
+from forged.engine.backend import Model
+from forged.engine.grammar import call_grammar, check_schema, schema_grammar
+from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
+from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.tinymodel import write_tiny_llama
+
+# A schema that uses most of what the grammar enforces, and bounds every part of the
+# answer, so that a sample at temperature 1 ends well within max_tokens.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "admin": {"type": "boolean"},
+        "role": {"enum": ["dev", "ops", "qa"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                 "maxItems": 3},
+        "team": {"$ref": "#/$defs/team"},
+        "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 8}]},
+        "code": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+    },
+    "required": ["name", "age", "admin", "role", "tags", "team", "note", "code"],
+    "additionalProperties": False,
+    "$defs": {"team": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "lead": {"type": "boolean"}},
+        "required": ["id", "lead"], "additionalProperties": False}},
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+# --- units ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("schema", "param"), [
+    ({"type": "integer", "minimum": 3}, "s.minimum"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+     "s.properties.a.uniqueItems"),
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "s.oneOf"),
+    ({"type": "string", "format": "email"}, "s.format"),
+    ({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}, "s.anyOf[1].not"),
+    ({"$defs": {"x": {"type": "number", "multipleOf": 2}}}, "s.$defs.x.multipleOf"),
+])
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_named(schema: dict[str, Any],
+                                                              param: str) -> None:
+    with pytest.raises(e.BadRequest) as info:
+        check_schema(schema, "s")
+    assert info.value.param == param
+    assert repr(param.rsplit(".", 1)[-1]) in str(info.value) or "format" in param
+
+
+def test_annotations_and_enforced_keywords_pass() -> None:
+    check_schema({**SCHEMA, "title": "T", "description": "d", "$schema": "x"}, "s")
+    assert "root ::=" in schema_grammar(SCHEMA, "s").gbnf
+
+
+def test_a_schema_string_excludes_raw_control_characters() -> None:
+    """llama-cpp-python's converter allows them; JSON does not (a temperature-1 sample
+    on the tiny model wrote an ESC into a string before forged mended the rule)."""
+    gbnf = schema_grammar({"type": "string", "maxLength": 3}, "s").gbnf
+    assert r'char ::= [^"\\\x7F\x00-\x1F]' in gbnf
+
+
+def test_the_parser_holds_back_a_partial_marker_and_splits_calls() -> None:
+    text = ('Let me look.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    whole = ToolCallParser()
+    content, calls = whole.feed(text)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("g", {})]
+    streamed = ToolCallParser()
+    parts = [streamed.feed(ch) for ch in text]  # one character at a time
+    assert "".join(p[0] for p in parts) == "Let me look."
+    assert [c.name for p in parts for c in p[1]] == ["f", "g"]
+    # "<tool_" may begin a call: held back until it cannot
+    held = ToolCallParser()
+    assert held.feed("a <tool_") == ("a ", [])
+    assert held.feed("box>") == ("<tool_box>", [])
+
+
+def test_a_block_that_is_not_a_call_is_content() -> None:
+    p = ToolCallParser()
+    content, calls = p.feed("<tool_call>not json</tool_call> and <tool_call>{")
+    assert calls == [] and content == "<tool_call>not json</tool_call> and "
+    assert p.flush() == "<tool_call>{"  # an unfinished block, at the end, is content
+
+
+@pytest.mark.parametrize(("tools", "choice", "param"), [
+    (None, "required", "tool_choice"),
+    ([{"type": "retrieval"}], None, "tools[0].type"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}},
+     "tool_choice.function.name"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([WEATHER, WEATHER], None, "tools"),
+    ([{"type": "function", "function": {"name": "bad name"}}], None,
+     "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}],
+     None, "tools[0].function.parameters.properties.n.maximum"),
+])
+def test_bad_tools_are_named(tools: Any, choice: Any, param: str) -> None:
+    with pytest.raises(e.BadRequest) as info:
+        plan_tools(tools, choice, None)
+    assert info.value.param == param
+
+
+def test_tool_choice_shapes_the_grammar() -> None:
+    assert plan_tools([WEATHER], "none", None) is None
+    auto = plan_tools([WEATHER, TIME], "auto", None)
+    assert auto is not None and auto.grammar is not None and auto.grammar.lazy
+    named = plan_tools([WEATHER, TIME], {"type": "function",
+                                         "function": {"name": "get_time"}}, False)
+    assert named is not None and named.grammar is not None and not named.grammar.lazy
+    assert "get_time" in named.grammar.gbnf and "get_weather" not in named.grammar.gbnf
+    assert "tool-call)*" not in named.grammar.gbnf  # one call: parallel_tool_calls false
+    assert "tool-call)*" in call_grammar([WEATHER["function"]], many=True, lazy=False).gbnf
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+    ]
+    out = fold_into_messages(messages, [WEATHER])
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in out[0]["content"] and "<tools>" in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", '
+                      '"arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n12 C\n</tool_response>"}
+
+
+# --- end to end -------------------------------------------------------------------------
+
+
+def _start(model: Path, tmp: Path) -> Iterator[DaemonProcess]:
+    port = free_port()
+    d = DaemonProcess(write_config(tmp / "forged.toml", model, port, engine={
+        "kv_cells": 8192, "kv_layout": "unified", "max_context": 2048, "slots": 16,
+        "max_running": 16}), port)
+    try:
+        d.wait_ready(180)
+        yield d
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    tmp = tmp_path_factory.mktemp("tools")
+    yield from _start(write_tiny_llama(tmp / "tiny-tools.gguf", tools=True), tmp)
+
+
+@pytest.fixture(scope="module")
+def smol(real_model: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[DaemonProcess]:
+    yield from _start(real_model, tmp_path_factory.mktemp("smol"))
+
+
+def _client(d: DaemonProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _model(d: DaemonProcess) -> str:
+    return str(_client(d).models.list().data[0].id)
+
+
+def _samples(d: DaemonProcess, n: int, **kw: Any) -> list[ChatCompletion]:
+    """``n`` chat completions at temperature 1, several at once, each validated
+    against openai's own response type."""
+    def one(seed: int) -> ChatCompletion:
+        raw = _client(d).chat.completions.with_raw_response.create(
+            model=_model(d), temperature=1.0, seed=seed, **kw)
+        return ChatCompletion.model_validate(raw.http_response.json())
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def _assert_all_validate(answers: list[ChatCompletion]) -> None:
+    for a in answers:
+        assert a.choices[0].finish_reason == "stop", a
+        jsonschema.validate(json.loads(a.choices[0].message.content or ""), SCHEMA)
+
+
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+
+def test_json_schema_output_always_validates_tiny(tiny_tools: DaemonProcess) -> None:
+    _assert_all_validate(_samples(
+        tiny_tools, 48, messages=[{"role": "user", "content": "A person"}],
+        response_format=RESPONSE_FORMAT, max_tokens=400))
+
+
+@pytest.mark.model
+def test_json_schema_output_always_validates_smollm2(smol: DaemonProcess) -> None:
+    _assert_all_validate(_samples(
+        smol, 16, messages=[{"role": "user", "content": "Describe an engineer as JSON."}],
+        response_format=RESPONSE_FORMAT, max_tokens=300))
+
+
+def test_json_object_and_completions_fields(tiny_tools: DaemonProcess) -> None:
+    c = _client(tiny_tools)
+    model = _model(tiny_tools)
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+             "required": ["ok"], "additionalProperties": False}
+    for body in ({"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "s", "schema": small}}},
+                 {"json_schema": small}, {"guided_json": small},
+                 {"response_format": {"type": "json_object", "schema": small}}):
+        raw = c.completions.with_raw_response.create(
+            model=model, prompt="JSON:", max_tokens=40, extra_body=body)
+        done = Completion.model_validate(raw.http_response.json())
+        jsonschema.validate(json.loads(done.choices[0].text), small)
+    choice = c.completions.create(model=model, prompt="?", max_tokens=10,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    gbnf = c.completions.create(model=model, prompt="?", max_tokens=10,
+                                extra_body={"grammar": 'root ::= "a" [0-9]'})
+    assert len(gbnf.choices[0].text) == 2 and gbnf.choices[0].text[0] == "a"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"grammar": 'root ::= "x"', "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 1}}}},
+     "response_format.json_schema.schema.minimum"),
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "x"'}, "grammar"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_constraints_get_a_400_that_names_them(tiny_tools: DaemonProcess,
+                                                   body: dict[str, Any], param: str) -> None:
+    r = httpx.post(tiny_tools.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = httpx.post(tiny_tools.url + "/v1/completions", timeout=30,
+                    json={"prompt": "still", "max_tokens": 2})
+    assert ok.status_code == 200  # the worker is alive and nothing leaked
+
+
+def _args_valid(call: Any, tools: list[dict[str, Any]]) -> None:
+    schema = next(t["function"]["parameters"] for t in tools
+                  if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def _tool_loop(d: DaemonProcess) -> None:
+    """The openai client's loop: a call, the tool's result, then an answer."""
+    c, tools = _client(d), [WEATHER, TIME]
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    raw = c.chat.completions.with_raw_response.create(
+        model=_model(d), messages=messages, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=120)
+    first = ChatCompletion.model_validate(raw.http_response.json())
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    _args_valid(call, tools)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "12 degrees, sunny"}]
+    answer = c.chat.completions.create(model=_model(d), messages=messages, tools=tools,
+                                       tool_choice="none", max_tokens=30, temperature=0)
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content
+    # the tool's result reached the prompt: the second prompt is the first plus the turns
+    assert answer.usage is not None and first.usage is not None
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_tool_loop_tiny(tiny_tools: DaemonProcess) -> None:
+    _tool_loop(tiny_tools)
+
+
+@pytest.mark.model
+def test_tool_loop_smollm2(smol: DaemonProcess) -> None:
+    _tool_loop(smol)
+
+
+def _streamed_calls(d: DaemonProcess, **kw: Any) -> tuple[list[Any], str | None, str]:
+    with httpx.stream("POST", d.url + "/v1/chat/completions", timeout=120, json={
+            "model": _model(d), "stream": True, "tools": [WEATHER, TIME], **kw}) as r:
+        chunks = [ChatCompletionChunk.model_validate_json(line[6:])
+                  for line in r.iter_lines() if line.startswith("data: {")]
+    calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    return calls, chunks[-1].choices[0].finish_reason, content
+
+
+@pytest.mark.model
+def test_a_named_function_streams_as_tool_call_deltas(smol: DaemonProcess) -> None:
+    calls, reason, content = _streamed_calls(
+        smol, messages=[{"role": "user", "content": "Time in Oslo?"}], max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert reason == "tool_calls" and content == ""
+    assert calls and all(c.function.name == "get_time" for c in calls)
+    assert [c.index for c in calls] == list(range(len(calls)))
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments or ""),
+                            TIME["function"]["parameters"])
+
+
+def test_auto_constrains_a_call_once_the_model_starts_one(tiny_tools: DaemonProcess) -> None:
+    """``auto``: the random model would never call; a logit bias on the <tool_call>
+    token makes it start one, and from there the lazy grammar makes it a valid call."""
+    opener = _special_id(tiny_tools)
+    for seed in range(6):
+        calls, reason, _ = _streamed_calls(
+            tiny_tools, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            max_tokens=200, temperature=1.0, seed=seed, tool_choice="auto",
+            logit_bias={str(opener): 100})
+        assert reason == "tool_calls", calls
+        for c in calls:
+            _args_valid(c, [WEATHER, TIME])
+
+
+def _special_id(d: DaemonProcess) -> int:
+    """The id of the special token <tool_call> in the tiny vocabulary."""
+    with Model(str(_model_path(d)), vocab_only=True) as m:
+        ids = m.tokenize("<tool_call>", add_special=False, parse_special=True)
+    assert len(ids) == 1
+    return ids[0]
+
+
+def _model_path(d: DaemonProcess) -> Path:
+    for line in d.config.read_text().splitlines():
+        if line.startswith("path = "):
+            return Path(json.loads(line.split(" = ", 1)[1]))
+    raise AssertionError("no model path in the config")
