@@ -139,7 +139,8 @@ def test_bad_tools_are_named(tools: Any, choice: Any, param: str) -> None:
 
 
 def test_tool_choice_shapes_the_grammar() -> None:
-    assert plan_tools([WEATHER], "none", None) is None
+    none = plan_tools([WEATHER], "none", None)  # listed in the prompt, never parsed
+    assert none is not None and none.grammar is None and not none.parse and none.tools
     auto = plan_tools([WEATHER, TIME], "auto", None)
     assert auto is not None and auto.grammar is not None and auto.grammar.lazy
     named = plan_tools([WEATHER, TIME], {"type": "function",
@@ -342,13 +343,14 @@ def test_a_named_function_streams_as_tool_call_deltas(smol: DaemonProcess) -> No
 
 def test_auto_constrains_a_call_once_the_model_starts_one(tiny_tools: DaemonProcess) -> None:
     """``auto``: the random model would never call; a logit bias on the <tool_call>
-    token makes it start one, and from there the lazy grammar makes it a valid call."""
+    token makes it start one, and from there the lazy grammar makes it a valid call
+    (one: the bias would otherwise open call after call until the length limit)."""
     opener = _special_id(tiny_tools)
     for seed in range(6):
         calls, reason, _ = _streamed_calls(
             tiny_tools, messages=[{"role": "user", "content": "Weather in Oslo?"}],
             max_tokens=200, temperature=1.0, seed=seed, tool_choice="auto",
-            logit_bias={str(opener): 100})
+            parallel_tool_calls=False, logit_bias={str(opener): 100})
         assert reason == "tool_calls", calls
         for c in calls:
             _args_valid(c, [WEATHER, TIME])

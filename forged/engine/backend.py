@@ -19,10 +19,12 @@ from types import TracebackType
 from typing import Any, Self
 
 import llama_cpp as ll
+import numpy as np
 
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
 from forged.engine.fim import FimTokens
 from forged.engine.request import Grammar, SamplerName, Sampling
+from forged.engine.utf8 import Utf8Guard, Utf8Table
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -99,6 +101,7 @@ class Model(_Closing):
         self.bos: int = ll.llama_vocab_bos(self.vocab)
         self._eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)]
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._utf8: Utf8Table | None = None
 
     @property
     def ptr(self) -> Any:
@@ -166,6 +169,12 @@ class Model(_Closing):
             n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    def utf8_table(self) -> Utf8Table:
+        """Built on first use (a pass over the vocabulary, ~0.2 s for 49k tokens)."""
+        if self._utf8 is None:
+            self._utf8 = Utf8Table.build([self.piece(t) for t in range(self.n_vocab)])
+        return self._utf8
+
     def close(self) -> None:
         if self._ptr:
             ll.llama_model_free(self._ptr)
@@ -215,6 +224,7 @@ class Sampler(_Closing):
     def __init__(self, model: Model, p: Sampling, prompt: Sequence[int] = ()) -> None:
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._model, self._p = model, p
+        self._guard: Utf8Guard | None = None  # with a grammar (see forged.engine.utf8)
         self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
                                                           or p.frequency_penalty)
         if p.logit_bias:
@@ -238,6 +248,7 @@ class Sampler(_Closing):
                 self.close()
                 raise
             self._nest_under(grammar)
+            self._guard = Utf8Guard(model.utf8_table())
 
     def _nest_under(self, grammar: Any) -> None:
         outer = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
@@ -276,8 +287,15 @@ class Sampler(_Closing):
             ll.llama_sampler_accept(self._ptr, t)
 
     def sample(self, ctx: Context, index: int) -> int:
-        # llama_sampler_sample also accepts the sampled token into the chain.
-        return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+        if self._guard is None:
+            # llama_sampler_sample also accepts the sampled token into the chain.
+            return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+        # The chain reads the logits row, so banning in place constrains the draw.
+        self._guard.ban(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, index),
+                                              shape=(self._model.n_vocab,)))
+        token = int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+        self._guard.accept(token)
+        return token
 
     def close(self) -> None:
         if self._ptr:

@@ -176,12 +176,13 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         _check_model(state, req.model)
         prompt = await chat_prompt(state, req)
         plan = prompt.tools
-        if plan is not None and request_grammar(req) is not None:
-            raise e.BadRequest("response_format cannot be combined with tools",
-                               param="response_format")
+        calls = plan is not None and plan.parse
+        if calls and request_grammar(req) is not None:
+            raise e.BadRequest("response_format cannot be combined with tool calls "
+                               "(tool_choice 'none' allows it)", param="response_format")
         return await _run(state, req, prompt.tokens,
                           req.max_completion_tokens or req.max_tokens,
-                          functools.partial(sse.ChatFormat, tools=plan is not None),
+                          functools.partial(sse.ChatFormat, tools=calls),
                           grammar=plan.grammar if plan else None)
 
     @app.post("/infill")

@@ -77,12 +77,14 @@ def plan_tools(tools: list[Any] | None, choice: Any, parallel: bool | None) -> T
     if len(set(names)) != len(names):
         raise e.BadRequest("tool names must be unique", param="tools")
     wanted = _choice(choice, names)
+    listed = [{"type": "function", "function": f} for f in functions]
     if wanted == "none":
-        return None
-    many = parallel is not False
+        # Still in the prompt, as llama-server and vLLM render them: the turn after a
+        # tool result then shares its whole prefix with the turn that called the tool.
+        return ToolPlan(listed, None, False)
     allowed = [f for f in functions if wanted in ("auto", "required") or f["name"] == wanted]
-    grammar = call_grammar(allowed, many=many, lazy=wanted == "auto")
-    return ToolPlan([{"type": "function", "function": f} for f in functions], grammar, True)
+    grammar = call_grammar(allowed, many=parallel is not False, lazy=wanted == "auto")
+    return ToolPlan(listed, grammar, True)
 
 
 def _function(i: int, tool: Any) -> dict[str, Any]:
