@@ -16,6 +16,13 @@ setup: system-deps $(STAMP) model
 system-deps:
 	@scripts/system-deps.sh
 
+# ggml's AMX kernels stop the worker with a general protection fault on Q4/Q8 weights
+# on some AMX CPUs (seen on a Xeon VM whose kernel grants AMX), so the native build
+# leaves AMX out. (pip reuses a wheel it cached before this line: `pip cache purge`.)
+ifeq ($(shell uname -m),x86_64)
+$(STAMP): export CFLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+$(STAMP): export CXXFLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+endif
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip wheel

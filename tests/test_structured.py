@@ -195,7 +195,7 @@ def smol(real_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _client(d: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _model(d: DaemonProcess) -> str:
@@ -230,8 +230,9 @@ def test_json_schema_output_always_validates_tiny(tiny_tools: DaemonProcess) -> 
 
 @pytest.mark.model
 def test_json_schema_output_always_validates_smollm2(smol: DaemonProcess) -> None:
+    # Fewer than on the tiny model: a grammar costs SmolLM2 ~8 ms a token (49k tokens).
     _assert_all_validate(_samples(
-        smol, 16, messages=[{"role": "user", "content": "Describe an engineer as JSON."}],
+        smol, 8, messages=[{"role": "user", "content": "Describe an engineer as JSON."}],
         response_format=RESPONSE_FORMAT, max_tokens=300))
 
 

@@ -17,7 +17,7 @@ trained on (Qwen2.5, Hermes, SmolLM3, ...)::
   one call (several with ``parallel_tool_calls``) that matches the functions' schemas,
   from its first token. ``auto``: the model writes what it likes until it writes
   ``<tool_call>`` (llama.cpp's lazy grammar triggers), and from there the call is
-  constrained. ``none``: no tools in the prompt and no grammar.
+  constrained. ``none``: the tools stay in the prompt, with no grammar and no parsing.
 * **The answer.** :class:`ToolCallParser` takes the text as it streams and splits it
   into content and calls; text that could still become ``<tool_call>`` is held back.
 """
