@@ -15,6 +15,7 @@ daemon cannot start); ``Cancelled`` and our own bugs always propagate.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -83,6 +84,7 @@ class WorkerSupervisor:
         self.outbox: channel.Outbox | None = None
         self.stats: dict[str, float] = {}
         self.last_heard = 0.0
+        self.exit_note = ""  # how the last process ended by itself, for the log
 
     def routable(self, now: float) -> bool:
         """Ready, and heard from recently: a worker whose heartbeat is late may be
@@ -103,14 +105,15 @@ class WorkerSupervisor:
             started = time.monotonic()
             try:
                 await self._run_process(task_status if first else trio.TASK_STATUS_IGNORED)
-                why = "the worker exited"
+                why = "the worker exited" + self.exit_note
             except BaseException as exc:
                 fault = worker_fault(exc)
                 if fault is None:
                     raise  # Cancelled, or a bug of ours: never swallowed
+                fault_text = f"{fault}{self.exit_note}"
                 if first and not self.ready:
-                    raise RuntimeError(f"worker {self.index} failed to start: {fault}") from exc
-                why = f"the worker failed: {fault}"
+                    raise RuntimeError(f"worker {self.index} failed to start: {fault_text}") from exc
+                why = f"the worker failed: {fault_text}"
             first = False
             await self._after_loss(why, time.monotonic() - started)
 
@@ -156,7 +159,8 @@ class WorkerSupervisor:
                 # outbox die with it (their requests fail with WorkerLost).
                 self.outbox = None
                 with trio.CancelScope(shield=True):
-                    await _stop_process(proc, stream, polite=not wedged)
+                    self.exit_note = _exit_note(await _stop_process(proc, stream,
+                                                                    polite=not wedged))
 
     async def _start(self, stream: trio.SocketStream) -> fr.FrameBuffer:
         with trio.fail_after(self.engine.startup_timeout):
@@ -175,15 +179,28 @@ class WorkerSupervisor:
         self._on_step(step)
 
 
+def _exit_note(own_exit: int | None) -> str:
+    """How a worker ended on its own, for the log: a crash in llama.cpp (a signal)
+    leaves no Python traceback, so this is all an admin gets."""
+    if not own_exit:
+        return ""
+    if own_exit < 0:
+        return f" (killed by {signal.Signals(-own_exit).name})"
+    return f" (exit status {own_exit})"
+
+
 async def _stop_process(proc: trio.Process, stream: trio.SocketStream, *,
-                        polite: bool) -> None:
+                        polite: bool) -> int | None:
+    """Stop the worker; its exit status if it ended by itself, None if we killed it."""
     # Ask politely first (the worker frees llama.cpp memory), then insist. A wedged
     # worker would not answer: kill it at once.
     with trio.move_on_after(2.0 if polite else 0.0):
         with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await stream.send_all(fr.encode(fr.Shutdown()))
         await proc.wait()
-    if proc.returncode is None:
+    own_exit = proc.returncode
+    if own_exit is None:
         proc.kill()
         await proc.wait()
     await stream.aclose()
+    return own_exit
