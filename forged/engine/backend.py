@@ -94,7 +94,11 @@ class Model(_Closing):
             raise BackendError(f"llama.cpp could not load the model {path}")
         self.vocab = ll.llama_model_get_vocab(self._ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self._ptr)
+        # llama.cpp loads no hyperparameters for a vocabulary-only model and reports 0:
+        # the GGUF's own key says it then (the daemon's model is vocabulary-only).
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self._ptr) or self._hparam(
+            "context_length")
+        self.n_embd = ll.llama_model_n_embd(self._ptr) or self._hparam("embedding_length")
         self.eos: int = ll.llama_vocab_eos(self.vocab)
         self.bos: int = ll.llama_vocab_bos(self.vocab)
         self._eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)]
@@ -123,6 +127,11 @@ class Model(_Closing):
         rep, sep, pad = (t if t >= 0 else None for t in (
             ll.llama_vocab_fim_rep(v), ll.llama_vocab_fim_sep(v), ll.llama_vocab_fim_pad(v)))
         return FimTokens(pre=ids[0], suf=ids[1], mid=ids[2], rep=rep, sep=sep, pad=pad)
+
+    def _hparam(self, name: str) -> int:
+        """The architecture's hyperparameter ``name`` from the GGUF metadata; 0 if absent."""
+        value = self.meta(f"{self.meta('general.architecture')}.{name}")
+        return int(value) if value is not None and value.isdigit() else 0
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
