@@ -69,6 +69,9 @@ def test_keys_are_required_limited_per_key_and_revoked_on_reload(
                 assert r.status_code == 401
                 assert r.json()["error"]["code"] == "invalid_api_key"
             assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models/tiny").status_code == 401
+            for path in ("/tokenize", "/detokenize"):  # llama.cpp's, outside /v1/
+                assert c.post(path, json={}).status_code == 401
             assert c.get("/health").status_code == 200  # health stays open
             ok = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {bob}"})
             assert ok.status_code == 200

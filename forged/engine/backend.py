@@ -113,6 +113,20 @@ class Model(_Closing):
         return list(self._eog)
 
     @property
+    def n_params(self) -> int:
+        return int(ll.llama_model_n_params(self._ptr))
+
+    @property
+    def size(self) -> int:
+        """Bytes of the model's tensors (llama.cpp's ``size``)."""
+        return int(ll.llama_model_size(self._ptr))
+
+    @property
+    def vocab_type(self) -> int:
+        """llama.cpp's enum: 1 SentencePiece, 2 BPE, 3 WordPiece, ..."""
+        return int(ll.llama_vocab_type(self.vocab))
+
+    @property
     def add_bos(self) -> bool:
         """Whether the model wants BOS at the start of a prompt."""
         return bool(ll.llama_vocab_get_add_bos(self.vocab))

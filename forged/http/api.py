@@ -1,5 +1,6 @@
 """The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/infill`` and a minimal ``/health``. Nothing else is served on this port.
+``/infill``, ``/tokenize``, ``/detokenize`` and a minimal ``/health``. Nothing else is
+served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -40,6 +41,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.lifetime import RequestResources, resources
+from forged.http.models import model_list, model_object
 from forged.http.responses import (
     error_response,
     from_exception,
@@ -54,10 +56,11 @@ from forged.http.schemas import (
 )
 from forged.http.state import AppState, KeyUsage
 from forged.http.structured import request_grammar
+from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 
 access_log = logging.getLogger("forged.access")
-# Generation routes outside /v1/ (llama.cpp's): they need an API key as /v1/ does.
-_GENERATION_PATHS = ("/infill",)
+# llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
+_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize")
 T = TypeVar("T")
 
 
@@ -86,7 +89,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
         if state.keys.enabled and (request.path.startswith("/v1/")
-                                   or request.path in _GENERATION_PATHS):
+                                   or request.path in _KEYED_PATHS):
             g.key = await _authenticate(state)
 
     @app.after_request
@@ -154,9 +157,21 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "forged"}
-                for m in state.model_ids]
-        return json_response({"object": "list", "data": data})
+        return json_response(model_list(state))
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        return json_response(model_object(state, model_id))
+
+    @app.post("/tokenize")
+    async def tokenize_route() -> Response:
+        return json_response(await tokenize(state, await _decoded(
+            state, tokenize_decoder, engine=False)))
+
+    @app.post("/detokenize")
+    async def detokenize_route() -> Response:
+        return json_response(await detokenize(state, await _decoded(
+            state, detokenize_decoder, engine=False)))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
@@ -214,11 +229,14 @@ async def _drain_body() -> bool:
     return True
 
 
-async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T]) -> T:
-    """The request's body, decoded; a full queue answers before any parsing, and a body
-    that is not JSON, or JSON of the wrong shape, is a 400 naming the field."""
+async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
+                   engine: bool = True) -> T:
+    """The request's body, decoded; for the ``engine``, a full queue answers before any
+    parsing, and a body that is not JSON, or JSON of the wrong shape, is a 400 naming
+    the field."""
     body = await _read_body(state)
-    state.pool.check_capacity()
+    if engine:
+        state.pool.check_capacity()
     try:
         return await _decode(state, decoder, body)
     except msgspec.MsgspecError as exc:
