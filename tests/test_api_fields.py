@@ -4,18 +4,33 @@ stop_reason and system_fingerprint, and an honest 400 for what forged does not d
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from forged.engine.limits import scheduler_limits
-from forged.engine.prompts import Prompter
+from forged.engine.prompts import CHATML, Prompter
 from tests.conftest import make_config
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.tinymodel import write_tiny_llama
+
+# ChatML, and Qwen3's switch: with enable_thinking false, an empty thought is written
+# into the prompt for the model.
+THINKING = CHATML + ("{% if enable_thinking is defined and not enable_thinking %}"
+                     "<think>\n\n</think>\n\n{% endif %}")
+EOS = 2
+A = 3 + 256 + ord("a") - 0x20  # the tiny vocabulary's "a"
+# Greedy, with "a" (or the end) far ahead of every other token.
+ALWAYS_A: dict[str, Any] = {"temperature": 0, "logit_bias": {str(A): 100}}
+ALWAYS_END: dict[str, Any] = {"temperature": 0, "logit_bias": {str(EOS): 100}}
+
 
 # --- the model's context ------------------------------------------------------------
 
@@ -47,8 +62,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     cfg = write_config(tmp / "forged.toml", model, port, engine={
         "kv_cells": 8192, "kv_layout": "unified", "max_context": 0, "slots": 8,
         "max_running": 8})
-    # write_config's own argument is named `model`: the alias goes in by hand
-    cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\naliases = ["gpt-x"]\n'))
+    # write_config's own argument is named `model`: the model's keys go in by hand
+    cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\naliases = ["gpt-x"]\n'
+                                           f"chat_template = {json.dumps(THINKING)}\n"))
     d = DaemonProcess(cfg, port)
     try:
         d.wait_ready(180)
@@ -104,3 +120,106 @@ def test_tokenize_and_detokenize_have_llama_cpp_shapes(tiny: DaemonProcess) -> N
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         bad = h.post("/tokenize", json={"content": 5})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "content"
+
+
+def test_the_piece_of_a_is_a(tiny: DaemonProcess) -> None:
+    pieces = httpx.post(tiny.url + "/tokenize", json={"content": "a", "with_pieces": True})
+    assert {"id": A, "piece": "a"} in pieces.json()["tokens"]
+
+
+# --- vLLM's sampling fields ---------------------------------------------------------
+
+
+def _complete(d: DaemonProcess, **body: Any) -> Completion:
+    raw = _client(d).completions.with_raw_response.create(
+        model="tiny", prompt="x", max_tokens=body.pop("max_tokens", 12), extra_body=body)
+    return Completion.model_validate(raw.http_response.json())
+
+
+def test_min_tokens_holds_the_end_back(tiny: DaemonProcess) -> None:
+    assert _complete(tiny, **ALWAYS_END).usage.completion_tokens == 0  # type: ignore[union-attr]
+    held = _complete(tiny, min_tokens=5, **ALWAYS_END)
+    assert held.usage is not None and held.usage.completion_tokens == 5
+    assert held.choices[0].finish_reason == "stop"
+    # ... and a stop token of the caller's
+    held = _complete(tiny, min_tokens=3, stop_token_ids=[A], **ALWAYS_A)
+    assert held.usage is not None and held.usage.completion_tokens == 3
+    assert "a" not in held.choices[0].text  # three others first, then "a" ends it
+    assert held.choices[0].model_extra == {"stop_reason": A}
+
+
+@pytest.mark.parametrize(("body", "text", "reason"), [
+    ({"stop_token_ids": [A]}, "", A),
+    ({"stop_token_ids": [A], "include_stop_str_in_output": True}, "a", A),
+    ({"stop": ["q", "aa"]}, "", "aa"),
+    ({"stop": ["aa"], "include_stop_str_in_output": True}, "aa", "aa"),
+    ({}, "a" * 12, None),
+])
+def test_stop_reason_says_which_stop_ended_it(tiny: DaemonProcess, body: dict[str, Any],
+                                              text: str, reason: str | int | None) -> None:
+    whole = _complete(tiny, **body, **ALWAYS_A)
+    assert whole.choices[0].text == text
+    assert (whole.choices[0].model_extra or {}).get("stop_reason") == reason
+    with httpx.stream("POST", tiny.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "stream": True, **body, **ALWAYS_A}) as r:
+        chunks = [ChatCompletionChunk.model_validate_json(line[6:])
+                  for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert (chunks[-1].choices[0].model_extra or {}).get("stop_reason") == reason
+
+
+def test_system_fingerprint_and_usage_details(tiny: DaemonProcess) -> None:
+    c = _client(tiny)
+    raw = c.chat.completions.with_raw_response.create(
+        model="gpt-x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    chat = ChatCompletion.model_validate(raw.http_response.json())
+    fp = chat.system_fingerprint
+    assert fp is not None and fp.startswith("fp_") and len(fp) == 13
+    assert chat.usage is not None and chat.usage.completion_tokens_details is not None
+    assert chat.usage.completion_tokens_details.reasoning_tokens == 0
+    assert chat.usage.prompt_tokens_details is not None
+    assert _complete(tiny).system_fingerprint == fp  # the same model and build
+    stream = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert {ch.system_fingerprint for ch in chunks} == {fp}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens_details
+
+
+def test_chat_template_kwargs_reach_the_template(tiny: DaemonProcess) -> None:
+    def prompt_tokens(**extra: Any) -> int:
+        done = _client(tiny).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body=extra)
+        assert done.usage is not None
+        return done.usage.prompt_tokens
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 2, "grammar": 'root ::= "a"'}, "min_tokens"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids[0]"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+])
+def test_bad_vllm_fields_are_named(tiny: DaemonProcess, body: dict[str, Any],
+                                   param: str) -> None:
+    r = httpx.post(tiny.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_equal_penalties_under_both_names_are_one(tiny: DaemonProcess) -> None:
+    assert _complete(tiny, repeat_penalty=1.1, repetition_penalty=1.1).choices

@@ -11,6 +11,7 @@ own C memory and free it in ``close()``; each is also a context manager.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -238,6 +239,7 @@ class Sampler(_Closing):
     def __init__(self, model: Model, p: Sampling, prompt: Sequence[int] = ()) -> None:
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._model, self._p = model, p
+        self._draws = 0
         self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
                                                           or p.frequency_penalty)
         if p.logit_bias:
@@ -299,6 +301,14 @@ class Sampler(_Closing):
             ll.llama_sampler_accept(self._ptr, t)
 
     def sample(self, ctx: Context, index: int) -> int:
+        if self._draws < self._p.min_tokens:
+            # Banned before the chain sees the logits, so that no sampler (penalties,
+            # top-k, ...) counts them: the chain reads this row when it samples. Each row
+            # is sampled once, so nothing else reads the change.
+            logits = ll.llama_get_logits_ith(ctx.ptr, index)
+            for t in self._p.suppress:
+                logits[t] = -math.inf
+        self._draws += 1
         # llama_sampler_sample also accepts the sampled token into the chain.
         return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
 

@@ -29,6 +29,13 @@ CHATML = (
 )
 
 
+# What the template is rendered with already; a request's chat_template_kwargs may not
+# replace them (messages and tools have fields of their own).
+TEMPLATE_NAMES = frozenset({"messages", "tools", "tool_choice", "functions", "function_call",
+                            "add_generation_prompt", "bos_token", "eos_token",
+                            "raise_exception", "strftime_now"})
+
+
 class ModelInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """What ``/v1/models`` says of the model (llama.cpp's ``meta``), and ``identity``:
     a short hash of the model and of the build serving it (OpenAI's
@@ -101,19 +108,28 @@ class Prompter:
         check_grammar(self.model, grammar)
 
     def render_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None,
+                    variables: dict[str, Any] | None = None) -> str:
+        """The prompt of ``messages``; ``variables`` are the request's own for the
+        template (vLLM's chat_template_kwargs, e.g. ``enable_thinking``)."""
+        for name in variables or {}:
+            if name in TEMPLATE_NAMES:
+                raise BadRequest(f"{name!r} is set by forged, not by chat_template_kwargs",
+                                 param=f"chat_template_kwargs.{name}")
         try:
             return str(self._chat(messages=messages,  # type: ignore[arg-type]
-                                  tools=tools).prompt)  # type: ignore[arg-type]
+                                  tools=tools,  # type: ignore[arg-type]
+                                  **(variables or {})).prompt)
         except Exception as exc:  # a template's raise_exception or a Jinja2 error
             raise BadRequest(f"the chat template rejected the messages: {exc}",
                              param="messages") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it.
-        return self.model.tokenize(self.render_chat(messages, tools), add_special=False,
-                                   parse_special=True)
+        return self.model.tokenize(self.render_chat(messages, tools, variables),
+                                   add_special=False, parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
                       prompt: str, *, n_batch: int, n_ctx: int, n_predict: int) -> list[int]:

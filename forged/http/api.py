@@ -41,7 +41,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.lifetime import RequestResources, resources
-from forged.http.models import model_list, model_object
+from forged.http.models import model_list, model_object, system_fingerprint
 from forged.http.responses import (
     error_response,
     from_exception,
@@ -180,7 +180,8 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         req = await _decoded(state, completion_decoder)
         prompt = await _completion_prompt(state, req)
         try:
-            return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+            return await _run(state, req, prompt, req.max_tokens, functools.partial(
+                sse.CompletionFormat, fingerprint=system_fingerprint(state)))
         except e.ContextTooLong as exc:
             exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
             raise
@@ -196,7 +197,8 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
                                param="response_format")
         return await _run(state, req, prompt.tokens,
                           req.max_completion_tokens or req.max_tokens,
-                          functools.partial(sse.ChatFormat, tools=plan is not None),
+                          functools.partial(sse.ChatFormat, tools=plan is not None,
+                                            fingerprint=system_fingerprint(state)),
                           grammar=plan.grammar if plan else None)
 
     @app.post("/infill")
@@ -333,28 +335,17 @@ def _check_model(state: AppState, model: str | None) -> None:
 def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
              grammar: Grammar | None) -> Request:
     """The one engine request for this body, its API key and the config."""
-    lim, limit = state.cfg.limits, state.max_context
-    if len(prompt) >= limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"has {len(prompt)} tokens. Please reduce the length of the prompt."
-        )
-    if requested is None:
-        max_tokens = min(lim.default_max_tokens, limit - len(prompt))
-    elif len(prompt) + requested > limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} in "
-            "the completion). Please reduce the length of the prompt or completion."
-        )
-    else:
-        max_tokens = requested
+    lim = state.cfg.limits
+    max_tokens = _max_tokens(state, len(prompt), requested, req.min_tokens)
+    if req.stop_token_ids:
+        check_ids(state, req.stop_token_ids, "stop_token_ids")
     key = g.get("key")
     return Request(
         prompt=prompt, max_tokens=max_tokens,
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
+        stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
         n_indent=getattr(req, "n_indent", 0),
@@ -362,6 +353,33 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "",
     )
+
+
+def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
+                min_tokens: int) -> int:
+    """The completion's budget: as asked, or the default, within the context; at least
+    vLLM's ``min_tokens`` when not asked."""
+    limit = state.max_context
+    if n_prompt >= limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {n_prompt} tokens. Please reduce the length of the prompt."
+        )
+    if requested is None:
+        wanted = max(state.cfg.limits.default_max_tokens, min_tokens)
+        max_tokens = min(wanted, limit - n_prompt)
+    elif n_prompt + requested > limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in "
+            "the completion). Please reduce the length of the prompt or completion."
+        )
+    else:
+        max_tokens = requested
+    if min_tokens > max_tokens:
+        raise e.BadRequest(f"min_tokens ({min_tokens}) is more than the completion may have "
+                           f"({max_tokens})", param="min_tokens")
+    return max_tokens
 
 
 def _sampling(state: AppState, req: Any) -> Sampling:
@@ -376,12 +394,22 @@ def _sampling(state: AppState, req: Any) -> Sampling:
     return Sampling(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
-        repeat_penalty=req.repeat_penalty or 1.0,
+        repeat_penalty=_repeat_penalty(req),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF, logit_bias=bias,
         order=SAMPLER_ORDER if req.samplers is None else _sampler_order(req.samplers),
+        min_tokens=req.min_tokens,
     )
+
+
+def _repeat_penalty(req: Any) -> float:
+    """llama.cpp's repeat_penalty, or vLLM's name for it, repetition_penalty."""
+    given = {p for p in (req.repeat_penalty, req.repetition_penalty) if p is not None}
+    if len(given) > 1:
+        raise e.BadRequest("repeat_penalty and repetition_penalty are one setting; they "
+                           "differ", param="repetition_penalty")
+    return given.pop() if given else 1.0
 
 
 # llama.cpp's other names for the samplers forged has.
@@ -431,9 +459,12 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
 
 
 async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
-    if req.ignore_eos:  # a finished grammar allows only the end of generation
-        raise e.BadRequest("ignore_eos cannot be combined with a grammar or a JSON "
-                           "schema", param="ignore_eos")
+    # A finished grammar allows only the end of generation: banning it (ignore_eos, or
+    # min_tokens not yet reached) would leave the sampler no token at all.
+    for field in ("ignore_eos", "min_tokens"):
+        if getattr(req, field):
+            raise e.BadRequest(f"{field} cannot be combined with a grammar, a JSON schema "
+                               "or tools", param=field)
     try:
         await trio.to_thread.run_sync(state.prompter.check_grammar, grammar)
     except ValueError as exc:

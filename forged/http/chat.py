@@ -36,7 +36,8 @@ async def chat_prompt(state: AppState, req: ChatRequest) -> ChatPrompt:
         tools = plan.tools
     else:  # the template knows nothing of tools: forged writes them into the turns
         messages = fold_into_messages(messages, plan.tools if plan else None)
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools)
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools,
+                                           req.chat_template_kwargs)
     return ChatPrompt(tokens, plan)
 
 
