@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from forged.engine.limits import scheduler_limits
 from forged.engine.prompts import CHATML, Prompter
+from forged.http import refused
 from tests.conftest import make_config
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.tinymodel import write_tiny_llama
@@ -70,11 +71,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         d.wait_ready(180)
         yield d
     finally:
+        client = _CLIENTS.pop(d.url, None)
+        if client is not None:
+            client.close()
         assert d.stop() == 0
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def _client(d: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    """One client per daemon, closed with it (an unclosed one warns at exit)."""
+    if d.url not in _CLIENTS:
+        _CLIENTS[d.url] = openai.OpenAI(base_url=d.url + "/v1", api_key="none",
+                                        max_retries=0, timeout=60)
+    return _CLIENTS[d.url]
 
 
 def test_models_tell_the_context_served(tiny: DaemonProcess) -> None:
@@ -223,3 +234,55 @@ def test_bad_vllm_fields_are_named(tiny: DaemonProcess, body: dict[str, Any],
 
 def test_equal_penalties_under_both_names_are_one(tiny: DaemonProcess) -> None:
     assert _complete(tiny, repeat_penalty=1.1, repetition_penalty=1.1).choices
+
+
+# --- the honest 400 ------------------------------------------------------------------
+
+REALISTIC: dict[str, Any] = {
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "def f(): pass"},
+    "web_search_options": {}, "store": True, "reasoning_effort": "low",
+    "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
+    "guided_regex": "[a-z]+", "use_beam_search": True, "skip_special_tokens": False,
+    "mirostat": 2, "typical_p": 0.9, "penalty_last_n": 128,
+}
+
+
+@pytest.mark.parametrize("field", sorted(refused.FIELDS))
+def test_a_field_forged_does_not_do_is_a_400_naming_it(tiny: DaemonProcess,
+                                                      field: str) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(tiny.url + path, timeout=30, json={
+            **body, "max_tokens": 2, field: REALISTIC.get(field, {"on": True})})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "unsupported_field"
+        assert err["type"] == "invalid_request_error" and field in err["message"]
+        for harmless in refused.FIELDS[field].harmless:  # its default asks for nothing
+            ok = httpx.post(tiny.url + path, timeout=30,
+                            json={**body, "max_tokens": 1, field: harmless})
+            assert ok.status_code == 200, (harmless, ok.text)
+
+
+@pytest.mark.parametrize(("part", "code"), [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+     "unsupported_field"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     "unsupported_field"),
+    ({"type": "file", "file": {"file_id": "f"}}, "unsupported_field"),
+    ({"type": "hologram"}, None),
+])
+def test_a_content_part_that_is_not_text_is_named(tiny: DaemonProcess, part: dict[str, Any],
+                                                  code: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(tiny).chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}])
+    err = info.value.response.json()["error"]
+    assert err["param"] == "messages[0].content[1].type" and err["code"] == code
+
+
+def test_fields_forged_never_heard_of_are_ignored(tiny: DaemonProcess) -> None:
+    done = _complete(tiny, max_tokens=2, frobnicate={"x": 1}, metadata={"team": "a"},
+                     service_tier="auto", user="u1")
+    assert done.choices[0].finish_reason == "length"

@@ -29,7 +29,7 @@ from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
-from forged.http import sse
+from forged.http import refused, sse
 from forged.http.chat import chat_prompt
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
@@ -177,7 +177,7 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        req = await _decoded(state, completion_decoder)
+        req = await _decoded(state, completion_decoder, refuse=True)
         prompt = await _completion_prompt(state, req)
         try:
             return await _run(state, req, prompt, req.max_tokens, functools.partial(
@@ -188,7 +188,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        req = await _decoded(state, chat_decoder)
+        req = await _decoded(state, chat_decoder, refuse=True)
         _check_model(state, req.model)
         prompt = await chat_prompt(state, req)
         plan = prompt.tools
@@ -232,15 +232,19 @@ async def _drain_body() -> bool:
 
 
 async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
-                   engine: bool = True) -> T:
+                   engine: bool = True, refuse: bool = False) -> T:
     """The request's body, decoded; for the ``engine``, a full queue answers before any
     parsing, and a body that is not JSON, or JSON of the wrong shape, is a 400 naming
-    the field."""
+    the field; so is, with ``refuse``, a field forged knows but does not do
+    (forged.http.refused)."""
     body = await _read_body(state)
     if engine:
         state.pool.check_capacity()
     try:
-        return await _decode(state, decoder, body)
+        decoded = await _decode(state, decoder, body)
+        if refuse:
+            refused.check(body)
+        return decoded
     except msgspec.MsgspecError as exc:
         raise body_error(exc) from exc
 
