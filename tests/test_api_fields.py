@@ -233,7 +233,7 @@ def test_bad_vllm_fields_are_named(tiny: DaemonProcess, body: dict[str, Any],
 
 
 def test_equal_penalties_under_both_names_are_one(tiny: DaemonProcess) -> None:
-    assert _complete(tiny, repeat_penalty=1.1, repetition_penalty=1.1).choices
+    assert _complete(tiny, max_tokens=2, repeat_penalty=1.1, repetition_penalty=1.1).choices
 
 
 # --- the honest 400 ------------------------------------------------------------------
@@ -259,10 +259,10 @@ def test_a_field_forged_does_not_do_is_a_400_naming_it(tiny: DaemonProcess,
         err = r.json()["error"]
         assert err["param"] == field and err["code"] == "unsupported_field"
         assert err["type"] == "invalid_request_error" and field in err["message"]
-        for harmless in refused.FIELDS[field].harmless:  # its default asks for nothing
-            ok = httpx.post(tiny.url + path, timeout=30,
-                            json={**body, "max_tokens": 1, field: harmless})
-            assert ok.status_code == 200, (harmless, ok.text)
+    for harmless in refused.FIELDS[field].harmless:  # its default asks for nothing
+        ok = httpx.post(tiny.url + "/v1/completions", timeout=30,
+                        json={"prompt": "hi", "max_tokens": 1, field: harmless})
+        assert ok.status_code == 200, (harmless, ok.text)
 
 
 @pytest.mark.parametrize(("part", "code"), [
@@ -286,3 +286,27 @@ def test_fields_forged_never_heard_of_are_ignored(tiny: DaemonProcess) -> None:
     done = _complete(tiny, max_tokens=2, frobnicate={"x": 1}, metadata={"team": "a"},
                      service_tier="auto", user="u1")
     assert done.choices[0].finish_reason == "length"
+
+
+@pytest.mark.model
+def test_smollm2_tells_its_context_and_honours_the_fields(real_model: Path,
+                                                          tmp_path: Path) -> None:
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", real_model, port, engine={
+        "kv_cells": 16384, "kv_layout": "unified", "max_context": 0, "slots": 4,
+        "max_running": 4}), port)
+    try:
+        d.wait_ready(180)
+        with openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120) as c:
+            m = c.models.retrieve(c.models.list().data[0].id).model_dump()
+            assert m["meta"]["n_ctx_train"] == 8192 and m["max_model_len"] == 8192
+            raw = c.chat.completions.with_raw_response.create(
+                model=m["id"], messages=[{"role": "user", "content": "Say hi."}],
+                max_tokens=40, temperature=0, stop=["\n"], extra_body={"min_tokens": 8})
+            chat = ChatCompletion.model_validate(raw.http_response.json())
+            assert chat.usage is not None and chat.usage.completion_tokens >= 8
+            assert chat.system_fingerprint and chat.system_fingerprint.startswith("fp_")
+            assert (chat.choices[0].model_extra or {}).get("stop_reason") in ("\n", None)
+    finally:
+        assert d.stop() == 0
