@@ -20,12 +20,20 @@ EOS = 0
 
 
 class FakeSampler:
-    def __init__(self, backend: FakeBackend, script: list[int]) -> None:
-        self.backend, self.script = backend, list(script)
+    """Draws its script; a token the sampling suppresses (min_tokens) is skipped, as
+    the real sampler never draws a banned token."""
+
+    def __init__(self, backend: FakeBackend, script: list[int], sampling: Sampling) -> None:
+        self.backend, self.script, self.sampling = backend, list(script), sampling
+        self.draws = 0
         backend.open_samplers += 1
 
     def sample(self, index: int) -> int:
         assert index >= 0, "sampled a run that asked for no logits"
+        self.draws += 1
+        while self.draws <= self.sampling.min_tokens and self.script and \
+                self.script[0] in self.sampling.suppress:
+            self.script.pop(0)
         return self.script.pop(0) if self.script else 1
 
     def close(self) -> None:
@@ -51,7 +59,7 @@ class FakeBackend:
         return bytes([ord("a") + token - 1])
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> FakeSampler:
-        return FakeSampler(self, self.scripts.get(prompt[0], []))
+        return FakeSampler(self, self.scripts.get(prompt[0], []), sampling)
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         if self.full_steps:
@@ -127,6 +135,46 @@ def test_text_held_for_a_stop_string_is_released_at_the_end_of_sequence() -> Non
     done = events[-1]
     assert isinstance(done, fr.Done) and done.text == "xx" and done.finish_reason == "stop"
     assert done.completion_tokens == 2
+    assert_nothing_left(core, backend)
+
+
+def test_min_tokens_suppresses_the_end_and_stop_strings_until_reached() -> None:
+    core, backend = core_with({5: [1, EOS, 2, 3, 4, EOS]})  # a (end) b c d (end)
+    submit(core, 1, [5], stop=["b"], sampling=Sampling(min_tokens=3))
+    done = run(core)[-1]
+    # the early end was never drawn, and "b" came before the third token
+    assert isinstance(done, fr.Done) and done.stop_type == "eos"
+    assert done.completion_tokens == 4 and done.stop_reason is None
+    assert_nothing_left(core, backend)
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, "ab"), (True, "abc")])
+def test_a_stop_token_ends_the_answer_and_is_its_stop_reason(include: bool,
+                                                              text: str) -> None:
+    core, backend = core_with({5: [1, 2, 3, 4]})
+    submit(core, 1, [5], stop_tokens=[3], include_stop=include)
+    events = run(core)
+    done = events[-1]
+    assert isinstance(done, fr.Done) and done.stop_reason == 3
+    assert done.finish_reason == "stop" and done.completion_tokens == 2
+    assert "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done)) == text
+    # min_tokens holds a stop token back as it does the end of sequence
+    core, backend = core_with({5: [1, 3, 2, 3]})
+    submit(core, 2, [5], stop_tokens=[3], sampling=Sampling(min_tokens=2))
+    done = run(core)[-1]
+    assert isinstance(done, fr.Done) and done.completion_tokens == 2
+    assert_nothing_left(core, backend)
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, "a"), (True, "abc")])
+def test_a_stop_string_is_the_stop_reason_and_kept_when_asked(include: bool,
+                                                               text: str) -> None:
+    core, backend = core_with({5: [1, 2, 3, 4]})  # a b c d
+    submit(core, 1, [5], stop=["zz", "bc"], include_stop=include)
+    events = run(core)
+    done = events[-1]
+    assert isinstance(done, fr.Done) and done.stop_reason == "bc"
+    assert "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done)) == text
     assert_nothing_left(core, backend)
 
 

@@ -69,6 +69,9 @@ def test_keys_are_required_limited_per_key_and_revoked_on_reload(
                 assert r.status_code == 401
                 assert r.json()["error"]["code"] == "invalid_api_key"
             assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models/tiny").status_code == 401
+            for path in ("/tokenize", "/detokenize"):  # llama.cpp's, outside /v1/
+                assert c.post(path, json={}).status_code == 401
             assert c.get("/health").status_code == 200  # health stays open
             ok = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {bob}"})
             assert ok.status_code == 200
@@ -298,7 +301,11 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "min_p", "stop", "stream", "stream_options", "logit_bias", "n", "seed",
           "ignore_eos", "priority", "presence_penalty", "max_completion_tokens", "suffix",
           "samplers", "input_prefix", "input_suffix", "input_extra", "n_predict",
-          "t_max_predict_ms", "n_indent", "id_slot", "response_fields"]
+          "t_max_predict_ms", "n_indent", "id_slot", "response_fields", "min_tokens",
+          "repetition_penalty", "repeat_penalty", "include_stop_str_in_output",
+          "stop_token_ids", "chat_template_kwargs", "content", "add_special",
+          "with_pieces", "parse_special", "tokens", "audio", "modalities", "prediction",
+          "store", "functions", "reasoning_effort", "guided_regex", "typical_p"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -327,10 +334,23 @@ structured = st.fixed_dictionaries({}, optional={
     "t_max_predict_ms": values, "n_indent": st.one_of(st.integers(-2, 8), values),
     "id_slot": values, "response_fields": st.one_of(st.lists(st.text(max_size=12),
                                                              max_size=3), values),
+    # issue 18, points 5 and 6: vLLM's fields, /tokenize's, and the refused ones
+    "min_tokens": st.one_of(st.integers(-2, 8), values),
+    "repetition_penalty": st.one_of(st.floats(-1, 11), values),
+    "repeat_penalty": st.one_of(st.floats(-1, 11), values),
+    "include_stop_str_in_output": values,
+    "stop_token_ids": st.one_of(st.lists(st.integers(-5, 60000), max_size=3), values),
+    "chat_template_kwargs": st.one_of(st.dictionaries(
+        st.sampled_from(["enable_thinking", "messages", "tools", "x", ""]), values,
+        max_size=2), values),
+    "content": st.one_of(st.text(max_size=20), values),
+    "with_pieces": values, "add_special": values, "parse_special": values,
+    "tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=5), values),
+    "modalities": values, "store": values, "typical_p": values,
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens: this is about the input."""
-    return {**d, **{k: 4 for k in ("max_tokens", "n_predict")
+    return {**d, **{k: 4 for k in ("max_tokens", "n_predict", "min_tokens")
                     if isinstance(d.get(k), int) and d[k] > 4}}
 
 
@@ -345,7 +365,9 @@ raw = st.one_of(st.binary(max_size=200),
                     lambda t: json.dumps(t[0]).encode()[: t[1]]))
 ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/models"),
-             ("GET", "/v1/completions"), ("POST", "/infill")]
+             ("GET", "/v1/completions"), ("POST", "/infill"), ("POST", "/tokenize"),
+             ("POST", "/detokenize"), ("GET", "/v1/models/tiny-fim"),
+             ("GET", "/v1/models/nope")]
 
 
 def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:

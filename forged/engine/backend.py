@@ -96,7 +96,11 @@ class Model(_Closing):
             raise BackendError(f"llama.cpp could not load the model {path}")
         self.vocab = ll.llama_model_get_vocab(self._ptr)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train: int = ll.llama_model_n_ctx_train(self._ptr)
+        # llama.cpp loads no hyperparameters for a vocabulary-only model and reports 0:
+        # the GGUF's own key says it then (the daemon's model is vocabulary-only).
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self._ptr) or self._hparam(
+            "context_length")
+        self.n_embd = ll.llama_model_n_embd(self._ptr) or self._hparam("embedding_length")
         self.eos: int = ll.llama_vocab_eos(self.vocab)
         self.bos: int = ll.llama_vocab_bos(self.vocab)
         self._eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)]
@@ -110,6 +114,20 @@ class Model(_Closing):
     @property
     def eog_tokens(self) -> list[int]:
         return list(self._eog)
+
+    @property
+    def n_params(self) -> int:
+        return int(ll.llama_model_n_params(self._ptr))
+
+    @property
+    def size(self) -> int:
+        """Bytes of the model's tensors (llama.cpp's ``size``)."""
+        return int(ll.llama_model_size(self._ptr))
+
+    @property
+    def vocab_type(self) -> int:
+        """llama.cpp's enum: 1 SentencePiece, 2 BPE, 3 WordPiece, ..."""
+        return int(ll.llama_vocab_type(self.vocab))
 
     @property
     def add_bos(self) -> bool:
@@ -126,6 +144,11 @@ class Model(_Closing):
         rep, sep, pad = (t if t >= 0 else None for t in (
             ll.llama_vocab_fim_rep(v), ll.llama_vocab_fim_sep(v), ll.llama_vocab_fim_pad(v)))
         return FimTokens(pre=ids[0], suf=ids[1], mid=ids[2], rep=rep, sep=sep, pad=pad)
+
+    def _hparam(self, name: str) -> int:
+        """The architecture's hyperparameter ``name`` from the GGUF metadata; 0 if absent."""
+        value = self.meta(f"{self.meta('general.architecture')}.{name}")
+        return int(value) if value is not None and value.isdigit() else 0
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -225,6 +248,7 @@ class Sampler(_Closing):
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._model, self._p = model, p
         self._guard: Utf8Guard | None = None  # with a grammar (see forged.engine.utf8)
+        self._draws = 0
         self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
                                                           or p.frequency_penalty)
         if p.logit_bias:
@@ -287,15 +311,25 @@ class Sampler(_Closing):
             ll.llama_sampler_accept(self._ptr, t)
 
     def sample(self, ctx: Context, index: int) -> int:
-        if self._guard is None:
-            # llama_sampler_sample also accepts the sampled token into the chain.
-            return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
-        # The chain reads the logits row, so banning in place constrains the draw.
-        self._guard.ban(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, index),
-                                              shape=(self._model.n_vocab,)))
+        if self._guard is not None or self._draws < self._p.min_tokens:
+            self._ban(ctx, index)
+        self._draws += 1
+        # llama_sampler_sample also accepts the sampled token into the chain.
         token = int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
-        self._guard.accept(token)
+        if self._guard is not None:
+            self._guard.accept(token)
         return token
+
+    def _ban(self, ctx: Context, index: int) -> None:
+        # Banned before the chain sees the logits, so that no sampler (penalties,
+        # top-k, ...) counts them: the chain reads this row when it samples. Each row is
+        # sampled once, so nothing else reads the change.
+        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, index),
+                                       shape=(self._model.n_vocab,))
+        if self._draws < self._p.min_tokens:
+            logits[list(self._p.suppress)] = -np.inf
+        if self._guard is not None:
+            self._guard.ban(logits)
 
     def close(self) -> None:
         if self._ptr:

@@ -156,18 +156,15 @@ class WorkerCore:
         except ValueError as exc:
             self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
             return
-        sampling, eog = req.sampling, frozenset(self.backend.eog_tokens)
-        if req.ignore_eos:  # the end-of-generation tokens can then never be sampled
-            sampling = msgspec.structs.replace(
-                sampling, logit_bias=[*sampling.logit_bias, *((t, _NEVER) for t in eog)])
-            eog = frozenset()
+        sampling, eog = _ends(req, frozenset(self.backend.eog_tokens))
         try:
             sampler = self.backend.sampler(sampling, req.prompt)
         except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
             self.sched.drop(rid)
             self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
             return
-        self.streams[rid] = _Stream(req, sampler, TextStream(req.stop), eog)
+        self.streams[rid] = _Stream(req, sampler,
+                                    TextStream(req.stop, include=req.include_stop), eog)
 
     def _close(self, rid: int) -> None:
         stream = self.streams.pop(rid, None)
@@ -253,25 +250,36 @@ class WorkerCore:
             self._finish(rid, "limit", "")
             return
         if tok in stream.eog:
-            # What was held back for a possible stop string or a split character is
-            # the end of the answer after all.
-            text, _ = _within_indent(stream, stream.text.flush())
-            self._finish(rid, "eos", text)
+            self._end_on_token(rid, stream, tok)
             return
         stream.generated += 1
         if stream.generated == 1:
             stream.first_at = (self.clock(), self._steps + 1)  # this step counts
         piece = self.backend.piece(tok, tok in req.preserve)
-        text = stream.text.feed(piece)
+        # vLLM's min_tokens: no stop string counts before it is reached either.
+        text = stream.text.feed(piece, match=stream.generated >= req.sampling.min_tokens)
         stop: fr.StopType | None = "word" if stream.text.stopped else None
         if stop is None and (stream.generated >= req.max_tokens
                              or self._out_of_time(stream, piece)):
             text, stop = text + stream.text.flush(), "limit"
         text, dedented = _within_indent(stream, text)
         if dedented or stop is not None:
-            self._finish(rid, stop or "limit", text)
+            self._finish(rid, stop or "limit", text, stream.text.matched)
         elif text:
             self.events.append(fr.Delta(rid=rid, text=text))
+
+    def _end_on_token(self, rid: int, stream: _Stream, tok: int) -> None:
+        """An end-of-generation token, or one of the request's stop tokens (whose text
+        ends the answer when the caller wants the stop included)."""
+        req = stream.request
+        reason = tok if tok in req.stop_tokens else None
+        text = ""
+        if reason is not None and req.include_stop:
+            text = stream.text.feed(self.backend.piece(tok, tok in req.preserve))
+        # What was held back for a possible stop string or a split character is the
+        # end of the answer after all.
+        text, _ = _within_indent(stream, text + stream.text.flush())
+        self._finish(rid, "eos", text, reason)
 
     def _out_of_time(self, stream: _Stream, piece: bytes) -> bool:
         """llama.cpp's t_max_predict_ms: a newline made after the time limit ends it."""
@@ -279,7 +287,8 @@ class WorkerCore:
         return bool(limit) and b"\n" in piece and (
             self.clock() - stream.first_at[0]) * 1000 > limit
 
-    def _finish(self, rid: int, stop: fr.StopType, text: str) -> None:
+    def _finish(self, rid: int, stop: fr.StopType, text: str,
+                reason: str | int | None = None) -> None:
         stream = self.streams[rid]
         self.sched.complete(rid)
         self._close(rid)
@@ -290,6 +299,7 @@ class WorkerCore:
             prefill_s=max(0.0, stream.first_at[0] - stream.admitted_at[0]),
             prefill_steps=max(0, stream.first_at[1] - stream.admitted_at[1]),
             decode_s=self.clock() - stream.first_at[0] if stream.generated else 0.0,
+            stop_reason=reason,
         ))
 
     # --- frames out -----------------------------------------------------------------------
@@ -316,6 +326,21 @@ class WorkerCore:
     def close(self) -> None:
         for rid in list(self.streams):
             self._close(rid)
+
+
+def _ends(req: Request, eog: frozenset[int]) -> tuple[Sampling, frozenset[int]]:
+    """The request's sampling and the tokens that end its answer: the model's
+    end-of-generation tokens (banned instead with ``ignore_eos``) and its stop tokens.
+    With min_tokens, those cannot be drawn until that many tokens are made."""
+    sampling, stops = req.sampling, frozenset(req.stop_tokens)
+    if req.ignore_eos:  # the end-of-generation tokens can then never be sampled
+        sampling = msgspec.structs.replace(sampling, logit_bias=[
+            *sampling.logit_bias, *((t, _NEVER) for t in sorted(eog - stops))])
+        eog = frozenset()
+    ends = eog | stops
+    if sampling.min_tokens:
+        sampling = msgspec.structs.replace(sampling, suppress=sorted(ends))
+    return sampling, ends
 
 
 def _within_indent(stream: _Stream, text: str) -> tuple[str, bool]:

@@ -113,6 +113,9 @@ class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True
     prefill_s: float = 0.0
     prefill_steps: int = 0
     decode_s: float = 0.0  # from the first token to the end
+    # vLLM's stop_reason: the stop string or the stop token (of ``stop_tokens``) that
+    # ended the answer; None for a model's own end, or a limit.
+    stop_reason: str | int | None = None
 
     @property
     def finish_reason(self) -> FinishReason:

@@ -7,10 +7,14 @@ with the GGUF's own Jinja2 template through llama-cpp-python's formatter.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import llama_cpp
+import msgspec
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+import forged
 from forged.engine.backend import Model, check_grammar
 from forged.engine.fim import ExtraFile, MixedText, infill_prompt
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
@@ -23,6 +27,39 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+# What the template is rendered with already; a request's chat_template_kwargs may not
+# replace them (messages and tools have fields of their own).
+TEMPLATE_NAMES = frozenset({"messages", "tools", "tool_choice", "functions", "function_call",
+                            "add_generation_prompt", "bos_token", "eos_token",
+                            "raise_exception", "strftime_now"})
+
+
+class ModelInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What ``/v1/models`` says of the model (llama.cpp's ``meta``), and ``identity``:
+    a short hash of the model and of the build serving it (OpenAI's
+    ``system_fingerprint``), the same for the same model, template and versions."""
+
+    vocab_type: int
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_params: int
+    size: int
+    identity: str
+
+
+def model_info(model: Model, template: str) -> ModelInfo:
+    # Hashing a multi-gigabyte file at start-up is too slow: what tells models apart
+    # (name, shape, tensor bytes, the template in use) and the versions stand for it.
+    ident = [model.meta("general.name") or "", model.n_vocab, model.n_ctx_train,
+             model.n_embd, model.n_params, model.size, template, forged.__version__,
+             llama_cpp.__version__]
+    digest = hashlib.sha256("\0".join(map(str, ident)).encode()).hexdigest()
+    return ModelInfo(vocab_type=model.vocab_type, n_vocab=model.n_vocab,
+                     n_ctx_train=model.n_ctx_train, n_embd=model.n_embd,
+                     n_params=model.n_params, size=model.size, identity=digest[:10])
 
 
 class Prompter:
@@ -44,6 +81,17 @@ class Prompter:
         self.n_ctx_train = self.model.n_ctx_train
         self.fim = self.model.fim_tokens()
         self._bos = self.model.bos if self.model.add_bos else None
+        self.info = model_info(self.model, template)
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """The token's bytes, special tokens written out (llama.cpp's /tokenize pieces)."""
+        return self.model.piece(token, special=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.model.detokenize(tokens)
 
     def encode_completion(self, text: str) -> list[int]:
         # Like llama.cpp's server and llama-cpp-python: BOS if the model wants one, and
@@ -60,19 +108,28 @@ class Prompter:
         check_grammar(self.model, grammar)
 
     def render_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None,
+                    variables: dict[str, Any] | None = None) -> str:
+        """The prompt of ``messages``; ``variables`` are the request's own for the
+        template (vLLM's chat_template_kwargs, e.g. ``enable_thinking``)."""
+        for name in variables or {}:
+            if name in TEMPLATE_NAMES:
+                raise BadRequest(f"{name!r} is set by forged, not by chat_template_kwargs",
+                                 param=f"chat_template_kwargs.{name}")
         try:
             return str(self._chat(messages=messages,  # type: ignore[arg-type]
-                                  tools=tools).prompt)  # type: ignore[arg-type]
+                                  tools=tools,  # type: ignore[arg-type]
+                                  **(variables or {})).prompt)
         except Exception as exc:  # a template's raise_exception or a Jinja2 error
             raise BadRequest(f"the chat template rejected the messages: {exc}",
                              param="messages") from exc
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it.
-        return self.model.tokenize(self.render_chat(messages, tools), add_special=False,
-                                   parse_special=True)
+        return self.model.tokenize(self.render_chat(messages, tools, variables),
+                                   add_special=False, parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
                       prompt: str, *, n_batch: int, n_ctx: int, n_predict: int) -> list[int]:

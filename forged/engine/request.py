@@ -59,6 +59,10 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     order: tuple[SamplerName, ...] = SAMPLER_ORDER
     # Structured output and tool calls: applied before every other sampler.
     grammar: Grammar | None = None
+    # vLLM's min_tokens: the first this many draws cannot draw a token of ``suppress``
+    # (the core fills it with the end-of-generation and stop tokens).
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    suppress: list[int] = []
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -68,6 +72,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     priority: Priority = "interactive"
     sampling: Sampling = Sampling()
     stop: list[str] = []
+    # vLLM's stop_token_ids: tokens that end the answer as end-of-generation does.
+    stop_tokens: list[int] = []
+    # vLLM's include_stop_str_in_output: the stop string (or the stop token's text)
+    # ends the answer's text.
+    include_stop: bool = False
     ignore_eos: bool = False
     # Keep the KV after the request ends, so later requests can reuse it.
     cache: bool = True

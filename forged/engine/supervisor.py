@@ -112,7 +112,8 @@ class WorkerSupervisor:
                     raise  # Cancelled, or a bug of ours: never swallowed
                 fault_text = f"{fault}{self.exit_note}"
                 if first and not self.ready:
-                    raise RuntimeError(f"worker {self.index} failed to start: {fault_text}") from exc
+                    raise RuntimeError(
+                        f"worker {self.index} failed to start: {fault_text}") from exc
                 why = f"the worker failed: {fault_text}"
             first = False
             await self._after_loss(why, time.monotonic() - started)

@@ -1,5 +1,6 @@
 """The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/infill`` and a minimal ``/health``. Nothing else is served on this port.
+``/infill``, ``/tokenize``, ``/detokenize`` and a minimal ``/health``. Nothing else is
+served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -28,7 +29,7 @@ from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
-from forged.http import sse
+from forged.http import refused, sse
 from forged.http.chat import chat_prompt
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
@@ -40,6 +41,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.lifetime import RequestResources, resources
+from forged.http.models import model_list, model_object, system_fingerprint
 from forged.http.responses import (
     error_response,
     from_exception,
@@ -54,10 +56,11 @@ from forged.http.schemas import (
 )
 from forged.http.state import AppState, KeyUsage
 from forged.http.structured import request_grammar
+from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 
 access_log = logging.getLogger("forged.access")
-# Generation routes outside /v1/ (llama.cpp's): they need an API key as /v1/ does.
-_GENERATION_PATHS = ("/infill",)
+# llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
+_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize")
 T = TypeVar("T")
 
 
@@ -86,7 +89,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
         if state.keys.enabled and (request.path.startswith("/v1/")
-                                   or request.path in _GENERATION_PATHS):
+                                   or request.path in _KEYED_PATHS):
             g.key = await _authenticate(state)
 
     @app.after_request
@@ -154,25 +157,38 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [{"id": m, "object": "model", "created": int(state.started), "owned_by": "forged"}
-                for m in state.model_ids]
-        return json_response({"object": "list", "data": data})
+        return json_response(model_list(state))
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        return json_response(model_object(state, model_id))
+
+    @app.post("/tokenize")
+    async def tokenize_route() -> Response:
+        return json_response(await tokenize(state, await _decoded(
+            state, tokenize_decoder, engine=False)))
+
+    @app.post("/detokenize")
+    async def detokenize_route() -> Response:
+        return json_response(await detokenize(state, await _decoded(
+            state, detokenize_decoder, engine=False)))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        req = await _decoded(state, completion_decoder)
+        req = await _decoded(state, completion_decoder, refuse=True)
         prompt = await _completion_prompt(state, req)
         try:
-            return await _run(state, req, prompt, req.max_tokens, sse.CompletionFormat)
+            return await _run(state, req, prompt, req.max_tokens, functools.partial(
+                sse.CompletionFormat, fingerprint=system_fingerprint(state)))
         except e.ContextTooLong as exc:
             exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
             raise
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        req = await _decoded(state, chat_decoder)
+        req = await _decoded(state, chat_decoder, refuse=True)
         _check_model(state, req.model)
         prompt = await chat_prompt(state, req)
         plan = prompt.tools
@@ -182,7 +198,8 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
                                "(tool_choice 'none' allows it)", param="response_format")
         return await _run(state, req, prompt.tokens,
                           req.max_completion_tokens or req.max_tokens,
-                          functools.partial(sse.ChatFormat, tools=calls),
+                          functools.partial(sse.ChatFormat, tools=calls,
+                                            fingerprint=system_fingerprint(state)),
                           grammar=plan.grammar if plan else None)
 
     @app.post("/infill")
@@ -215,13 +232,20 @@ async def _drain_body() -> bool:
     return True
 
 
-async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T]) -> T:
-    """The request's body, decoded; a full queue answers before any parsing, and a body
-    that is not JSON, or JSON of the wrong shape, is a 400 naming the field."""
+async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
+                   engine: bool = True, refuse: bool = False) -> T:
+    """The request's body, decoded; for the ``engine``, a full queue answers before any
+    parsing, and a body that is not JSON, or JSON of the wrong shape, is a 400 naming
+    the field; so is, with ``refuse``, a field forged knows but does not do
+    (forged.http.refused)."""
     body = await _read_body(state)
-    state.pool.check_capacity()
+    if engine:
+        state.pool.check_capacity()
     try:
-        return await _decode(state, decoder, body)
+        decoded = await _decode(state, decoder, body)
+        if refuse:
+            refused.check(body)
+        return decoded
     except msgspec.MsgspecError as exc:
         raise body_error(exc) from exc
 
@@ -316,28 +340,17 @@ def _check_model(state: AppState, model: str | None) -> None:
 def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
              grammar: Grammar | None) -> Request:
     """The one engine request for this body, its API key and the config."""
-    lim, limit = state.cfg.limits, state.max_context
-    if len(prompt) >= limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"has {len(prompt)} tokens. Please reduce the length of the prompt."
-        )
-    if requested is None:
-        max_tokens = min(lim.default_max_tokens, limit - len(prompt))
-    elif len(prompt) + requested > limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} in "
-            "the completion). Please reduce the length of the prompt or completion."
-        )
-    else:
-        max_tokens = requested
+    lim = state.cfg.limits
+    max_tokens = _max_tokens(state, len(prompt), requested, req.min_tokens)
+    if req.stop_token_ids:
+        check_ids(state, req.stop_token_ids, "stop_token_ids")
     key = g.get("key")
     return Request(
         prompt=prompt, max_tokens=max_tokens,
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
+        stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
         n_indent=getattr(req, "n_indent", 0),
@@ -345,6 +358,33 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "",
     )
+
+
+def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
+                min_tokens: int) -> int:
+    """The completion's budget: as asked, or the default, within the context; at least
+    vLLM's ``min_tokens`` when not asked."""
+    limit = state.max_context
+    if n_prompt >= limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {n_prompt} tokens. Please reduce the length of the prompt."
+        )
+    if requested is None:
+        wanted = max(state.cfg.limits.default_max_tokens, min_tokens)
+        max_tokens = min(wanted, limit - n_prompt)
+    elif n_prompt + requested > limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in "
+            "the completion). Please reduce the length of the prompt or completion."
+        )
+    else:
+        max_tokens = requested
+    if min_tokens > max_tokens:
+        raise e.BadRequest(f"min_tokens ({min_tokens}) is more than the completion may have "
+                           f"({max_tokens})", param="min_tokens")
+    return max_tokens
 
 
 def _sampling(state: AppState, req: Any) -> Sampling:
@@ -359,12 +399,22 @@ def _sampling(state: AppState, req: Any) -> Sampling:
     return Sampling(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
-        repeat_penalty=req.repeat_penalty or 1.0,
+        repeat_penalty=_repeat_penalty(req),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF, logit_bias=bias,
         order=SAMPLER_ORDER if req.samplers is None else _sampler_order(req.samplers),
+        min_tokens=req.min_tokens,
     )
+
+
+def _repeat_penalty(req: Any) -> float:
+    """llama.cpp's repeat_penalty, or vLLM's name for it, repetition_penalty."""
+    given = {p for p in (req.repeat_penalty, req.repetition_penalty) if p is not None}
+    if len(given) > 1:
+        raise e.BadRequest("repeat_penalty and repetition_penalty are one setting; they "
+                           "differ", param="repetition_penalty")
+    return given.pop() if given else 1.0
 
 
 # llama.cpp's other names for the samplers forged has.
@@ -414,9 +464,12 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
 
 
 async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
-    if req.ignore_eos:  # a finished grammar allows only the end of generation
-        raise e.BadRequest("ignore_eos cannot be combined with a grammar or a JSON "
-                           "schema", param="ignore_eos")
+    # A finished grammar allows only the end of generation: banning it (ignore_eos, or
+    # min_tokens not yet reached) would leave the sampler no token at all.
+    for field in ("ignore_eos", "min_tokens"):
+        if getattr(req, field):
+            raise e.BadRequest(f"{field} cannot be combined with a grammar, a JSON schema "
+                               "or tools", param=field)
     try:
         await trio.to_thread.run_sync(state.prompter.check_grammar, grammar)
     except ValueError as exc:

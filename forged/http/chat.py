@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from forged import errors as e
+from forged.http.refused import part_error
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.state import AppState
 from forged.http.tools import ToolPlan, fold_into_messages, parse_arguments, plan_tools
@@ -36,7 +37,8 @@ async def chat_prompt(state: AppState, req: ChatRequest) -> ChatPrompt:
         tools = plan.tools
     else:  # the template knows nothing of tools: forged writes them into the turns
         messages = fold_into_messages(messages, plan.tools if plan else None)
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools)
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools,
+                                           req.chat_template_kwargs)
     return ChatPrompt(tokens, plan)
 
 
@@ -60,10 +62,11 @@ def _text(m: ChatMessage, where: str) -> str:
     if not isinstance(content, list):
         return content or ""
     texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise e.BadRequest(f"content parts of type {part.type!r} are not supported",
-                               param=where)
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise part_error(part.type, f"{where}[{j}].type")
+        if part.text is None:
+            raise e.BadRequest("a text part needs its text", param=f"{where}[{j}].text")
         texts.append(part.text)
     return "".join(texts)
 

@@ -122,7 +122,8 @@ class InfillFormat(sse.Format):
             "model": self.model, "tokens_predicted": done.completion_tokens,
             "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in text,
             # forged refuses a prompt that does not fit rather than cutting it
-            "truncated": False, "stop_type": done.stop_type, "stopping_word": "",
+            "truncated": False, "stop_type": done.stop_type,
+            "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
             # as llama.cpp counts it: what the sequence holds now (the reused prefix is
             # timings.cache_n)
             "tokens_cached": done.prompt_tokens + done.completion_tokens,

@@ -57,6 +57,13 @@ class GenerationFields(Struct, kw_only=True):
     grammar: Annotated[str, Meta(max_length=65536)] | None = None
     guided_json: dict[str, Any] | None = None
     guided_choice: Annotated[list[str], Meta(max_length=256)] | None = None
+    # vLLM's: no end-of-generation or stop token (nor stop string) before this many
+    # tokens; repeat_penalty's other name; the stop string kept at the end of the text;
+    # token ids that end the answer as end-of-generation does.
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    include_stop_str_in_output: bool = False
+    stop_token_ids: Annotated[list[int], Meta(max_length=256)] | None = None
 
 
 class CompletionRequest(GenerationFields, kw_only=True):
@@ -88,6 +95,8 @@ class ChatRequest(GenerationFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 completion_decoder = msgspec.json.Decoder(CompletionRequest)

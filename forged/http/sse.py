@@ -30,6 +30,9 @@ def usage(done: fr.Done) -> dict[str, Any]:
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        # Nothing is hidden from the answer: a thinking model's reasoning is in the
+        # content, counted as completion tokens, as vLLM does without a reasoning parser.
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
@@ -40,14 +43,18 @@ class Format:
     object_chunk: ClassVar[str]
     id_prefix: ClassVar[str]
 
-    def __init__(self, model: str, created: int) -> None:
+    def __init__(self, model: str, created: int, *, fingerprint: str | None = None) -> None:
         self.id = self.id_prefix + uuid.uuid4().hex
         self.model = model
         self.created = created
+        self.fingerprint = fingerprint  # OpenAI's system_fingerprint, where it has one
 
     def _envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
+        return out
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return event(self._envelope(self.object_chunk, [choice]))
@@ -63,7 +70,7 @@ class Format:
         if done.text:
             out += self.delta(done.text)
         out += self._tail()
-        out += self._final_chunk(self._reason(done))
+        out += self._final_chunk(self._reason(done), done.stop_reason)
         if include_usage:
             u = self._envelope(self.object_chunk, [])
             u["usage"] = usage(done)
@@ -77,7 +84,8 @@ class Format:
     def _reason(self, done: fr.Done) -> str:
         return done.finish_reason
 
-    def _final_chunk(self, reason: str) -> bytes:
+    def _final_chunk(self, reason: str, stop_reason: str | int | None) -> bytes:
+        """The last choice chunk: ``finish_reason`` and vLLM's ``stop_reason``."""
         raise NotImplementedError
 
     def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
@@ -96,12 +104,14 @@ class CompletionFormat(Format):
     def delta(self, text: str) -> bytes:
         return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
 
-    def _final_chunk(self, reason: str) -> bytes:
-        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+    def _final_chunk(self, reason: str, stop_reason: str | int | None) -> bytes:
+        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": reason,
+                            "stop_reason": stop_reason})
 
     def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
         out = self._envelope(self.object_whole, [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason,
+             "stop_reason": done.stop_reason}
         ])
         out["usage"] = usage(done)
         return out
@@ -115,8 +125,9 @@ class ChatFormat(Format):
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, created: int, *, tools: bool = False) -> None:
-        super().__init__(model, created)
+    def __init__(self, model: str, created: int, *, tools: bool = False,
+                 fingerprint: str | None = None) -> None:
+        super().__init__(model, created, fingerprint=fingerprint)
         self.parser = ToolCallParser() if tools else None
 
     def start(self) -> bytes:
@@ -146,8 +157,9 @@ class ChatFormat(Format):
         called = self.parser is not None and self.parser.calls
         return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
 
-    def _final_chunk(self, reason: str) -> bytes:
-        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+    def _final_chunk(self, reason: str, stop_reason: str | int | None) -> bytes:
+        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason,
+                            "stop_reason": stop_reason})
 
     def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -161,7 +173,7 @@ class ChatFormat(Format):
                     del c["index"]  # a whole message's calls have no index
         out = self._envelope(self.object_whole, [{
             "index": 0, "message": message, "logprobs": None,
-            "finish_reason": self._reason(done),
+            "finish_reason": self._reason(done), "stop_reason": done.stop_reason,
         }])
         out["usage"] = usage(done)
         return out

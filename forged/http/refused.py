@@ -1,0 +1,98 @@
+"""Request fields forged knows but does not implement: a 400 that names the field.
+
+A client that sends one of these expects something forged does not do (audio, a
+predicted output, web search, a stored completion, a regular-expression constraint,
+beam search, ...). Answering as if the field were absent would let it believe it got
+what it asked for, so forged refuses, with OpenAI's error body and the field as
+``param``. Each entry lists the values that ask for nothing (the field's default,
+which some clients send explicitly): those are accepted. Fields forged has never heard
+of are ignored, as OpenAI-compatible servers do; fields forged implements are not here.
+
+The table is data, and README's API section lists it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from forged import errors as e
+
+
+@dataclass(frozen=True)
+class Refused:
+    why: str
+    # Values that ask for nothing: accepted and ignored.
+    harmless: tuple[Any, ...] = (None,)
+
+
+FIELDS: dict[str, Refused] = {
+    # OpenAI's
+    "audio": Refused("audio output is not supported"),
+    "modalities": Refused("only text output is supported", (None, ["text"])),
+    "prediction": Refused("predicted outputs are not supported"),
+    "web_search_options": Refused("web search is not supported"),
+    "store": Refused("stored completions are not supported", (None, False)),
+    "functions": Refused("the legacy functions are not supported: use tools", (None, [])),
+    "function_call": Refused("the legacy function_call is not supported: use tool_choice",
+                             (None, "none")),
+    "reasoning_effort": Refused("reasoning effort is not supported: a model thinks as "
+                                "its chat template says (see chat_template_kwargs)"),
+    "verbosity": Refused("verbosity is not supported"),
+    # vLLM's
+    "guided_regex": Refused("regular-expression constraints are not supported: use "
+                            "`grammar` (llama.cpp's GBNF)"),
+    "guided_grammar": Refused("use `grammar` (llama.cpp's GBNF) instead"),
+    "guided_whitespace_pattern": Refused("a whitespace pattern is not supported"),
+    "structured_outputs": Refused("use response_format, json_schema, guided_json, "
+                                  "guided_choice or grammar instead"),
+    "use_beam_search": Refused("beam search is not supported", (None, False)),
+    "prompt_logprobs": Refused("prompt logprobs are not supported"),
+    "truncate_prompt_tokens": Refused("prompts are never truncated: one that does not "
+                                      "fit is refused"),
+    "allowed_token_ids": Refused("use logit_bias or grammar instead"),
+    "bad_words": Refused("use logit_bias instead", (None, [])),
+    "skip_special_tokens": Refused("special tokens are always left out of the text",
+                                   (None, True)),
+    "chat_template": Refused("a request's own chat template is not supported: the "
+                             "model's (or model.chat_template) is used"),
+    "add_generation_prompt": Refused("the assistant's turn is always begun", (None, True)),
+    "continue_final_message": Refused("continuing the last message is not supported",
+                                      (None, False)),
+    "documents": Refused("documents for the chat template are not supported"),
+    # llama.cpp's samplers that forged's chain does not have
+    "mirostat": Refused("mirostat sampling is not supported", (None, 0)),
+    "typical_p": Refused("typical sampling is not supported", (None, 1.0)),
+    "dynatemp_range": Refused("dynamic temperature is not supported", (None, 0.0)),
+    "dry_multiplier": Refused("DRY sampling is not supported", (None, 0.0)),
+    "xtc_probability": Refused("XTC sampling is not supported", (None, 0.0)),
+    "penalty_last_n": Refused("the penalties always look at the last 64 tokens",
+                              (None, 64)),
+}
+
+# Content parts of chat messages other than text, by type: what they would carry.
+PARTS = {"image_url": "images", "input_audio": "audio", "file": "files",
+         "video_url": "video", "audio_url": "audio"}
+
+# Each refusable field as it came, UNSET where absent: decoded beside the request.
+_Given = msgspec.defstruct("_Given", [(name, Any, msgspec.UNSET) for name in FIELDS])
+_given_decoder = msgspec.json.Decoder(_Given)
+
+
+def check(body: bytes) -> None:
+    """BadRequest naming the first field of the table that asks for something."""
+    given = _given_decoder.decode(body)
+    for name, refused in FIELDS.items():
+        value = getattr(given, name)
+        if value is not msgspec.UNSET and value not in refused.harmless:
+            raise e.BadRequest(f"`{name}` is not supported by this server: {refused.why}",
+                               param=name, code="unsupported_field")
+
+
+def part_error(kind: str, where: str) -> e.BadRequest:
+    what = PARTS.get(kind)
+    message = (f"{what} in messages are not supported: this model reads text only"
+               if what else f"content parts of type {kind!r} are not supported")
+    return e.BadRequest(message, param=where, code="unsupported_field" if what else None)
