@@ -315,25 +315,11 @@ def _check_model(state: AppState, model: str | None) -> None:
 def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
              grammar: Grammar | None) -> Request:
     """The one engine request for this body, its API key and the config."""
-    lim, limit = state.cfg.limits, state.max_context
-    if len(prompt) >= limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"has {len(prompt)} tokens. Please reduce the length of the prompt."
-        )
-    if requested is None:
-        max_tokens = min(lim.default_max_tokens, limit - len(prompt))
-    elif len(prompt) + requested > limit:
-        raise e.ContextTooLong(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} in "
-            "the completion). Please reduce the length of the prompt or completion."
-        )
-    else:
-        max_tokens = requested
+    lim = state.cfg.limits
+    max_tokens = _max_tokens(state, prompt, requested)
     key = g.get("key")
     return Request(
-        prompt=prompt, max_tokens=max_tokens,
+        prompt=prompt, max_tokens=max_tokens, n=_choices(state, req, prompt, max_tokens),
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
@@ -344,6 +330,38 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "",
     )
+
+
+def _max_tokens(state: AppState, prompt: list[int], requested: int | None) -> int:
+    limit = state.max_context
+    if len(prompt) >= limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"has {len(prompt)} tokens. Please reduce the length of the prompt."
+        )
+    if requested is None:
+        return min(state.cfg.limits.default_max_tokens, limit - len(prompt))
+    if len(prompt) + requested > limit:
+        raise e.ContextTooLong(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} in "
+            "the completion). Please reduce the length of the prompt or completion."
+        )
+    return requested
+
+
+def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> int:
+    """``n``, checked against what a worker can run at once; ``best_of`` may only
+    repeat it."""
+    if req.best_of is not None and req.best_of != req.n:
+        # vLLM V1 and llama.cpp's server do not implement it either.
+        raise e.BadRequest("best_of is not supported: leave it out or make it equal to n "
+                           "(every choice sampled is returned)", param="best_of")
+    most = state.pool.limits.max_choices(len(prompt), max_tokens)
+    if req.n > most:
+        raise e.BadRequest(f"n is {req.n}, but at most {most} choices of this request can "
+                           "run at once on this server", param="n")
+    return int(req.n)
 
 
 def _sampling(state: AppState, req: Any) -> Sampling:
