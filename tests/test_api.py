@@ -85,7 +85,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
