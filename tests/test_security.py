@@ -298,7 +298,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "min_p", "stop", "stream", "stream_options", "logit_bias", "n", "seed",
           "ignore_eos", "priority", "presence_penalty", "max_completion_tokens", "suffix",
           "samplers", "input_prefix", "input_suffix", "input_extra", "n_predict",
-          "t_max_predict_ms", "n_indent", "id_slot", "response_fields"]
+          "t_max_predict_ms", "n_indent", "id_slot", "response_fields", "best_of"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -313,7 +313,10 @@ structured = st.fixed_dictionaries({}, optional={
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=10), values),
     "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200),
                                             max_size=3), values),
-    "top_p": values, "n": values, "seed": values, "priority": values, "model": values,
+    "top_p": values, "seed": values,
+    # n choices: within the cap, past it, past what a worker runs at once; best_of.
+    "n": st.one_of(st.integers(-1, 20), values),
+    "best_of": st.one_of(st.integers(0, 5), values), "priority": values, "model": values,
     "stream_options": values, "ignore_eos": values,
     "suffix": st.one_of(st.text(max_size=20), values),
     "samplers": st.one_of(st.lists(st.sampled_from(

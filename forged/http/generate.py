@@ -262,13 +262,14 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                         outcome.text(text, index)
                         yield out.delta(text, index)
                     case fr.Done():
-                        if not _done(outcome, ev, dones, out.n):
-                            yield out.finish(ev)
-                            continue
-                        yield out.finish(ev) + out.end([dones[i] for i in range(out.n)],
-                                                       include_usage)
-                        outcome.end = "ok"  # the last frame went out
-                        return
+                        last = _done(outcome, ev, dones, out.n)
+                        # A choice's end; after the last, the usage chunk and [DONE]
+                        # go out in the same write.
+                        end = out.end(list(dones.values()), include_usage) if last else b""
+                        yield out.finish(ev) + end
+                        if last:
+                            outcome.end = "ok"  # the last frame went out
+                            return
                     case fr.Failed():
                         outcome.end = "error"
                         yield sse.error_event(from_exception(e.EngineError(ev.message)))
