@@ -85,7 +85,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -149,7 +149,8 @@ async def test_bad_input_gets_openai_4xx_and_loses_nothing(
 async def assert_a_dropped_stream_is_freed_within_a_step(
         d: RunningDaemon, path: str, body: dict[str, Any], events: int) -> None:
     """Stream ``body`` to ``path`` over a raw connection, drop it after ``events`` SSE
-    events, and check that the engine let go of it within the step in flight."""
+    events, and check that the engine let go of it, all its ``n`` sequences, within the
+    step in flight."""
     # Slow steps (500 ms) make "within one step" countable on a tiny model, with
     # room for a slow machine to notice the drop within the step in flight.
     step = 0.5
@@ -163,7 +164,7 @@ async def assert_a_dropped_stream_is_freed_within_a_step(
     received = b""
     while received.count(b"data: {") < events:
         received += await sock.receive_some(65536)
-    assert d.stats()["running"] == 1
+    assert d.stats()["running"] == body.get("n", 1)
     await trio.sleep(2 * step)  # statistics arrive with each (slow) step
     steps_at_drop = d.stats()["steps"]
     await sock.aclose()

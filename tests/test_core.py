@@ -59,7 +59,10 @@ class FakeBackend:
         return bytes([ord("a") + token - 1])
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> FakeSampler:
-        return FakeSampler(self, self.scripts.get(prompt[0], []), sampling)
+        # With a seed, the script named by the prompt's first token plus the seed: how
+        # the choices of one request (seed + index) sample different tokens here.
+        return FakeSampler(self, self.scripts.get(prompt[0] + (sampling.seed or 0), []),
+                           sampling)
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         if self.full_steps:
@@ -330,4 +333,72 @@ def test_a_warm_up_computes_the_prompt_and_says_nothing() -> None:
     done = events[-1]
     assert isinstance(done, fr.Done) and done.text == "" and done.completion_tokens == 0
     assert backend.batches == [[(0, 3)]]  # the prompt, once, and nothing after it
+    assert_nothing_left(core, backend)
+
+
+# --- n > 1 ---------------------------------------------------------------------------------
+
+
+def texts(events: list[fr.Event]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, fr.Delta | fr.Done):
+            out[e.index] = out.get(e.index, "") + e.text
+    return out
+
+
+def test_each_choice_samples_with_its_own_seed_and_ends_on_its_own() -> None:
+    # choice i samples with seed 10 + i: scripts 15, 16 and 17 here
+    core, backend = core_with({15: [1, 2, EOS], 16: [3, EOS], 17: [4, 5, 6, 7]},
+                              step_tokens=64)
+    submit(core, 1, [5, 1, 1, 1], max_tokens=3, n=3, sampling=Sampling(seed=10))
+    events = run(core)
+    assert texts(events) == {0: "ab", 1: "c", 2: "def"}
+    done = {e.index: e for e in events if isinstance(e, fr.Done)}
+    assert {i: (d.stop_type, d.completion_tokens, d.prompt_tokens) for i, d in done.items()
+            } == {0: ("eos", 2, 4), 1: ("eos", 1, 4), 2: ("limit", 3, 4)}
+    # the prompt was decoded once, by one sequence; the others only decoded their tokens
+    assert [n for batch in backend.batches for _, n in batch if n > 1] == [4]
+    assert [type(e) for e in events].count(fr.Admitted) == 1
+    assert_nothing_left(core, backend)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3], ids=["queued", "prefilling", "decoding"])
+def test_a_cancel_frees_every_choice(steps: int) -> None:
+    core, backend = core_with({5: [1] * 50}, step_tokens=16, prefill_step_tokens=16)
+    submit(core, 1, [5] + [1] * 20, max_tokens=40, n=4)
+    for _ in range(steps):
+        core.step(0.0)
+    assert backend.open_samplers == 4
+    core.handle(fr.Cancel(rid=1), 0.0)
+    run(core)
+    assert_nothing_left(core, backend)
+    assert core.statistics()["kv_cells_active"] == 0
+
+
+def test_a_failed_step_fails_a_request_of_n_choices_once() -> None:
+    core, backend = core_with({5: [1] * 20}, step_tokens=64)
+    submit(core, 1, [5, 1, 1], max_tokens=8, n=3)
+    core.step(0.0)
+    core.step(0.0)  # every choice has decoded
+    backend.failing_seqs = {seq for seq, _ in backend.batches[-1]}
+    events = run(core)
+    assert [type(e) for e in events if not isinstance(e, fr.Admitted | fr.Delta)
+            ] == [fr.Failed]
+    assert_nothing_left(core, backend)
+
+
+def test_a_grammar_refused_for_one_choice_closes_the_samplers_made() -> None:
+    core, backend = core_with({})
+    make = backend.sampler
+
+    def refuse_third(s: Sampling, p: list[int]) -> FakeSampler:
+        if backend.open_samplers == 2:
+            raise ValueError("llama.cpp could not parse the grammar")
+        return make(s, p)
+
+    backend.sampler = refuse_third  # type: ignore[method-assign]
+    submit(core, 1, [5], max_tokens=3, n=3)
+    events = run(core)
+    assert [e.code for e in events if isinstance(e, fr.Failed)] == ["bad_request"]
     assert_nothing_left(core, backend)

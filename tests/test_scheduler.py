@@ -50,12 +50,12 @@ def run_step(s: Scheduler, now: float, token: int = 7) -> StepPlan | None:
     plan = s.plan(now)
     if plan is None:
         return None
-    sampled = {c.rid: token for c in plan.chunks if c.sample}
+    sampled = {(c.rid, i): token for c in plan.chunks for i in c.choices}
     s.commit(plan, sampled, now)
-    for rid in sampled:
-        r = s._running[rid]
+    for key in sampled:
+        r = s._running[key]
         if r.generated >= r.req.max_tokens:
-            s.complete(rid)
+            s.complete(*key)
     return plan
 
 
@@ -82,7 +82,7 @@ def test_decode_tokens_come_first_and_prefill_is_chunked_to_the_budget() -> None
     chunk9 = next(c for c in plan.chunks if c.rid == 9)
     assert len(chunk9.tokens) == 13 and not chunk9.sample
     # the long prompt keeps going in bounded chunks while the others decode every step
-    while s._running[9].phase.value == "prefill":
+    while s._running[(9, 0)].phase.value == "prefill":
         plan = run_step(s, 2.0)
         assert plan is not None and plan.n_tokens <= 16
         assert {1, 2, 3} <= {c.rid for c in plan.chunks}
@@ -187,7 +187,7 @@ def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
     chunk = next(c for c in plan.chunks if c.rid == 2)
     assert chunk.pos == 40 and chunk.tokens == [950]
     # the shared 40 cells are counted once
-    s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, 1.0)
+    s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, 1.0)
     assert s.ledger.used == 41 + 1 + 1
 
 
@@ -277,7 +277,7 @@ def test_per_slot_prefix_is_copied_as_a_whole_stream_then_trimmed() -> None:
     chunk = next(c for c in plan.chunks if c.rid == 2)
     assert chunk.pos == 40 and chunk.tokens == [950]
     # a copy is new cells in the destination's stream
-    s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, 1.0)
+    s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, 1.0)
     assert s.ledger.used == 42 + 41
 
 
@@ -352,7 +352,7 @@ def test_per_slot_steps_fill_the_budget_with_a_few_prompt_chunks() -> None:
     assert plan is not None
     # shortest first, and at most two chunks: each distinct length costs llama.cpp a pass
     assert [(c.rid, len(c.tokens)) for c in plan.chunks] == [(1, 5), (2, 9)]
-    s.commit(plan, {1: 7, 2: 7}, 0.0)
+    s.commit(plan, {(1, 0): 7, (2, 0): 7}, 0.0)
     plan = s.plan(1.0)
     assert plan is not None
     assert [(c.rid, len(c.tokens)) for c in plan.chunks] == [(1, 1), (2, 1), (3, 40)]
@@ -464,7 +464,7 @@ def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
     s.submit(*req(1, n=200, max_tokens=50), 0.0)
     s.submit(*req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
     now, rid = 0.0, 10
-    while s.is_running(1) and s._running[1].phase.value == "prefill":
+    while s.is_running(1) and s._running[(1, 0)].phase.value == "prefill":
         # a new short prompt every step, each shorter than what is left of request 1
         s.submit(*req(rid, n=5, max_tokens=1, start=2000 + 10 * rid), now)
         run_step(s, now)
@@ -722,7 +722,7 @@ def test_room_making_evicts_nothing_when_the_request_still_would_not_fit() -> No
     for now in (2.0, 3.0, 4.0):
         plan = s.plan(now)
         assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqRm)]
-        s.commit(plan, {c.rid: 7 for c in plan.chunks if c.sample}, now)
+        s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, now)
     assert s.statistics()["sessions_pinned"] == 2 and s.ledger.used >= used
     assert not s.is_running(4)
 
@@ -781,3 +781,135 @@ def test_a_continuation_reuses_its_slot_in_place() -> None:
     plan = s.plan(2.0)
     assert plan is not None and plan.chunks[0].seq == slot.sid
     assert not any(isinstance(op, SeqCp) for op in plan.ops)
+
+
+# --- n > 1: one prompt, n choices --------------------------------------------------------
+
+
+def computed_for(n: int, lim: SchedulerLimits) -> tuple[int, list[StepPlan]]:
+    """Prompt tokens computed, and the plans, for one 40-token request with ``n``."""
+    s = Scheduler(lim)
+    s.submit(*seq(1, list(range(100, 140)), 5, n=n), 0.0)
+    plans = []
+    while s.n_running or s.n_queued:
+        plan = run_step(s, 1.0)
+        assert plan is not None
+        plans.append(plan)
+    return s.prompt_tokens_computed, plans
+
+
+@pytest.mark.parametrize("lim", [limits(), per_slot()], ids=["unified", "per_slot"])
+def test_n_choices_compute_the_prompt_once_then_fork(lim: SchedulerLimits) -> None:
+    once, _ = computed_for(1, lim)
+    computed, plans = computed_for(4, lim)
+    assert computed == once == 40
+    # the chunk that ends the prompt samples all four choices from the leader's logits
+    at, last = next((i, c) for i, p in enumerate(plans) for c in p.chunks if c.sample)
+    assert last.choices == (0, 1, 2, 3) and last.tokens[-1] == 139
+    # then the prompt's KV is copied to the three others before their first decode
+    copies = [op for op in plans[at + 1].ops if isinstance(op, SeqCp)]
+    assert [(op.src, op.n, op.whole) for op in copies] == [(last.seq, 40, lim.per_slot)] * 3
+    assert len({op.dst for op in copies} | {last.seq}) == 4
+    decode = plans[at + 1].chunks
+    assert sorted(c.index for c in decode) == [0, 1, 2, 3]
+    assert all(c.pos == 40 and c.choices == (c.index,) for c in decode)
+
+
+def test_n_choices_share_the_prompts_cells_in_the_unified_cache() -> None:
+    s = Scheduler(limits(step_tokens=64))
+    s.submit(*seq(1, list(range(100, 140)), 5, n=4), 0.0)
+    run_step(s, 0.0)
+    run_step(s, 1.0)
+    assert s.ledger.used == 40 + 4  # one prompt, and one token written by each choice
+
+
+def test_n_choices_each_free_their_sequence_as_they_finish() -> None:
+    s = Scheduler(limits(step_tokens=64))
+    s.submit(*seq(1, list(range(100, 140)), 50, n=3), 0.0)
+    run_step(s, 0.0)
+    assert s.n_running == 3
+    s.complete(1, 1)  # choice 1 ended (EOS): the others go on
+    assert s.n_running == 2 and s.is_running(1)
+    plan = run_step(s, 1.0)
+    assert plan is not None and sorted(c.index for c in plan.chunks) == [0, 2]
+    s.complete(1, 0)
+    s.complete(1, 2)
+    assert s.n_running == 0 and s.statistics()["kv_cells_active"] == 0
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3], ids=["queued", "prefilling", "decoding"])
+def test_dropping_a_request_frees_all_its_choices(steps: int) -> None:
+    s = Scheduler(limits(step_tokens=16))
+    s.submit(*seq(1, list(range(100, 140)), 50, n=4), 0.0)
+    for _ in range(steps):
+        run_step(s, 0.0)
+    assert s.drop(1)
+    assert s.n_running == 0 and s.n_queued == 0 and not s.drop(1)
+    plan = s.plan(1.0)
+    assert plan is None or not plan.chunks
+    st = s.statistics()
+    assert st["kv_cells_active"] == 0 and st["kv_cells_reserved"] == 0
+
+
+def test_admission_counts_all_n_sequences() -> None:
+    s = Scheduler(limits(max_running=4))
+    s.submit(*seq(1, list(range(100, 110)), 3), 0.0)
+    s.submit(*seq(2, list(range(200, 210)), 3, n=4), 0.0)
+    run_step(s, 0.0)
+    assert s.is_running(1) and not s.is_running(2)  # 1 + 4 sequences > max_running
+    finish_all(s, 1.0)
+    events = [e.rid for e in s.drain_events() if isinstance(e, Admitted)]
+    assert events == [1, 2]  # one admission per request, however many choices
+
+
+def test_admission_reserves_decode_cells_for_every_choice() -> None:
+    # 40 + 4 * 50 = 240 cells: it waits while another request holds 40 + 50 of 300
+    s = Scheduler(limits(kv_cells=300, kv_headroom=0, max_running=8))
+    s.submit(*seq(1, list(range(100, 140)), 50), 0.0)
+    s.submit(*seq(2, list(range(200, 240)), 50, n=4), 0.0)
+    run_step(s, 0.0)
+    assert not s.is_running(2)
+    finish_all(s, 1.0)
+    assert not s.n_running and s.ledger.used <= 300
+
+
+@pytest.mark.parametrize(("lim", "n", "max_tokens"), [
+    (limits(max_running=4), 5, 5),  # more sequences than may ever run at once
+    (limits(kv_cells=300, kv_headroom=0), 4, 80),  # 40 + 4 * 80 cells > 300, ever
+])
+def test_n_that_can_never_run_at_once_is_refused(lim: SchedulerLimits, n: int,
+                                                 max_tokens: int) -> None:
+    s = Scheduler(lim)
+    with pytest.raises(ValueError, match=r"^n: at most"):
+        s.submit(*seq(1, list(range(100, 140)), max_tokens, n=n), 0.0)
+    assert s.n_queued == 0
+
+
+def test_a_preempted_choice_resumes_alone_where_it_stopped() -> None:
+    s = Scheduler(limits(kv_cells=4096, max_running=4, step_tokens=64))
+    s.submit(*seq(1, list(range(100, 140)), 50, n=3), 0.0)
+    run_step(s, 0.0)
+    run_step(s, 1.0)
+    assert s.preempt_one()
+    assert s.n_running == 2 and not s._running.get((1, 2))
+    (queued,) = s._queues[0]
+    assert (queued.index, queued.req.n) == (2, 1)
+    assert queued.req.prompt == [*range(100, 140), 7, 7]  # its prompt, its two tokens
+    plan = s.plan(2.0)
+    assert plan is not None and s._running[(1, 2)].cached == 41
+    assert {c.key for c in plan.chunks} == {(1, 0), (1, 1), (1, 2)}
+
+
+def test_a_prefilling_leader_is_preempted_with_the_choices_waiting_for_it() -> None:
+    s = Scheduler(limits(kv_cells=4096, max_running=4, step_tokens=16))
+    s.submit(*seq(1, list(range(100, 110)), 50), 0.0)
+    run_step(s, 0.0)
+    s.submit(*seq(2, list(range(200, 240)), 50, n=3), 0.0)
+    run_step(s, 1.0)  # request 2's leader has part of its prompt
+    assert s._running[(2, 1)].phase.value == "fork"
+    assert s.preempt_one()
+    assert not s.is_running(2)
+    (queued,) = s._queues[0]
+    assert (queued.index, queued.req.n) == (0, 3)
+    finish_all(s, 2.0)
+    assert s.statistics()["kv_cells_active"] == 0

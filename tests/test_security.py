@@ -305,7 +305,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "repetition_penalty", "repeat_penalty", "include_stop_str_in_output",
           "stop_token_ids", "chat_template_kwargs", "content", "add_special",
           "with_pieces", "parse_special", "tokens", "audio", "modalities", "prediction",
-          "store", "functions", "reasoning_effort", "guided_regex", "typical_p"]
+          "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -320,7 +320,10 @@ structured = st.fixed_dictionaries({}, optional={
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=10), values),
     "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200),
                                             max_size=3), values),
-    "top_p": values, "n": values, "seed": values, "priority": values, "model": values,
+    "top_p": values, "seed": values,
+    # n choices: within the cap, past it, past what a worker runs at once; best_of.
+    "n": st.one_of(st.integers(-1, 20), values),
+    "best_of": st.one_of(st.integers(0, 5), values), "priority": values, "model": values,
     "stream_options": values, "ignore_eos": values,
     "suffix": st.one_of(st.text(max_size=20), values),
     "samplers": st.one_of(st.lists(st.sampled_from(

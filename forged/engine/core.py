@@ -15,18 +15,20 @@ socket, no event loop and no llama.cpp: it drives a :class:`Backend` (the real o
 * ``frame(now, force)`` returns the ``Step`` frame to send: the events since the last
   one, and the statistics when they are due.
 
-Per request the core keeps what the scheduler does not: the sampler, the text stream
-(UTF-8 boundaries and stop strings) and the counters the ``Done`` event reports. Every
-path out of a request (end of sequence, stop string, length, cancel, expiry, a failed
-step) closes its sampler and, if it ran, tells the scheduler, so no sequence leaks.
+Per request the core keeps what the scheduler does not, for each of its ``n`` choices:
+the sampler (its own seed, penalty history and grammar state), the text stream (UTF-8
+boundaries and stop strings) and the counters its ``Done`` event reports. Every path
+out of a request (each choice's end of sequence, stop string or length; cancel,
+expiry, a failed step) closes its samplers and, if it ran, tells the scheduler, so no
+sequence leaks. The request ends when its last choice does.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -38,6 +40,7 @@ from forged.engine.scheduler import (
     Admitted,
     Chunk,
     Expired,
+    Key,
     QueueFull,
     Scheduler,
     SeqCp,
@@ -64,6 +67,7 @@ class NoKVSpace(DecodeError):
 
 
 DecodeItem = tuple[int, int, Sequence[int], bool]  # seq, first position, tokens, logits
+K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
 
 
 class TokenSampler(Protocol):
@@ -97,22 +101,34 @@ class Backend(Protocol):
 
 
 @dataclass
+class _Choice:
+    """One of a request's ``n`` answers: its own sampler and text."""
+
+    sampler: TokenSampler
+    text: TextStream
+    generated: int = 0
+    first_at: tuple[float, int] = (0.0, 0)  # its first token: when, and at which step
+    # For n_indent: the indentation of the line being generated, while it is only
+    # whitespace (None once the line has other text, and on the cursor's own line).
+    indent: int | None = None
+    done: bool = False
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.sampler.close()
+
+
+@dataclass
 class _Stream:
     """What the core keeps of one request beside the scheduler's bookkeeping."""
 
     request: Request
-    sampler: TokenSampler
-    text: TextStream
     eog: frozenset[int]
-    generated: int = 0
+    choices: list[_Choice] = field(default_factory=list)
     cached: int = 0
     admitted: bool = False
-    # Admission, then the first token: when, and at which step count.
-    admitted_at: tuple[float, int] = (0.0, 0)
-    first_at: tuple[float, int] = (0.0, 0)
-    # For n_indent: the indentation of the line being generated, while it is only
-    # whitespace (None once the line has other text, and on the cursor's own line).
-    indent: int | None = None
+    admitted_at: tuple[float, int] = (0.0, 0)  # when, and at which step count
 
 
 class WorkerCore:
@@ -157,19 +173,21 @@ class WorkerCore:
             self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
             return
         sampling, eog = _ends(req, frozenset(self.backend.eog_tokens))
+        stream = self.streams[rid] = _Stream(req, eog)
         try:
-            sampler = self.backend.sampler(sampling, req.prompt)
+            for i in range(req.n):
+                sampler = self.backend.sampler(sampling.for_choice(i), req.prompt)
+                stream.choices.append(_Choice(sampler, TextStream(req.stop,
+                                                                  include=req.include_stop)))
         except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
             self.sched.drop(rid)
+            self._close(rid)
             self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
-            return
-        self.streams[rid] = _Stream(req, sampler,
-                                    TextStream(req.stop, include=req.include_stop), eog)
 
     def _close(self, rid: int) -> None:
         stream = self.streams.pop(rid, None)
-        if stream is not None:
-            stream.sampler.close()
+        for choice in stream.choices if stream is not None else ():
+            choice.close()
 
     # --- one step -------------------------------------------------------------------------
 
@@ -205,24 +223,25 @@ class WorkerCore:
         self.sched.commit(ran, sampled, self.clock())
         for rid, exc in failed.items():
             self._fail(rid, "engine_error", f"decode failed: {exc}")
-        for rid, tok in sampled.items():
-            self._on_token(rid, tok)
+        for (rid, index), tok in sampled.items():
+            self._on_token(rid, index, tok)
         self._step_ms = (self.clock() - t0) * 1000
         if not failed:  # a retried step's time says nothing about its shape
             self.sched.observe(plan, self._step_ms)
         self._steps += 1
         self._tokens_out += len(sampled)
 
-    def _decode_and_sample(self, chunks: list[Chunk]) -> dict[int, int]:
+    def _decode_and_sample(self, chunks: list[Chunk]) -> dict[Key, int]:
         idx = self.backend.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])
-        return {c.rid: self.streams[c.rid].sampler.sample(i)
-                for c, i in zip(chunks, idx, strict=True) if c.sample}
+        # At the end of a shared prompt, every choice samples from the same logits.
+        return {(c.rid, choice): self.streams[c.rid].choices[choice].sampler.sample(i)
+                for c, i in zip(chunks, idx, strict=True) for choice in c.choices}
 
     def _relieve(self, plan: StepPlan) -> None:
         # The ledger said the batch fits, but llama.cpp found no cells: give some back.
         if not self.sched.preempt_one():
-            for c in plan.chunks:
-                self._fail(c.rid, "engine_error", "the KV cache is full")
+            for rid in dict.fromkeys(c.rid for c in plan.chunks):  # once per request
+                self._fail(rid, "engine_error", "the KV cache is full")
 
     def _fail(self, rid: int, code: fr.ErrorCode, message: str) -> None:
         self.sched.drop(rid)
@@ -239,66 +258,72 @@ class WorkerCore:
                         stream.admitted_at = (self.clock(), self._steps)
                         self.events.append(fr.Admitted(rid=rid, cached=cached, queue_time=qt))
                 case Expired(rid=rid):
+                    self.sched.drop(rid)  # its other choices may be running
                     self._close(rid)
                     self.events.append(fr.Failed(rid=rid, code="queue_timeout",
                                                  message="timed out waiting for a free slot"))
 
-    def _on_token(self, rid: int, tok: int) -> None:
+    def _on_token(self, rid: int, index: int, tok: int) -> None:
         stream = self.streams[rid]
-        req = stream.request
+        req, choice = stream.request, stream.choices[index]
         if req.max_tokens == 0:  # a warm-up: the prompt is in the cache now; say nothing
-            self._finish(rid, "limit", "")
+            self._finish(rid, index, "limit", "")
             return
         if tok in stream.eog:
-            self._end_on_token(rid, stream, tok)
+            self._end_on_token(rid, index, tok)
             return
-        stream.generated += 1
-        if stream.generated == 1:
-            stream.first_at = (self.clock(), self._steps + 1)  # this step counts
+        choice.generated += 1
+        if choice.generated == 1:
+            choice.first_at = (self.clock(), self._steps + 1)  # this step counts
         piece = self.backend.piece(tok, tok in req.preserve)
         # vLLM's min_tokens: no stop string counts before it is reached either.
-        text = stream.text.feed(piece, match=stream.generated >= req.sampling.min_tokens)
-        stop: fr.StopType | None = "word" if stream.text.stopped else None
-        if stop is None and (stream.generated >= req.max_tokens
-                             or self._out_of_time(stream, piece)):
-            text, stop = text + stream.text.flush(), "limit"
-        text, dedented = _within_indent(stream, text)
+        text = choice.text.feed(piece, match=choice.generated >= req.sampling.min_tokens)
+        stop: fr.StopType | None = "word" if choice.text.stopped else None
+        if stop is None and (choice.generated >= req.max_tokens
+                             or self._out_of_time(req, choice, piece)):
+            text, stop = text + choice.text.flush(), "limit"
+        text, dedented = _within_indent(req, choice, text)
         if dedented or stop is not None:
-            self._finish(rid, stop or "limit", text, stream.text.matched)
+            self._finish(rid, index, stop or "limit", text, choice.text.matched)
         elif text:
-            self.events.append(fr.Delta(rid=rid, text=text))
+            self.events.append(fr.Delta(rid=rid, text=text, index=index))
 
-    def _end_on_token(self, rid: int, stream: _Stream, tok: int) -> None:
+    def _end_on_token(self, rid: int, index: int, tok: int) -> None:
         """An end-of-generation token, or one of the request's stop tokens (whose text
         ends the answer when the caller wants the stop included)."""
-        req = stream.request
+        req = self.streams[rid].request
+        choice = self.streams[rid].choices[index]
         reason = tok if tok in req.stop_tokens else None
         text = ""
         if reason is not None and req.include_stop:
-            text = stream.text.feed(self.backend.piece(tok, tok in req.preserve))
+            text = choice.text.feed(self.backend.piece(tok, tok in req.preserve))
         # What was held back for a possible stop string or a split character is the
         # end of the answer after all.
-        text, _ = _within_indent(stream, text + stream.text.flush())
-        self._finish(rid, "eos", text, reason)
+        text, _ = _within_indent(req, choice, text + choice.text.flush())
+        self._finish(rid, index, "eos", text, reason)
 
-    def _out_of_time(self, stream: _Stream, piece: bytes) -> bool:
+    def _out_of_time(self, req: Request, choice: _Choice, piece: bytes) -> bool:
         """llama.cpp's t_max_predict_ms: a newline made after the time limit ends it."""
-        limit = stream.request.max_predict_ms
+        limit = req.max_predict_ms
         return bool(limit) and b"\n" in piece and (
-            self.clock() - stream.first_at[0]) * 1000 > limit
+            self.clock() - choice.first_at[0]) * 1000 > limit
 
-    def _finish(self, rid: int, stop: fr.StopType, text: str,
+    def _finish(self, rid: int, index: int, stop: fr.StopType, text: str,
                 reason: str | int | None = None) -> None:
+        """Choice ``index`` ended; the request ends with its last choice."""
         stream = self.streams[rid]
-        self.sched.complete(rid)
-        self._close(rid)
+        choice = stream.choices[index]
+        self.sched.complete(rid, index)
+        choice.close()
+        if all(c.done for c in stream.choices):
+            del self.streams[rid]
         self.events.append(fr.Done(
-            rid=rid, text=text, stop_type=stop,
-            prompt_tokens=len(stream.request.prompt), completion_tokens=stream.generated,
+            rid=rid, index=index, text=text, stop_type=stop,
+            prompt_tokens=len(stream.request.prompt), completion_tokens=choice.generated,
             cached_tokens=stream.cached,
-            prefill_s=max(0.0, stream.first_at[0] - stream.admitted_at[0]),
-            prefill_steps=max(0, stream.first_at[1] - stream.admitted_at[1]),
-            decode_s=self.clock() - stream.first_at[0] if stream.generated else 0.0,
+            prefill_s=max(0.0, choice.first_at[0] - stream.admitted_at[0]),
+            prefill_steps=max(0, choice.first_at[1] - stream.admitted_at[1]),
+            decode_s=self.clock() - choice.first_at[0] if choice.generated else 0.0,
             stop_reason=reason,
         ))
 
@@ -343,34 +368,35 @@ def _ends(req: Request, eog: frozenset[int]) -> tuple[Sampling, frozenset[int]]:
     return sampling, ends
 
 
-def _within_indent(stream: _Stream, text: str) -> tuple[str, bool]:
+def _within_indent(req: Request, choice: _Choice, text: str) -> tuple[str, bool]:
     """``text`` up to where a line starts with less indentation than ``n_indent``
     (spaces and tabs count one each), and whether it was cut there. Like llama.cpp,
     the line of the cursor is never cut; unlike it, the dedented text is never sent."""
-    n = stream.request.n_indent
+    n = req.n_indent
     if not n:
         return text, False
     for i, ch in enumerate(text):
         if ch == "\n":
-            stream.indent = 0
-        elif stream.indent is not None:
+            choice.indent = 0
+        elif choice.indent is not None:
             if ch in " \t":
-                stream.indent += 1
-            elif stream.indent < n:
+                choice.indent += 1
+            elif choice.indent < n:
                 return text[:i], True
             else:
-                stream.indent = None
+                choice.indent = None
     return text, False
 
 
-def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
-                  ) -> tuple[dict[int, int], dict[int, DecodeError]]:
+def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
+                  ) -> tuple[dict[K, int], dict[int, DecodeError]]:
     """Run ``chunks`` as one step. If llama.cpp fails it (rolling it back), run the
     halves apart, recursively, so that only the requests whose chunks fail alone fail
     and every other stream in the step goes on. ``NoKVSpace`` on the whole step is not
     a failure of any chunk: it propagates, for the caller to make room.
 
-    Returns the tokens sampled and the errors of the requests that failed, by rid.
+    Returns the tokens sampled (keyed as ``run`` keys them: by sequence) and the errors
+    of the requests that failed, by rid.
     """
     try:
         return run(chunks), {}
@@ -382,9 +408,9 @@ def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, in
     return _bisect(chunks, run)
 
 
-def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[int, int]]
-            ) -> tuple[dict[int, int], dict[int, DecodeError]]:
-    sampled: dict[int, int] = {}
+def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
+            ) -> tuple[dict[K, int], dict[int, DecodeError]]:
+    sampled: dict[K, int] = {}
     failed: dict[int, DecodeError] = {}
     half = len(chunks) // 2
     for part in (chunks[:half], chunks[half:]):

@@ -94,6 +94,7 @@ class Admitted(msgspec.Struct, tag="admitted", tag_field="e", forbid_unknown_fie
 class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=True):
     rid: int
     text: str
+    index: int = 0  # the choice (OpenAI's ``n``)
 
 
 FinishReason = Literal["stop", "length"]
@@ -103,6 +104,8 @@ StopType = Literal["eos", "word", "limit"]
 
 
 class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True):
+    """One choice ended; a request with ``n`` choices ends with its ``n``-th Done."""
+
     rid: int
     text: str  # the last delta's text, released at the end
     stop_type: StopType
@@ -116,6 +119,7 @@ class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True
     # vLLM's stop_reason: the stop string or the stop token (of ``stop_tokens``) that
     # ended the answer; None for a model's own end, or a limit.
     stop_reason: str | int | None = None
+    index: int = 0  # the choice
 
     @property
     def finish_reason(self) -> FinishReason:

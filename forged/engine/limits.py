@@ -58,6 +58,16 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     def per_slot(self) -> bool:
         return self.per_slot_cells > 0
 
+    def max_choices(self, prompt: int, max_tokens: int) -> int:
+        """The most sequences (``n``) one request of this shape can ever run at once:
+        each takes a slot, and in the unified layout the decode cells reserved for
+        each beside the one shared prompt must fit the room."""
+        most = self.max_running
+        if self.per_slot:
+            return most
+        each = max(1, min(max_tokens, self.decode_reservation))
+        return min(most, (self.room - prompt) // each)
+
     @property
     def geometry(self) -> tuple[int, int, int]:
         """What a running worker's llama.cpp context fixes: a reload cannot change it."""

@@ -55,11 +55,12 @@ def retry_after_seconds(seconds: float) -> int:
 class RequestStream:
     """Events of one request, coalesced: ``receive()`` returns all that arrived."""
 
-    def __init__(self, rid: int, fingerprint: int = 0) -> None:
+    def __init__(self, rid: int, fingerprint: int = 0, choices: int = 1) -> None:
         self.rid = rid
         self.fingerprint = fingerprint  # of the prompt, to recognise one that kills
         self.admitted = False
         self.finished = False
+        self._open = choices  # choices not yet Done: the request ends with the last
         # When each piece of text reached the daemon: TTFT and inter-token latency.
         self.delta_times: list[float] = []
         self._events: list[fr.Event] = []
@@ -71,7 +72,10 @@ class RequestStream:
             self.delta_times.append(time.monotonic())
         if isinstance(ev, fr.Admitted):
             self.admitted = True
-        elif isinstance(ev, fr.Done | fr.Failed):
+        elif isinstance(ev, fr.Done):
+            self._open -= 1
+            self.finished = self._open == 0
+        elif isinstance(ev, fr.Failed):
             self.finished = True
         self._events.append(ev)
         self._wake.set()
@@ -211,7 +215,7 @@ class EnginePool:
         w = self._pick()
         outbox, pending = w.outbox, self.pending[w.index]
         assert outbox is not None  # routable workers have a process
-        rs = RequestStream(next(self._rids), fingerprint)
+        rs = RequestStream(next(self._rids), fingerprint, request.n)
         pending[rs.rid] = rs
         outbox.put(fr.Submit(rid=rs.rid, request=request))
         try:

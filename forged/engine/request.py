@@ -64,9 +64,19 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     suppress: list[int] = []
 
+    def for_choice(self, index: int) -> Sampling:
+        """Choice ``index`` of a request with ``n`` > 1 samples with ``seed + index``:
+        the choices differ, and the whole response is reproducible from one seed."""
+        if self.seed is None or index == 0:
+            return self
+        return msgspec.structs.replace(self, seed=(self.seed + index) & 0xFFFFFFFF)
+
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     prompt: list[int]
+    # Choices (OpenAI's ``n``): the prompt is computed once, then its KV is copied to a
+    # sequence per choice, each with a sampler of its own (Sampling.for_choice).
+    n: Annotated[int, Meta(ge=1)] = 1
     # 0: fill the cache with the prompt and answer at once (an editor's warm-up).
     max_tokens: Annotated[int, Meta(ge=0)]
     priority: Priority = "interactive"

@@ -11,7 +11,7 @@ what it decides:
 * ``plan(now)`` admits what fits and returns one :class:`StepPlan`: KV memory
   operations to apply first, then the tokens of one ``llama_decode`` call;
 * ``commit(plan, sampled)`` records what that decode wrote and sampled;
-* ``complete(rid)`` ends a running request that finished by itself (EOS, stop
+* ``complete(rid, index)`` ends one running choice that finished by itself (EOS, stop
   string, length).
 
 Each step, every decoding sequence gets its next token first. The rest of the step
@@ -46,6 +46,14 @@ shares only a header with it (another editor on the same repository) copies the
 prefix into a free slot instead, so that the other's cache survives
 (``_destination``).
 
+Choices: a request with ``n`` > 1 is admitted as a group, with a slot for each choice
+(and, in the unified layout, each choice's decode cells reserved). Only its first
+choice, the leader, computes the prompt; the others wait (``Phase.FORK``). The chunk
+that ends the prompt samples every choice's first token from the leader's logits, and
+``commit`` then copies the prompt's KV into each other choice's sequence (``seq_cp``: a
+tag in the unified cache, a stream copy per slot), after which each decodes on its own.
+A running sequence is keyed by ``(rid, choice index)``.
+
 Sessions: a request may name its conversation (``session``). When it ends, its slot is
 pinned to that session for ``session_ttl`` seconds, so the next turn finds its whole
 history cached and computes only the new tokens. Pinned slots are evicted only after
@@ -72,6 +80,11 @@ from forged.engine.request import Request
 class Phase(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    FORK = "fork"  # a choice waiting for its leader to compute the shared prompt
+
+
+# A running sequence: its request's routing id and its choice's index (OpenAI's ``n``).
+Key = tuple[int, int]
 
 
 @dataclass
@@ -88,9 +101,19 @@ class _Running:
     phase: Phase = Phase.PREFILL
     last_token: int = -1  # sampled but not yet fed back
     generated: int = 0
+    index: int = 0  # its choice
+    # A leader's choices waiting for its prompt (in Phase.FORK), until it forks them.
+    forks: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> Key:
+        return self.rid, self.index
 
     def reserved_length(self, decode_reservation: int) -> int:
-        return len(self.req.prompt) + min(self.req.max_tokens, decode_reservation)
+        decode = min(self.req.max_tokens, decode_reservation)
+        # A choice waiting for its prompt gets the prompt's cells by a copy: in the
+        # unified cache those are the leader's, shared, so only its decode cells count.
+        return decode if self.phase is Phase.FORK else len(self.req.prompt) + decode
 
 
 @dataclass
@@ -112,6 +135,7 @@ class _Queued:
     # preempted request, queued again with a longer prompt, keeps it.
     vstart: float
     deadline: float
+    index: int = 0  # the first of its req.n choices (a preempted choice keeps its own)
 
 
 # --- what the scheduler tells the worker ------------------------------------------
@@ -149,6 +173,19 @@ class Chunk:
     pos: int
     tokens: list[int]
     sample: bool
+    index: int = 0  # the choice whose sequence this is
+    # The end of a prompt shared by several choices: the others, which sample their
+    # first token from the same logits, each with its own sampler.
+    forks: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> Key:
+        return self.rid, self.index
+
+    @property
+    def choices(self) -> tuple[int, ...]:
+        """The choices that sample from this chunk's last logits."""
+        return (self.index, *self.forks) if self.sample else ()
 
 
 @dataclass(frozen=True)
@@ -226,7 +263,7 @@ class Scheduler:
         self._slots = [_Slot(sid) for sid in range(limits.slots)]
         self._queues: tuple[list[_Queued], ...] = tuple([] for _ in PRIORITIES)
         self._queued_tokens = 0
-        self._running: dict[int, _Running] = {}
+        self._running: dict[Key, _Running] = {}
         self._ops: list[MemOp] = []
         self._events: list[SchedEvent] = []
         # The pace of slot turnover, measured only while requests wait for one: when
@@ -257,8 +294,11 @@ class Scheduler:
         if not req.prompt or len(req.prompt) + req.max_tokens > lim.max_context:
             raise ValueError(f"the request is longer than the largest a slot takes "
                              f"({lim.max_context} tokens)")
+        most = lim.max_choices(len(req.prompt), req.max_tokens)
+        if req.n > most:  # it would wait for room that never comes
+            raise ValueError(f"n: at most {most} choices of this request can run at once")
         vstart = self._virtual_start(now, len(req.prompt))
-        wait = self.wait_estimate(req.rank, vstart)
+        wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
             self.early_rejections += 1
             raise QueueFull(f"the server is at capacity: this request would wait about "
@@ -268,34 +308,34 @@ class Scheduler:
         self._queued_tokens += len(req.prompt)
 
     def drop(self, rid: int) -> bool:
-        """Forget ``rid`` wherever it is, queued or running: its caller left, or it
-        failed. Returns whether it was known."""
+        """Forget ``rid`` wherever it is, queued or running, every choice of it: its
+        caller left, or it failed. Returns whether it was known."""
+        found = False
         for q in self._queues:
-            for item in q:
-                if item.rid == rid:
-                    q.remove(item)
-                    self._queued_tokens -= len(item.req.prompt)
-                    return True
-        if rid in self._running:
-            self._release(rid)
-            return True
-        return False
+            for item in [item for item in q if item.rid == rid]:
+                q.remove(item)
+                self._queued_tokens -= len(item.req.prompt)
+                found = True
+        for key in [key for key in self._running if key[0] == rid]:
+            self._release(key)
+            found = True
+        return found
 
-    def complete(self, rid: int) -> None:
-        """``rid`` finished by itself (EOS, stop string, length). Its KV stays as prefix
-        cache unless opted out, and its slot counts towards the pace at which slots
-        free up."""
+    def complete(self, rid: int, index: int = 0) -> None:
+        """Choice ``index`` of ``rid`` finished by itself (EOS, stop string, length). Its
+        KV stays as prefix cache unless opted out, and its slot counts towards the pace
+        at which slots free up."""
         if self.n_queued:
             self._finished_at.append(self._waiting_clock)
-        self._release(rid)
+        self._release((rid, index))
 
     def _tick(self, now: float) -> None:
         if self.n_queued and now > self._now:
             self._waiting_clock += now - self._now
         self._now = now
 
-    def _release(self, rid: int) -> None:
-        run = self._running.pop(rid)
+    def _release(self, key: Key) -> None:
+        run = self._running.pop(key)
         slot = self._slots[run.slot]
         slot.rid = None
         if not run.req.cache:
@@ -312,6 +352,8 @@ class Scheduler:
         gone: list[int] = []
         for q in self._queues:
             for item in [item for item in q if item.deadline <= now]:
+                if item.rid in gone:
+                    continue  # another of its choices expired already: all are gone
                 self.drop(item.rid)
                 gone.append(item.rid)
                 self._events.append(Expired(item.rid))
@@ -371,7 +413,8 @@ class Scheduler:
                 break
             toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
             done = run.next_prompt + take == len(run.req.prompt)
-            chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done))
+            chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done,
+                                index=run.index, forks=run.forks if done else ()))
             room -= self.cost.predict_extra(chunk_shape(run.next_prompt, take))
             cap -= take
             first = False
@@ -409,10 +452,10 @@ class Scheduler:
         return quick + [r for r in order if id(r) not in taken]
 
     def _shape(self, chunks: list[Chunk]) -> StepShape:
-        decode = [c.pos for c in chunks if self._running[c.rid].phase is Phase.DECODE]
+        decode = [c.pos for c in chunks if self._running[c.key].phase is Phase.DECODE]
         shape = decode_shape(decode)
         for c in chunks:
-            if self._running[c.rid].phase is Phase.PREFILL:
+            if self._running[c.key].phase is Phase.PREFILL:
                 shape = shape.plus(chunk_shape(c.pos, len(c.tokens)))
         return shape
 
@@ -446,51 +489,81 @@ class Scheduler:
         stream only pauses. It keeps its place in the aging order, and it may wait for
         a slot again for at most its queue timeout.
         """
-        if len(self._running) <= 1:
+        # Choices waiting for their prompt go with their leader, never alone.
+        candidates = [r for r in self._running.values() if r.phase is not Phase.FORK]
+        if len(candidates) <= 1:
             return False  # alone it must fit: admission checked prompt + max_tokens
-        run = max(self._running.values(), key=lambda r: (r.req.rank, r.admitted_at))
-        slot = self._slots[run.slot]
-        done = slot.tokens[: self.ledger.length(run.slot)]
-        if run.phase is Phase.DECODE:
-            prompt = [*done, run.last_token]
-            left = run.req.max_tokens - run.generated
-        else:
-            prompt, left = run.req.prompt, run.req.max_tokens
-        del self._running[run.rid]
-        slot.rid = None
-        self._evict(slot)
-        again = msgspec.structs.replace(run.req, prompt=prompt, max_tokens=max(1, left))
+        run = max(candidates, key=lambda r: (r.req.rank, r.admitted_at, r.index))
+        done = self._slots[run.slot].tokens[: self.ledger.length(run.slot)]
+        if run.phase is Phase.DECODE:  # one choice resumes on its own
+            again = msgspec.structs.replace(run.req, prompt=[*done, run.last_token], n=1,
+                                            max_tokens=max(1, run.req.max_tokens - run.generated))
+        else:  # a leader, with the choices that wait for its prompt
+            again = msgspec.structs.replace(run.req, n=1 + len(run.forks))
+        for index in (run.index, *run.forks):
+            self._unslot(self._running.pop((run.rid, index)))
         self._queues[run.req.rank].append(_Queued(
-            run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout))
-        self._queued_tokens += len(prompt)
+            run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
+            run.index))
+        self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
         return True
 
-    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> None:
-        """Record a decode that ran ``plan``: cells written and tokens sampled."""
+    def _unslot(self, run: _Running) -> None:
+        slot = self._slots[run.slot]
+        slot.rid = None
+        self._evict(slot)
+
+    def commit(self, plan: StepPlan, sampled: dict[Key, int], now: float) -> None:
+        """Record a decode that ran ``plan``: cells written and tokens sampled, by
+        sequence; at the end of a shared prompt, the fork into its other choices."""
         for ch in plan.chunks:
             self._record_cells(ch)
-            run = self._running[ch.rid]
+            run = self._running[ch.key]
             if run.phase is Phase.PREFILL:
                 run.next_prompt += len(ch.tokens)
                 self.prompt_tokens_computed += len(ch.tokens)
             if ch.sample:
                 run.phase = Phase.DECODE
-                run.last_token = sampled[ch.rid]
+                run.last_token = sampled[ch.key]
                 run.generated += 1
+                for index in ch.forks:
+                    self._fork(run, self._running[(ch.rid, index)], sampled[(ch.rid, index)])
+                run.forks = ()
             self._slots[run.slot].last_used = now
+
+    def _fork(self, leader: _Running, run: _Running, token: int) -> None:
+        """``run`` takes the prompt its leader has just computed (a copy of its KV, made
+        before the next decode) and the first token its own sampler drew from the
+        leader's logits."""
+        self._copy(leader.slot, run.slot, self.ledger.length(leader.slot))
+        run.phase, run.next_prompt = Phase.DECODE, len(run.req.prompt)
+        run.last_token, run.generated = token, 1
+        self._slots[run.slot].last_used = self._slots[leader.slot].last_used
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        """Give the empty slot ``dst`` the first ``n`` positions of ``src``."""
+        if self.limits.per_slot:
+            self._ops.append(SeqCp(src, dst, n, whole=True))
+            self.ledger.extend(dst, n)  # a copy: new cells in dst's own stream
+        else:
+            self._ops.append(SeqCp(src, dst, n))
+            self.ledger.share(src, dst, n)
+        self._slots[dst].tokens = self._slots[src].tokens[:n]
 
     # --- admission ------------------------------------------------------------------
 
     def _admit(self, now: float) -> None:
         for q in self._queues:
-            while q and len(self._running) < self.limits.max_running:
+            while q:
                 item = min(q, key=lambda it: (it.vstart, it.submitted_at))
-                if not self._try_admit(item, now):
+                if (len(self._running) + item.req.n > self.limits.max_running
+                        or not self._try_admit(item, now)):
                     return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
-                self._events.append(Admitted(item.rid, self._running[item.rid].cached,
+                self._events.append(Admitted(item.rid,
+                                             self._running[(item.rid, item.index)].cached,
                                              now - item.submitted_at))
 
     def _virtual_start(self, submitted_at: float, prompt_tokens: int) -> float:
@@ -514,36 +587,57 @@ class Scheduler:
         dst = self._destination(req, src, n)
         if dst is None:
             return False
+        forks = self._fork_slots(req.n - 1, dst)
+        if forks is None:
+            return False
         if dst != src and self.limits.per_slot and n < self.limits.min_copy_tokens:
             src, n = None, 0  # copying a whole stream costs more than a short prefill
-        if not self._make_room(req, n, src, dst):
+        if not self._make_room(req, n, src, dst, forks):
             return False
+        self._count_reuse(req, src, n)
+        if dst == src:
+            self._truncate(self._slots[dst], n)
+        else:
+            self._evict(self._slots[dst])
+            if src is not None and n:
+                self._copy(src, dst, n)
+        for sid in forks:  # after the copy: a fork may take the source's slot
+            self._evict(self._slots[sid])
+        self._start(item, [dst, *forks], n, now)
+        return True
+
+    def _count_reuse(self, req: Request, src: int | None, n: int) -> None:
         self.cache_queries += 1
-        if n:
+        if src is not None and n:
             self.cache_hits += 1
             self.cache_tokens_saved += n
-            assert src is not None
             if req.session is not None and self._slots[src].session == req.session:
                 self.session_resumes += 1
-        slot = self._slots[dst]
-        if dst == src:
-            self._truncate(slot, n)
-        else:
-            self._evict(slot)
-            if n:
-                assert src is not None
-                if self.limits.per_slot:
-                    self._ops.append(SeqCp(src, dst, n, whole=True))
-                    self.ledger.extend(dst, n)  # a copy: new cells in dst's own stream
-                else:
-                    self._ops.append(SeqCp(src, dst, n))
-                    self.ledger.share(src, dst, n)
-                slot.tokens = self._slots[src].tokens[:n]
-        slot.rid, slot.last_used, slot.tenant = item.rid, now, req.tenant
-        self._running[item.rid] = _Running(item.rid, req, dst, now, item.submitted_at,
-                                           item.vstart,
-                                          next_prompt=n, cached=n)
-        return True
+
+    def _start(self, item: _Queued, slots: list[int], cached: int, now: float) -> None:
+        """Run ``item``'s choices in ``slots``: the first computes the prompt, the others
+        wait for it."""
+        forks = tuple(item.index + j for j in range(1, len(slots)))
+        for j, sid in enumerate(slots):
+            slot = self._slots[sid]
+            slot.rid, slot.last_used, slot.tenant = item.rid, now, item.req.tenant
+            run = _Running(item.rid, item.req, sid, now, item.submitted_at, item.vstart,
+                           next_prompt=cached, cached=cached, index=item.index + j)
+            if j:
+                run.phase = Phase.FORK
+            else:
+                run.forks = forks
+            self._running[run.key] = run
+
+    def _fork_slots(self, count: int, dst: int) -> list[int] | None:
+        """Slots for a request's other choices (idle ones, empty first), or None."""
+        out: list[int] = []
+        for _ in range(count):
+            sid = self._free_slot(dst, *out)
+            if sid is None:
+                return None
+            out.append(sid)
+        return out
 
     def _destination(self, req: Request, src: int | None, n: int) -> int | None:
         """The slot ``req`` runs in. The slot holding its longest prefix, in place, when
@@ -584,9 +678,9 @@ class Scheduler:
         Not while it runs, nor while it holds another live session's conversation."""
         return slot.rid is None and (not self._pinned(slot) or slot.session == req.session)
 
-    def _free_slot(self, keep: int | None) -> int | None:
-        """An empty slot, else the least recently used idle one (not ``keep``)."""
-        idle = [s for s in self._slots if s.rid is None and s.sid != keep]
+    def _free_slot(self, *keep: int | None) -> int | None:
+        """An empty slot, else the least recently used idle one (none of ``keep``)."""
+        idle = [s for s in self._slots if s.rid is None and s.sid not in keep]
         if not idle:
             return None
         empty = [s for s in idle if not s.tokens]
@@ -600,7 +694,8 @@ class Scheduler:
             for r in self._running.values()
         )
 
-    def _make_room(self, req: Request, n: int, src: int | None, dst: int) -> bool:
+    def _make_room(self, req: Request, n: int, src: int | None, dst: int,
+                   forks: list[int]) -> bool:
         """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet.
 
         The evictions are tried on a copy of the ledger first: evicting caches (pinned
@@ -609,15 +704,18 @@ class Scheduler:
         """
         if self.limits.per_slot:
             return True  # the slot's own stream holds the request, checked at submit
-        need = len(req.prompt) - n + min(req.max_tokens, self.limits.decode_reservation)
-        if self._free_cells(self.ledger, dst, src, n) >= need:
+        # One prompt, and decode cells for each choice.
+        need = len(req.prompt) - n + req.n * min(req.max_tokens, self.limits.decode_reservation)
+        taken = (dst, *forks)
+        if self._free_cells(self.ledger, src, taken, n) >= need:
             return True
         victims = sorted(
-            (s for s in self._slots if s.rid is None and s.sid not in (src, dst) and s.tokens),
+            (s for s in self._slots if s.rid is None and s.sid not in (src, *taken)
+             and s.tokens),
             key=self._eviction_order,
         )
         trial, count = copy.deepcopy(self.ledger), 0
-        while self._free_cells(trial, dst, src, n) < need:
+        while self._free_cells(trial, src, taken, n) < need:
             if count == len(victims):
                 return False
             trial.clear(victims[count].sid)
@@ -626,23 +724,27 @@ class Scheduler:
             self._evict(victim)
         return True
 
-    def _free_cells(self, ledger: KVLedger, dst: int, src: int | None, n: int) -> int:
-        """Cells left for a new request once ``dst`` is prepared for it."""
+    def _free_cells(self, ledger: KVLedger, src: int | None, slots: tuple[int, ...],
+                    n: int) -> int:
+        """Cells left for a new request once ``slots`` are prepared for it, ``n`` tokens
+        of its prompt coming from ``src``."""
         lim = self.limits
-        released = ledger.private_cells(dst)
-        if dst == src:
-            # Truncating keeps the shared prefix; only the tail beyond ``n`` goes.
-            released = max(0, released - n)
+        released = 0
+        for sid in slots:
+            cells = ledger.private_cells(sid)
+            # Truncating (or evicting after the copy) keeps the shared prefix; only what
+            # lies beyond ``n`` goes.
+            released += max(0, cells - n) if sid == src else cells
         return lim.kv_cells - lim.kv_headroom - ledger.used - self._reserved() + released
 
     # --- capacity ---------------------------------------------------------------------
 
-    def wait_estimate(self, rank: int, vstart: float) -> float:
+    def wait_estimate(self, rank: int, vstart: float, wanted: int = 1) -> float:
         """Seconds a request of this class and place in the order would wait before its
         own prompt starts: for a slot, then for the prompt work ahead of it, at the pace
         steps leave for prompts. Its own prefill is not waiting, so a lone long prompt is
         never refused. An estimate, used only to refuse at once what would wait past its
-        queue timeout anyway."""
+        queue timeout anyway. ``wanted``: the slots it needs (its choices)."""
         ahead = [q for cls, queue in enumerate(self._queues) for q in queue
                  if cls < rank or (cls == rank and q.vstart <= vstart)]
         # The model is linear: the work of many prompts is that of their summed shapes.
@@ -652,7 +754,7 @@ class Scheduler:
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
                 work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
-        return self._slot_wait(len(ahead) + 1) + self._prefill_seconds(
+        return self._slot_wait(sum(q.req.n for q in ahead) + wanted) + self._prefill_seconds(
             self.cost.predict_extra(work))
 
     def _slot_wait(self, wanted: int) -> float:
@@ -701,7 +803,8 @@ class Scheduler:
         for run in self._running.values():
             if run.phase is Phase.DECODE:
                 pos = self.ledger.length(run.slot)
-                out.append(Chunk(run.rid, run.slot, pos, [run.last_token], sample=True))
+                out.append(Chunk(run.rid, run.slot, pos, [run.last_token], sample=True,
+                                 index=run.index))
         return out
 
     def _prefilling(self) -> list[_Running]:
@@ -728,7 +831,7 @@ class Scheduler:
         return len(self._running)
 
     def is_running(self, rid: int) -> bool:
-        return rid in self._running
+        return any(key[0] == rid for key in self._running)
 
     def statistics(self) -> dict[str, float]:
         active = self._active_cells()

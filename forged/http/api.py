@@ -346,7 +346,7 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         check_ids(state, req.stop_token_ids, "stop_token_ids")
     key = g.get("key")
     return Request(
-        prompt=prompt, max_tokens=max_tokens,
+        prompt=prompt, max_tokens=max_tokens, n=_choices(state, req, prompt, max_tokens),
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
@@ -385,6 +385,20 @@ def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
         raise e.BadRequest(f"min_tokens ({min_tokens}) is more than the completion may have "
                            f"({max_tokens})", param="min_tokens")
     return max_tokens
+
+
+def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> int:
+    """``n``, checked against what a worker can run at once; ``best_of`` may only
+    repeat it."""
+    if req.best_of is not None and req.best_of != req.n:
+        # vLLM V1 and llama.cpp's server do not implement it either.
+        raise e.BadRequest("best_of is not supported: leave it out or make it equal to n "
+                           "(every choice sampled is returned)", param="best_of")
+    most = state.pool.limits.max_choices(len(prompt), max_tokens)
+    if req.n > most:
+        raise e.BadRequest(f"n is {req.n}, but at most {most} choices of this request can "
+                           "run at once on this server", param="n")
+    return int(req.n)
 
 
 def _sampling(state: AppState, req: Any) -> Sampling:

@@ -53,9 +53,10 @@ class Outcome:
     admitted: bool = False
     rs: RequestStream | None = None
     prefill: tuple[float, int] = (0.0, 0)  # admission to first token: seconds, steps
-    # Only with log.log_content: the prompt as the caller sent it, and the text made.
+    # Only with log.log_content: the prompt as the caller sent it, and the text made,
+    # by choice.
     prompt: str | None = None
-    completion: list[str] | None = None
+    completion: dict[int, list[str]] | None = None
 
     def mark_admitted(self) -> None:
         if not self.admitted and self.usage is not None:
@@ -71,9 +72,9 @@ class Outcome:
         if self.end == "client_gone":  # not said more precisely where it was raised
             self.end = "queue_timeout" if isinstance(exc, e.QueueTimeout) else "error"
 
-    def text(self, piece: str) -> None:
+    def text(self, piece: str, index: int) -> None:
         if self.completion is not None:
-            self.completion.append(piece)
+            self.completion.setdefault(index, []).append(piece)
 
     def record(self, state: AppState) -> None:
         """Called once, by the request's resources when the request ends."""
@@ -109,7 +110,10 @@ class Outcome:
             "duration": f"{duration:.3f}"}
         if self.prompt is not None and self.completion is not None:
             fields["prompt"] = self.prompt
-            fields["completion"] = "".join(self.completion)
+            texts = ["".join(parts) for _, parts in sorted(self.completion.items())]
+            # One choice as its text; n choices as a JSON list of their texts.
+            fields["completion"] = texts[0] if len(texts) == 1 else \
+                msgspec.json.encode(texts).decode()
         access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
 
 
@@ -119,12 +123,12 @@ def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
         given = getattr(req, "messages", None) or getattr(req, "prompt", None)
         outcome.prompt = given if isinstance(given, str) else \
             msgspec.json.encode(given).decode()
-        outcome.completion = []
+        outcome.completion = {}
 
 
 async def generate(state: AppState, req: Any, request: Request, fmt: sse.MakeFormat,
                    outcome: Outcome) -> Response:
-    out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()))
+    out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)
     held = resources()
     try:
@@ -203,29 +207,35 @@ def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
             return e.EngineError(ev.message)
 
 
-def _done(outcome: Outcome, ev: fr.Done) -> None:
-    outcome.completion_tokens = ev.completion_tokens
+def _done(outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Done], n: int) -> bool:
+    """Count one choice's end (into ``dones``); whether it was the last of ``n``."""
+    dones[ev.index] = ev
+    outcome.completion_tokens += ev.completion_tokens
     outcome.cached_tokens = ev.cached_tokens
+    # Every choice's first token comes from the one prompt, in the same step.
     outcome.prefill = (ev.prefill_s, ev.prefill_steps)
-    outcome.text(ev.text)
+    outcome.text(ev.text, ev.index)
+    return len(dones) == n
 
 
 async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
                    out: sse.Format, outcome: Outcome) -> dict[str, Any]:
     """The whole completion. Counted among the open generations like a stream, it may
     finish until the drain's deadline; past it the caller gets a 503 to retry."""
-    parts: list[str] = []
+    parts: list[list[str]] = [[] for _ in range(out.n)]
+    dones: dict[int, fr.Done] = {}
     while events is not None:
         for ev in events:
             match ev:
-                case fr.Delta(text=text):
-                    parts.append(text)
-                    outcome.text(text)
+                case fr.Delta(text=text, index=index):
+                    parts[index].append(text)
+                    outcome.text(text, index)
                 case fr.Done():
-                    parts.append(ev.text)
-                    _done(outcome, ev)
-                    outcome.end = "ok"
-                    return out.whole("".join(parts), ev)
+                    parts[ev.index].append(ev.text)
+                    if _done(outcome, ev, dones, out.n):
+                        outcome.end = "ok"
+                        return out.whole(["".join(p) for p in parts],
+                                         [dones[i] for i in range(out.n)])
                 case fr.Failed():
                     raise e.EngineError(ev.message)
         events = await _next_events(state, rs)
@@ -241,20 +251,25 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
     client goes away before this body has started."""
     if state.holds is not None:
         await state.holds.at("streaming")
+    dones: dict[int, fr.Done] = {}
     try:
         if head := out.start():
             yield head
         while events is not None:
             for ev in events:
                 match ev:
-                    case fr.Delta(text=text):
-                        outcome.text(text)
-                        yield out.delta(text)
+                    case fr.Delta(text=text, index=index):
+                        outcome.text(text, index)
+                        yield out.delta(text, index)
                     case fr.Done():
-                        _done(outcome, ev)
-                        yield out.finish(ev, include_usage)
-                        outcome.end = "ok"  # the last frame went out
-                        return
+                        last = _done(outcome, ev, dones, out.n)
+                        # A choice's end; after the last, the usage chunk and [DONE]
+                        # go out in the same write.
+                        end = out.end(list(dones.values()), include_usage) if last else b""
+                        yield out.finish(ev) + end
+                        if last:
+                            outcome.end = "ok"  # the last frame went out
+                            return
                     case fr.Failed():
                         outcome.end = "error"
                         yield sse.error_event(from_exception(e.EngineError(ev.message)))

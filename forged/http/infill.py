@@ -35,6 +35,8 @@ Code = str | list[str | int]
 
 
 class InfillRequest(GenerationFields, kw_only=True):
+    # llama.cpp's /infill answers one completion.
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
     input_prefix: Code
     input_suffix: Code
     input_extra: list[ExtraFile] = []
@@ -104,19 +106,26 @@ class InfillFormat(sse.Format):
     object_whole = object_chunk = "infill"
     id_prefix = "infill-"
 
-    def __init__(self, model: str, created: int, fields: list[str] | None = None) -> None:
-        super().__init__(model, created)
+    def __init__(self, model: str, created: int, n: int = 1,
+                 fields: list[str] | None = None) -> None:
+        super().__init__(model, created, n)  # n is 1: InfillRequest takes no other
         self.fields = fields
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, index: int = 0) -> bytes:
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 
-    def finish(self, done: fr.Done, include_usage: bool) -> bytes:
+    def finish(self, done: fr.Done) -> bytes:
         out = self.delta(done.text) if done.text else b""
-        return out + sse.event(self.whole("", done))
+        return out + sse.event(self._choice("", done))
 
-    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+        return b""  # llama.cpp's events end with the last one, without [DONE]
+
+    def whole(self, texts: list[str], dones: list[fr.Done]) -> dict[str, Any]:
+        return self._choice(texts[0], dones[0])
+
+    def _choice(self, text: str, done: fr.Done) -> dict[str, Any]:
         body = {
             "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": done.completion_tokens,

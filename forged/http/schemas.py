@@ -16,6 +16,8 @@ from msgspec import Meta, Struct
 from forged import errors as e
 
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# The most choices one request may ask for: each is a sequence of its own in the batch.
+MAX_N = 16
 
 
 class StreamOptions(Struct):
@@ -39,7 +41,9 @@ class GenerationFields(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    # Accepted only equal to n: vLLM V1 and llama.cpp's server do not implement it.
+    best_of: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
     # Extensions that llama.cpp's server and vLLM accept.
     ignore_eos: bool = False
