@@ -33,6 +33,7 @@ import msgspec
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
 from forged.engine.limits import SchedulerLimits
+from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
 from forged.engine.scheduler import (
     Admitted,
@@ -63,7 +64,9 @@ class NoKVSpace(DecodeError):
     """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
 
 
-DecodeItem = tuple[int, int, Sequence[int], bool]  # seq, first position, tokens, logits
+# seq, first position, tokens, and how many of the last tokens want logits (1: the
+# last only, to sample from; a scored prompt's chunk wants them all).
+DecodeItem = tuple[int, int, Sequence[int], int]
 
 
 class TokenSampler(Protocol):
@@ -89,6 +92,10 @@ class Backend(Protocol):
         """Batch index of each item's last token (-1 without logits); raises
         :class:`NoKVSpace` or :class:`DecodeError`, having rolled back."""
 
+    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
+        """``token``'s entry under the raw logits at batch ``index`` of the last decode,
+        with the ``top`` most likely tokens there."""
+
     def seq_rm(self, seq: int, p0: int) -> None: ...
 
     def seq_cp(self, src: int, dst: int, n: int) -> None: ...
@@ -113,6 +120,7 @@ class _Stream:
     # For n_indent: the indentation of the line being generated, while it is only
     # whitespace (None once the line has other text, and on the cursor's own line).
     indent: int | None = None
+    scores: Scores | None = None  # only when the request asked for logprobs
 
 
 class WorkerCore:
@@ -167,7 +175,10 @@ class WorkerCore:
             self.sched.drop(rid)
             self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
             return
-        self.streams[rid] = _Stream(req, sampler, TextStream(req.stop), eog)
+        scores = None
+        if req.logprobs is not None or req.prompt_logprobs:
+            scores = Scores(req.logprobs or 0, len(req.prompt) if req.prompt_logprobs else None)
+        self.streams[rid] = _Stream(req, sampler, TextStream(req.stop), eog, scores=scores)
 
     def _close(self, rid: int) -> None:
         stream = self.streams.pop(rid, None)
@@ -217,9 +228,38 @@ class WorkerCore:
         self._tokens_out += len(sampled)
 
     def _decode_and_sample(self, chunks: list[Chunk]) -> dict[int, int]:
-        idx = self.backend.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])
-        return {c.rid: self.streams[c.rid].sampler.sample(i)
-                for c, i in zip(chunks, idx, strict=True) if c.sample}
+        # Logits live only until the next decode (a retried half's, in run_isolating):
+        # whatever is scored is scored here.
+        idx = self.backend.decode([(c.seq, c.pos, c.tokens, self._logits_wanted(c))
+                                   for c in chunks])
+        sampled = {}
+        for c, i in zip(chunks, idx, strict=True):
+            stream = self.streams[c.rid]
+            if stream.scores is not None and stream.scores.scoring:
+                self._score_prompt(stream, stream.scores, c, i)
+            if c.sample:
+                sampled[c.rid] = tok = stream.sampler.sample(i)
+                if stream.scores is not None:
+                    stream.scores.scoring = False
+                    stream.scores.sampled = self.backend.logprobs(i, tok, stream.scores.top)
+        return sampled
+
+    def _logits_wanted(self, c: Chunk) -> int:
+        scores = self.streams[c.rid].scores
+        return len(c.tokens) if scores is not None and scores.scoring else int(c.sample)
+
+    def _score_prompt(self, stream: _Stream, scores: Scores, c: Chunk, last: int) -> None:
+        """Score the prompt tokens that follow the positions of chunk ``c``, whose last
+        token's logits are at batch index ``last`` (the others' just before it). A
+        scored prompt is never taken from the cache, so its positions are indices into
+        it (the scheduler sees to that)."""
+        prompt, into = stream.request.prompt, scores.prompt
+        assert into is not None
+        first = last - len(c.tokens) + 1
+        for j in range(len(c.tokens)):
+            after = c.pos + j + 1
+            if after < len(prompt):  # the last position's token is the one sampled
+                into[after] = self.backend.logprobs(first + j, prompt[after], scores.top)
 
     def _relieve(self, plan: StepPlan) -> None:
         # The ledger said the batch fits, but llama.cpp found no cells: give some back.
@@ -249,6 +289,9 @@ class WorkerCore:
     def _on_token(self, rid: int, tok: int) -> None:
         stream = self.streams[rid]
         req = stream.request
+        scores = stream.scores
+        if scores is not None and (prompt := scores.take_prompt()) is not None:
+            self.events.append(fr.Scored(rid=rid, logprobs=prompt))
         if req.max_tokens == 0:  # a warm-up: the prompt is in the cache now; say nothing
             self._finish(rid, "limit", "")
             return
@@ -262,6 +305,8 @@ class WorkerCore:
         if stream.generated == 1:
             stream.first_at = (self.clock(), self._steps + 1)  # this step counts
         piece = self.backend.piece(tok, tok in req.preserve)
+        if scores is not None:
+            scores.add(piece)
         text = stream.text.feed(piece)
         stop: fr.StopType | None = "word" if stream.text.stopped else None
         if stop is None and (stream.generated >= req.max_tokens
@@ -271,7 +316,7 @@ class WorkerCore:
         if dedented or stop is not None:
             self._finish(rid, stop or "limit", text)
         elif text:
-            self.events.append(fr.Delta(rid=rid, text=text))
+            self.events.append(fr.Delta(rid=rid, text=text, logprobs=_released(stream, text)))
 
     def _out_of_time(self, stream: _Stream, piece: bytes) -> bool:
         """llama.cpp's t_max_predict_ms: a newline made after the time limit ends it."""
@@ -290,6 +335,7 @@ class WorkerCore:
             prefill_s=max(0.0, stream.first_at[0] - stream.admitted_at[0]),
             prefill_steps=max(0, stream.first_at[1] - stream.admitted_at[1]),
             decode_s=self.clock() - stream.first_at[0] if stream.generated else 0.0,
+            logprobs=_released(stream, text),
         ))
 
     # --- frames out -----------------------------------------------------------------------
@@ -316,6 +362,11 @@ class WorkerCore:
     def close(self) -> None:
         for rid in list(self.streams):
             self._close(rid)
+
+
+def _released(stream: _Stream, text: str) -> list[fr.TokenLogprob] | None:
+    """The logprob entries that go out with ``text``; None when none were asked for."""
+    return None if stream.scores is None else stream.scores.release(text)
 
 
 def _within_indent(stream: _Stream, text: str) -> tuple[str, bool]:

@@ -44,6 +44,19 @@ class Prompter:
         self.n_ctx_train = self.model.n_ctx_train
         self.fim = self.model.fim_tokens()
         self._bos = self.model.bos if self.model.add_bos else None
+        self._pieces: dict[int, bytes] = {}
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes, special tokens written out: what logprobs show of it.
+        Called on the event loop only (the cache is not locked); bounded by the
+        vocabulary."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.model.piece(token, special=True)
+        return piece
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.model.detokenize(tokens)
 
     def encode_completion(self, text: str) -> list[int]:
         # Like llama.cpp's server and llama-cpp-python: BOS if the model wants one, and

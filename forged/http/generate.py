@@ -215,17 +215,22 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
     """The whole completion. Counted among the open generations like a stream, it may
     finish until the drain's deadline; past it the caller gets a 503 to retry."""
     parts: list[str] = []
+    scores = sse.Scores()
     while events is not None:
         for ev in events:
             match ev:
                 case fr.Delta(text=text):
                     parts.append(text)
+                    scores.tokens += ev.logprobs or []
                     outcome.text(text)
+                case fr.Scored(logprobs=prompt):
+                    scores.prompt = prompt
                 case fr.Done():
                     parts.append(ev.text)
+                    scores.tokens += ev.logprobs or []
                     _done(outcome, ev)
                     outcome.end = "ok"
-                    return out.whole("".join(parts), ev)
+                    return out.whole("".join(parts), ev, scores)
                 case fr.Failed():
                     raise e.EngineError(ev.message)
         events = await _next_events(state, rs)
@@ -249,7 +254,9 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                 match ev:
                     case fr.Delta(text=text):
                         outcome.text(text)
-                        yield out.delta(text)
+                        yield out.delta(text, ev.logprobs)
+                    case fr.Scored(logprobs=prompt):
+                        yield out.scored(prompt)
                     case fr.Done():
                         _done(outcome, ev)
                         yield out.finish(ev, include_usage)

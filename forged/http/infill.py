@@ -108,7 +108,7 @@ class InfillFormat(sse.Format):
         super().__init__(model, created)
         self.fields = fields
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 
@@ -116,7 +116,8 @@ class InfillFormat(sse.Format):
         out = self.delta(done.text) if done.text else b""
         return out + sse.event(self.whole("", done))
 
-    def whole(self, text: str, done: fr.Done) -> dict[str, Any]:
+    def whole(self, text: str, done: fr.Done, scores: sse.Scores | None = None
+              ) -> dict[str, Any]:
         body = {
             "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": done.completion_tokens,
