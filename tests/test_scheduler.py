@@ -781,3 +781,14 @@ def test_a_continuation_reuses_its_slot_in_place() -> None:
     plan = s.plan(2.0)
     assert plan is not None and plan.chunks[0].seq == slot.sid
     assert not any(isinstance(op, SeqCp) for op in plan.ops)
+
+
+def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
+    """On a tiny model the clamped fit can put every prompt coefficient at zero; the
+    wait estimate (in every statistics frame) must not divide by that (it killed a
+    worker in tests/test_logprobs.py)."""
+    s = Scheduler(limits(), CostModel((1.0, 1.0, 0.0, 0.0, 0.0)))
+    s.submit(1, Request(prompt=[1] * 40, max_tokens=4), 0.0)
+    s.plan(0.0)
+    s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
+    assert s.statistics()["wait_estimate_s"] == 0.0

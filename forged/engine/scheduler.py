@@ -685,6 +685,8 @@ class Scheduler:
         full = self.cost.predict_extra(chunk_shape(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(chunk_shape(0, MIN_PREFILL_TOKENS))
         room = max(floor, min(self._prompt_room_ms(positions), full))
+        if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
+            return 0.0
         return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
 
     # --- slots and cells ---------------------------------------------------------------
