@@ -115,9 +115,22 @@ class CompletionLogprobs:
             out["tokens"].append(token_string(piece))
             out["token_logprobs"].append(entry.logprob)
             out["top_logprobs"].append(self._top(entry))
-            out["text_offset"].append(self._chars)
+            out["text_offset"].append(self._offset(piece))
             self._chars += len(self._decoder.decode(piece))
         return out
+
+    def _offset(self, piece: bytes) -> int:
+        """Where the character of ``piece``'s first byte is in the text: after the
+        characters so far, unless bytes of an unfinished character wait that ``piece``
+        does not continue (they become one U+FFFD before it)."""
+        waiting = self._decoder.getstate()[0]
+        if not waiting or not piece:
+            return self._chars
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(waiting + piece[:1])
+        except UnicodeDecodeError:
+            return self._chars + 1
+        return self._chars
 
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
         top: dict[str, float] = {}
