@@ -316,7 +316,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(daemon: DaemonProcess, tiny: P
         assert body["usage"]["completion_tokens"] == max_tokens
     # the one generated token is the argmax of the last row, with its logprob
     assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=2e-3)
-    assert done["text"].startswith("<s>The quick brown fox")
+    # token ids echo as their text, as llama.cpp writes it out
+    assert done["text"].startswith("<s>") and "The quick brown fox" in done["text"]
 
 
 def test_echo_returns_the_prompt_as_given(oai: openai.OpenAI) -> None:

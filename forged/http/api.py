@@ -166,9 +166,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         req = await _decoded(state, completion_decoder)
         asked = completion_asked(req)
         prompt = await _completion_prompt(state, req)
-        fmt = functools.partial(
-            sse.CompletionFormat, vocab=None if asked.top is None else state.prompter,
-            echo=_echo(state, req, prompt, asked) if req.echo else None)
+        fmt = _completion_format(state, req, prompt, asked)
         try:
             return await _run(state, req, prompt, req.max_tokens, fmt, asked=asked)
         except e.ContextTooLong as exc:
@@ -283,12 +281,17 @@ def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int]:
     raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
 
 
-def _echo(state: AppState, req: CompletionRequest, tokens: list[int], asked: Asked
-          ) -> sse.Echo:
-    """What ``echo`` returns: the prompt as given, or the text of the ids given."""
-    given = _one_prompt(req.prompt)
-    text = given if isinstance(given, str) else state.prompter.detokenize(tokens)
-    return sse.Echo(text, tokens, asked.prompt)
+def _completion_format(state: AppState, req: CompletionRequest, tokens: list[int],
+                       asked: Asked) -> sse.MakeFormat:
+    """The answer's shape: with logprobs, and with ``echo``, the prompt as given (or the
+    text of the token ids given) before the completion."""
+    echo = None
+    if req.echo:
+        given = _one_prompt(req.prompt)
+        text = given if isinstance(given, str) else state.prompter.detokenize(tokens)
+        echo = sse.Echo(text, tokens, asked.prompt)
+    return functools.partial(sse.CompletionFormat, echo=echo,
+                             vocab=None if asked.top is None else state.prompter)
 
 
 async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[int]:
