@@ -298,7 +298,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "min_p", "stop", "stream", "stream_options", "logit_bias", "n", "seed",
           "ignore_eos", "priority", "presence_penalty", "max_completion_tokens", "suffix",
           "samplers", "input_prefix", "input_suffix", "input_extra", "n_predict",
-          "t_max_predict_ms", "n_indent", "id_slot", "response_fields"]
+          "t_max_predict_ms", "n_indent", "id_slot", "response_fields", "logprobs",
+          "top_logprobs", "echo"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -327,6 +328,10 @@ structured = st.fixed_dictionaries({}, optional={
     "t_max_predict_ms": values, "n_indent": st.one_of(st.integers(-2, 8), values),
     "id_slot": values, "response_fields": st.one_of(st.lists(st.text(max_size=12),
                                                              max_size=3), values),
+    # logprobs is an int on completions and a bool on chat: both, everywhere
+    "logprobs": st.one_of(st.booleans(), st.integers(-2, 25), values),
+    "top_logprobs": st.one_of(st.integers(-2, 25), values),
+    "echo": st.one_of(st.booleans(), values),
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens: this is about the input."""
