@@ -381,6 +381,7 @@ def test_logprobs_with_tools_cover_the_calls_text(daemon: DaemonProcess,
     ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"echo": True, "suffix": "x"}, "echo"),
     ("/v1/completions", {"echo": "yes"}, "echo"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
     ("/v1/completions", {"prompt": [[1, 99999]]}, "prompt"),
 ])

@@ -68,7 +68,8 @@ class CompletionRequest(GenerationFields, kw_only=True):
     # A string, token ids, or a one-element list of either (as evaluation harnesses
     # send a batch of one).
     prompt: str | list[int | str | list[int]]
-    # 0: nothing generated; with echo and logprobs, the prompt scored (forged.http.logprobs).
+    # 0 (only with echo): nothing generated; with logprobs, the prompt scored
+    # (forged.http.logprobs).
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
     # Fill-in-the-middle: the code after the completion (the prompt is the code before).
     suffix: str | None = None
