@@ -913,3 +913,12 @@ def test_a_prefilling_leader_is_preempted_with_the_choices_waiting_for_it() -> N
     assert (queued.index, queued.req.n) == (0, 3)
     finish_all(s, 2.0)
     assert s.statistics()["kv_cells_active"] == 0
+def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
+    """On a tiny model the clamped fit can put every prompt coefficient at zero; the
+    wait estimate (in every statistics frame) must not divide by that (it killed a
+    worker in tests/test_logprobs.py)."""
+    s = Scheduler(limits(), CostModel((1.0, 1.0, 0.0, 0.0, 0.0)))
+    s.submit(1, Request(prompt=[1] * 40, max_tokens=4), 0.0)
+    s.plan(0.0)
+    s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
+    assert s.statistics()["wait_estimate_s"] == 0.0

@@ -305,7 +305,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "repetition_penalty", "repeat_penalty", "include_stop_str_in_output",
           "stop_token_ids", "chat_template_kwargs", "content", "add_special",
           "with_pieces", "parse_special", "tokens", "audio", "modalities", "prediction",
-          "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of"]
+          "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of",
+          "logprobs", "top_logprobs", "echo"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -350,6 +351,10 @@ structured = st.fixed_dictionaries({}, optional={
     "with_pieces": values, "add_special": values, "parse_special": values,
     "tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=5), values),
     "modalities": values, "store": values, "typical_p": values,
+    # logprobs is an int on completions and a bool on chat: both, everywhere
+    "logprobs": st.one_of(st.booleans(), st.integers(-2, 25), values),
+    "top_logprobs": st.one_of(st.integers(-2, 25), values),
+    "echo": st.one_of(st.booleans(), values),
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens: this is about the input."""

@@ -15,7 +15,8 @@ MAX_FUNCTION_LINES = 40
 
 SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
            "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
-           "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py"]
+           "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py",
+           "forged/engine/logprobs.py"]
 # (modules, what they must never import)
 NEVER = [
     (SANS_IO, ("trio", "llama_cpp", "forged.engine.backend", "forged.engine.worker",

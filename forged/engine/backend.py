@@ -23,6 +23,7 @@ import numpy as np
 
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
 from forged.engine.fim import FimTokens
+from forged.engine.frames import TokenLogprob
 from forged.engine.request import Grammar, SamplerName, Sampling
 from forged.engine.utf8 import Utf8Guard, Utf8Table
 
@@ -388,11 +389,13 @@ class Context(_Closing):
         self.seq_rm(dst, n)
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
-        """Run one batch of ``(seq, pos, tokens, want_logits_for_last)`` runs.
+        """Run one batch of ``(seq, pos, tokens, n_logits)`` runs: logits for the last
+        ``n_logits`` tokens of each (1 to sample from; all of a scored prompt's chunk).
 
-        Returns the batch index of each run's last token (the index to sample at), or -1
-        for runs that asked for no logits. Raises :class:`NoKVSpace` or
-        :class:`DecodeError`; on either, llama.cpp has rolled its memory back.
+        Returns the batch index of each run's last token (the index to sample at; the
+        runs' other logits are at the indices just before it), or -1 for runs that asked
+        for no logits. Raises :class:`NoKVSpace` or :class:`DecodeError`; on either,
+        llama.cpp has rolled its memory back.
         """
         b = self._batch
         n = 0
@@ -402,15 +405,14 @@ class Context(_Closing):
             # llama.cpp would abort() the process; refuse here instead.
             raise ValueError(f"batch of {total} tokens outside 1..{self.params.n_batch}")
         for seq, pos, toks, logits in items:
+            first_out = len(toks) - logits
             for j, tok in enumerate(toks):
                 b.token[n] = tok
                 b.pos[n] = pos + j
                 b.n_seq_id[n] = 1
                 b.seq_id[n][0] = seq
-                b.logits[n] = 0
+                b.logits[n] = j >= first_out
                 n += 1
-            if logits:
-                b.logits[n - 1] = 1
             out.append(n - 1 if logits else -1)
         b.n_tokens = n
         status = ll.llama_decode(self._ptr, b)
@@ -462,6 +464,23 @@ class Llama(_Closing):
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         return self.ctx.decode(items)
+
+    def logprobs(self, index: int, token: int, top: int) -> TokenLogprob:
+        """``token``'s log-probability under the raw logits at batch ``index`` of the
+        last decode (their log-softmax: before penalties, bias, grammar, temperature or
+        truncation), and the ``top`` most likely tokens there, most likely first."""
+        ptr = ll.llama_get_logits_ith(self.ctx.ptr, index)
+        row = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).astype(np.float64)
+        peak = row.max()
+        # One vector for the token and its alternatives: equal tokens, equal floats.
+        logp = row - (peak + np.log(np.exp(row - peak).sum()))
+        best: list[tuple[int, float]] = []
+        if top > 0:
+            k = min(top, len(row))
+            ids = np.argpartition(logp, -k)[-k:]
+            ids = ids[np.argsort(-logp[ids], kind="stable")]
+            best = [(int(t), float(logp[t])) for t in ids]
+        return TokenLogprob(token, float(logp[token]), best)
 
     def seq_rm(self, seq: int, p0: int) -> None:
         self.ctx.seq_rm(seq, p0)

@@ -35,6 +35,7 @@ import msgspec
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
 from forged.engine.limits import SchedulerLimits
+from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
 from forged.engine.scheduler import (
     Admitted,
@@ -66,7 +67,9 @@ class NoKVSpace(DecodeError):
     """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
 
 
-DecodeItem = tuple[int, int, Sequence[int], bool]  # seq, first position, tokens, logits
+# seq, first position, tokens, and how many of the last tokens want logits (1: the
+# last only, to sample from; a scored prompt's chunk wants them all).
+DecodeItem = tuple[int, int, Sequence[int], int]
 K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
 
 
@@ -93,6 +96,10 @@ class Backend(Protocol):
         """Batch index of each item's last token (-1 without logits); raises
         :class:`NoKVSpace` or :class:`DecodeError`, having rolled back."""
 
+    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
+        """``token``'s entry under the raw logits at batch ``index`` of the last decode,
+        with the ``top`` most likely tokens there."""
+
     def seq_rm(self, seq: int, p0: int) -> None: ...
 
     def seq_cp(self, src: int, dst: int, n: int) -> None: ...
@@ -112,6 +119,7 @@ class _Choice:
     # whitespace (None once the line has other text, and on the cursor's own line).
     indent: int | None = None
     done: bool = False
+    scores: Scores | None = None  # only when the request asked for logprobs
 
     def close(self) -> None:
         if not self.done:
@@ -178,7 +186,8 @@ class WorkerCore:
             for i in range(req.n):
                 sampler = self.backend.sampler(sampling.for_choice(i), req.prompt)
                 stream.choices.append(_Choice(sampler, TextStream(req.stop,
-                                                                  include=req.include_stop)))
+                                                                  include=req.include_stop),
+                                              scores=_scores(req, i)))
         except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
             self.sched.drop(rid)
             self._close(rid)
@@ -232,10 +241,41 @@ class WorkerCore:
         self._tokens_out += len(sampled)
 
     def _decode_and_sample(self, chunks: list[Chunk]) -> dict[Key, int]:
-        idx = self.backend.decode([(c.seq, c.pos, c.tokens, c.sample) for c in chunks])
-        # At the end of a shared prompt, every choice samples from the same logits.
-        return {(c.rid, choice): self.streams[c.rid].choices[choice].sampler.sample(i)
-                for c, i in zip(chunks, idx, strict=True) for choice in c.choices}
+        # Logits live only until the next decode (a retried half's, in run_isolating):
+        # whatever is scored is scored here.
+        idx = self.backend.decode([(c.seq, c.pos, c.tokens, self._logits_wanted(c))
+                                   for c in chunks])
+        sampled = {}
+        for c, i in zip(chunks, idx, strict=True):
+            stream = self.streams[c.rid]
+            scores = stream.choices[c.index].scores
+            if scores is not None and scores.scoring:
+                self._score_prompt(stream, scores, c, i)
+            # At the end of a shared prompt, every choice samples from the same logits.
+            for index in c.choices:
+                choice = stream.choices[index]
+                sampled[(c.rid, index)] = tok = choice.sampler.sample(i)
+                if choice.scores is not None:
+                    choice.scores.scoring = False
+                    choice.scores.sampled = self.backend.logprobs(i, tok, choice.scores.top)
+        return sampled
+
+    def _logits_wanted(self, c: Chunk) -> int:
+        scores = self.streams[c.rid].choices[c.index].scores
+        return len(c.tokens) if scores is not None and scores.scoring else int(c.sample)
+
+    def _score_prompt(self, stream: _Stream, scores: Scores, c: Chunk, last: int) -> None:
+        """Score the prompt tokens that follow the positions of chunk ``c``, whose last
+        token's logits are at batch index ``last`` (the others' just before it). A
+        scored prompt is never taken from the cache, so its positions are indices into
+        it (the scheduler sees to that)."""
+        prompt, into = stream.request.prompt, scores.prompt
+        assert into is not None
+        first = last - len(c.tokens) + 1
+        for j in range(len(c.tokens)):
+            after = c.pos + j + 1
+            if after < len(prompt):  # the last position's token is the one sampled
+                into[after] = self.backend.logprobs(first + j, prompt[after], scores.top)
 
     def _relieve(self, plan: StepPlan) -> None:
         # The ledger said the batch fits, but llama.cpp found no cells: give some back.
@@ -266,6 +306,9 @@ class WorkerCore:
     def _on_token(self, rid: int, index: int, tok: int) -> None:
         stream = self.streams[rid]
         req, choice = stream.request, stream.choices[index]
+        scores = choice.scores
+        if scores is not None and (prompt := scores.take_prompt()) is not None:
+            self.events.append(fr.Scored(rid=rid, logprobs=prompt))
         if req.max_tokens == 0:  # a warm-up: the prompt is in the cache now; say nothing
             self._finish(rid, index, "limit", "")
             return
@@ -276,6 +319,8 @@ class WorkerCore:
         if choice.generated == 1:
             choice.first_at = (self.clock(), self._steps + 1)  # this step counts
         piece = self.backend.piece(tok, tok in req.preserve)
+        if scores is not None:
+            scores.add(piece)
         # vLLM's min_tokens: no stop string counts before it is reached either.
         text = choice.text.feed(piece, match=choice.generated >= req.sampling.min_tokens)
         stop: fr.StopType | None = "word" if choice.text.stopped else None
@@ -286,7 +331,8 @@ class WorkerCore:
         if dedented or stop is not None:
             self._finish(rid, index, stop or "limit", text, choice.text.matched)
         elif text:
-            self.events.append(fr.Delta(rid=rid, text=text, index=index))
+            self.events.append(fr.Delta(rid=rid, text=text, index=index,
+                                        logprobs=_released(choice, text)))
 
     def _end_on_token(self, rid: int, index: int, tok: int) -> None:
         """An end-of-generation token, or one of the request's stop tokens (whose text
@@ -324,7 +370,7 @@ class WorkerCore:
             prefill_s=max(0.0, choice.first_at[0] - stream.admitted_at[0]),
             prefill_steps=max(0, choice.first_at[1] - stream.admitted_at[1]),
             decode_s=self.clock() - choice.first_at[0] if choice.generated else 0.0,
-            stop_reason=reason,
+            stop_reason=reason, logprobs=_released(choice, text),
         ))
 
     # --- frames out -----------------------------------------------------------------------
@@ -366,6 +412,20 @@ def _ends(req: Request, eog: frozenset[int]) -> tuple[Sampling, frozenset[int]]:
     if sampling.min_tokens:
         sampling = msgspec.structs.replace(sampling, suppress=sorted(ends))
     return sampling, ends
+
+
+def _scores(req: Request, index: int) -> Scores | None:
+    """A choice's logprob state, when asked for; the first choice computes the prompt,
+    so it scores the prompt."""
+    if req.logprobs is None and not req.prompt_logprobs:
+        return None
+    scored = len(req.prompt) if req.prompt_logprobs and index == 0 else None
+    return Scores(req.logprobs or 0, scored)
+
+
+def _released(choice: _Choice, text: str) -> list[fr.TokenLogprob] | None:
+    """The logprob entries that go out with ``text``; None when none were asked for."""
+    return None if choice.scores is None else choice.scores.release(text)
 
 
 def _within_indent(req: Request, choice: _Choice, text: str) -> tuple[str, bool]:

@@ -91,10 +91,33 @@ class Admitted(msgspec.Struct, tag="admitted", tag_field="e", forbid_unknown_fie
     queue_time: float
 
 
-class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=True):
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """A token's log-probability under the model's raw distribution (the log-softmax of
+    its logits, before any sampler), and the ``top`` most likely tokens there, most
+    likely first. Sent as a compact array: it travels once per token."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+# Text and logprob events leave out fields at their defaults: a request that asked for
+# no logprobs pays nothing for them on the wire.
+class Delta(msgspec.Struct, tag="delta", tag_field="e", forbid_unknown_fields=True,
+            omit_defaults=True):
     rid: int
     text: str
     index: int = 0  # the choice (OpenAI's ``n``)
+    # With logprobs: the entries of the tokens whose text this delta completes.
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Scored(msgspec.Struct, tag="scored", tag_field="e", forbid_unknown_fields=True):
+    """A request's prompt, scored (``Request.prompt_logprobs``): the entry of each prompt
+    token after the first, sent once the whole prompt is computed."""
+
+    rid: int
+    logprobs: list[TokenLogprob]
 
 
 FinishReason = Literal["stop", "length"]
@@ -103,7 +126,8 @@ FinishReason = Literal["stop", "length"]
 StopType = Literal["eos", "word", "limit"]
 
 
-class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True):
+class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True,
+           omit_defaults=True):
     """One choice ended; a request with ``n`` choices ends with its ``n``-th Done."""
 
     rid: int
@@ -120,6 +144,7 @@ class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True
     # ended the answer; None for a model's own end, or a limit.
     stop_reason: str | int | None = None
     index: int = 0  # the choice
+    logprobs: list[TokenLogprob] | None = None  # as Delta's, for ``text``
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -137,7 +162,7 @@ class Failed(msgspec.Struct, tag="failed", tag_field="e", forbid_unknown_fields=
     retry_after: float | None = None  # seconds, for "overloaded": the worker's estimate
 
 
-Event = Admitted | Delta | Done | Failed
+Event = Admitted | Delta | Scored | Done | Failed
 
 
 class Ready(_Frame, tag="ready"):

@@ -82,6 +82,7 @@ class Prompter:
         self.fim = self.model.fim_tokens()
         self._bos = self.model.bos if self.model.add_bos else None
         self.info = model_info(self.model, template)
+        self._pieces: dict[int, bytes] = {}
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
@@ -89,6 +90,14 @@ class Prompter:
     def piece(self, token: int) -> bytes:
         """The token's bytes, special tokens written out (llama.cpp's /tokenize pieces)."""
         return self.model.piece(token, special=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """:meth:`piece`, cached for logprobs, which ask per token. Called on the event
+        loop only (the cache is not locked); bounded by the vocabulary."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.model.piece(token, special=True)
+        return piece
 
     def detokenize(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)

@@ -105,6 +105,13 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # Special tokens whose text is part of the answer (llama.cpp's preserved tokens):
     # a tool call's <tool_call> where the vocabulary has it as one special token.
     preserve: list[int] = []
+    # Log-probabilities (forged.engine.logprobs): None asks for none; a number asks for
+    # each generated token's and that many most likely alternatives'. With
+    # ``prompt_logprobs`` every prompt token after the first is scored too (echo on
+    # /v1/completions); such a prompt is computed whole, never from the prefix cache,
+    # whose cells kept no logits.
+    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    prompt_logprobs: bool = False
 
     @property
     def rank(self) -> int:

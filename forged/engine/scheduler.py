@@ -237,6 +237,10 @@ class QueueFull(Exception):
 # the machine's. And a step always makes at least MIN_PREFILL_TOKENS of prompt progress.
 MIN_PROMPT_SHARE = 0.25
 MIN_PREFILL_TOKENS = 16
+# A scored prompt (echo with logprobs) wants logits for every position; llama.cpp keeps
+# a row of n_vocab floats for each (49,152 for SmolLM2: 192 KiB), so a step carries at
+# most this many scored prompt tokens, which bounds that buffer at about 12 MiB.
+MAX_SCORED_TOKENS = 64
 # Slot frees remembered to estimate how fast slots turn over while requests wait.
 _FINISH_WINDOW = 16
 
@@ -403,14 +407,20 @@ class Scheduler:
         # chunk length costs one more pass over the weights (~5 ms here, measured in
         # docs/engine.md). A few chunks per step fill the room when prompts are short.
         max_chunks = lim.max_prefill_chunks if lim.per_slot else len(self._running)
-        first = True
+        first, scored = True, MAX_SCORED_TOKENS
         for run in self._prefill_sequence(room, max_chunks)[:max_chunks]:
-            left = len(run.req.prompt) - run.next_prompt
-            take = self.cost.max_prompt_tokens(run.next_prompt, room, min(cap, left))
+            most = min(cap, len(run.req.prompt) - run.next_prompt)
+            if run.req.prompt_logprobs:
+                most = min(most, scored)
+                if most <= 0:
+                    continue  # the step's logits are spent; unscored prompts may go on
+            take = self.cost.max_prompt_tokens(run.next_prompt, room, most)
             if first:
-                take = max(take, min(cap, left, MIN_PREFILL_TOKENS))
+                take = max(take, min(most, MIN_PREFILL_TOKENS))
             if take <= 0:
                 break
+            if run.req.prompt_logprobs:
+                scored -= take
             toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
             done = run.next_prompt + take == len(run.req.prompt)
             chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done,
@@ -661,6 +671,8 @@ class Scheduler:
         """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
         leaving one token to compute."""
         best, best_key = None, (0, False, False)
+        if req.prompt_logprobs:
+            return None, 0  # the cache's positions kept no logits to score them with
         limit = len(req.prompt) - 1  # the last prompt token must run to give logits
         for slot in self._slots:
             if slot.tenant != req.tenant:
@@ -775,6 +787,8 @@ class Scheduler:
         full = self.cost.predict_extra(chunk_shape(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(chunk_shape(0, MIN_PREFILL_TOKENS))
         room = max(floor, min(self._prompt_room_ms(positions), full))
+        if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
+            return 0.0
         return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
 
     # --- slots and cells ---------------------------------------------------------------

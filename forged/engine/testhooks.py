@@ -88,6 +88,9 @@ class HookedBackend:
     def piece(self, token: int, special: bool = False) -> bytes:
         return self.inner.piece(token, special)
 
+    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
+        return self.inner.logprobs(index, token, top)
+
     def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
         return self.inner.sampler(sampling, prompt)
 

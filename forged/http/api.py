@@ -41,6 +41,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.lifetime import RequestResources, resources
+from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.models import model_list, model_object, system_fingerprint
 from forged.http.responses import (
     error_response,
@@ -178,10 +179,11 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await _decoded(state, completion_decoder, refuse=True)
+        asked = completion_asked(req)
         prompt = await _completion_prompt(state, req)
+        fmt = _completion_format(state, req, prompt, asked)
         try:
-            return await _run(state, req, prompt, req.max_tokens, functools.partial(
-                sse.CompletionFormat, fingerprint=system_fingerprint(state)))
+            return await _run(state, req, prompt, req.max_tokens, fmt, asked=asked)
         except e.ContextTooLong as exc:
             exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
             raise
@@ -196,11 +198,13 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         if calls and request_grammar(req) is not None:
             raise e.BadRequest("response_format cannot be combined with tool calls "
                                "(tool_choice 'none' allows it)", param="response_format")
+        asked = chat_asked(req)
+        fmt = functools.partial(sse.ChatFormat, tools=calls,
+                                fingerprint=system_fingerprint(state),
+                                vocab=None if asked.top is None else state.prompter)
         return await _run(state, req, prompt.tokens,
-                          req.max_completion_tokens or req.max_tokens,
-                          functools.partial(sse.ChatFormat, tools=calls,
-                                            fingerprint=system_fingerprint(state)),
-                          grammar=plan.grammar if plan else None)
+                          req.max_completion_tokens or req.max_tokens, fmt,
+                          grammar=plan.grammar if plan else None, asked=asked)
 
     @app.post("/infill")
     async def infill() -> Response:
@@ -292,21 +296,36 @@ async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes
 # --- prompts ---------------------------------------------------------------------------
 
 
+def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int]:
+    """The request's one prompt: text or token ids, alone or in a list of one."""
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        return p  # type: ignore[return-value]
+    if len(p) == 1 and isinstance(p[0], str | list) and p[0]:
+        return p[0]
+    raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
+
+
+def _completion_format(state: AppState, req: CompletionRequest, tokens: list[int],
+                       asked: Asked) -> sse.MakeFormat:
+    """The answer's shape: with logprobs, and with ``echo``, the prompt as given (or the
+    text of the token ids given) before the completion."""
+    echo = None
+    if req.echo:
+        given = _one_prompt(req.prompt)
+        text = given if isinstance(given, str) else state.prompter.detokenize(tokens)
+        echo = sse.Echo(text, tokens, asked.prompt)
+    return functools.partial(sse.CompletionFormat, echo=echo,
+                             fingerprint=system_fingerprint(state),
+                             vocab=None if asked.top is None else state.prompter)
+
+
 async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[int]:
     _check_model(state, req.model)
-    p = req.prompt
-    given: str | list[str | int]
-    if isinstance(p, str):
-        given = p
-    elif p and all(isinstance(t, int) for t in p):
-        check_ids(state, p, "prompt")
+    given: str | list[str | int] = _one_prompt(req.prompt)  # type: ignore[assignment]
+    if not isinstance(given, str):
+        check_ids(state, given, "prompt")
         if req.suffix is None:
-            return list(p)  # type: ignore[arg-type]
-        given = list(p)
-    elif len(p) == 1 and isinstance(p[0], str):
-        given = p[0]
-    else:
-        raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
+            return list(given)  # type: ignore[arg-type]
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
         return await fim_prompt(state, given, req.suffix, [], "", req.max_tokens)
     assert isinstance(given, str)
@@ -338,7 +357,7 @@ def _check_model(state: AppState, model: str | None) -> None:
 
 
 def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
-             grammar: Grammar | None) -> Request:
+             grammar: Grammar | None, asked: Asked) -> Request:
     """The one engine request for this body, its API key and the config."""
     lim = state.cfg.limits
     max_tokens = _max_tokens(state, len(prompt), requested, req.min_tokens)
@@ -356,7 +375,7 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
         n_indent=getattr(req, "n_indent", 0),
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
-        tenant=key.tenant if key else "",
+        tenant=key.tenant if key else "", logprobs=asked.top, prompt_logprobs=asked.prompt,
     )
 
 
@@ -457,12 +476,14 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
 
 
 async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
-               fmt: sse.MakeFormat, *, grammar: Grammar | None = None) -> Response:
-    """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own."""
+               fmt: sse.MakeFormat, *, grammar: Grammar | None = None,
+               asked: Asked | None = None) -> Response:
+    """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own;
+    ``asked``: the logprobs it wants."""
     grammar = grammar or request_grammar(req)
     if grammar is not None:
         await _check_grammar(state, req, grammar)
-    engine_request = _request(state, req, prompt, requested, grammar)
+    engine_request = _request(state, req, prompt, requested, grammar, asked or Asked())
     g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")

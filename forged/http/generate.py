@@ -223,19 +223,25 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
     """The whole completion. Counted among the open generations like a stream, it may
     finish until the drain's deadline; past it the caller gets a 503 to retry."""
     parts: list[list[str]] = [[] for _ in range(out.n)]
+    scores = [sse.Scores() for _ in range(out.n)]
     dones: dict[int, fr.Done] = {}
     while events is not None:
         for ev in events:
             match ev:
                 case fr.Delta(text=text, index=index):
                     parts[index].append(text)
+                    scores[index].tokens += ev.logprobs or []
                     outcome.text(text, index)
+                case fr.Scored(logprobs=prompt):
+                    for score in scores:  # every choice echoes the prompt
+                        score.prompt = prompt
                 case fr.Done():
                     parts[ev.index].append(ev.text)
+                    scores[ev.index].tokens += ev.logprobs or []
                     if _done(outcome, ev, dones, out.n):
                         outcome.end = "ok"
                         return out.whole(["".join(p) for p in parts],
-                                         [dones[i] for i in range(out.n)])
+                                         [dones[i] for i in range(out.n)], scores)
                 case fr.Failed():
                     raise e.EngineError(ev.message)
         events = await _next_events(state, rs)
@@ -260,7 +266,9 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                 match ev:
                     case fr.Delta(text=text, index=index):
                         outcome.text(text, index)
-                        yield out.delta(text, index)
+                        yield out.delta(text, index, ev.logprobs)
+                    case fr.Scored(logprobs=prompt):
+                        yield out.scored(prompt)
                     case fr.Done():
                         last = _done(outcome, ev, dones, out.n)
                         # A choice's end; after the last, the usage chunk and [DONE]

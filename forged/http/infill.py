@@ -111,21 +111,23 @@ class InfillFormat(sse.Format):
         super().__init__(model, created, n)  # n is 1: InfillRequest takes no other
         self.fields = fields
 
-    def delta(self, text: str, index: int = 0) -> bytes:
+    def delta(self, text: str, index: int = 0,
+              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 
     def finish(self, done: fr.Done) -> bytes:
         out = self.delta(done.text) if done.text else b""
-        return out + sse.event(self._choice("", done))
+        return out + sse.event(self._choice("", done, sse.Scores()))
 
     def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
         return b""  # llama.cpp's events end with the last one, without [DONE]
 
-    def whole(self, texts: list[str], dones: list[fr.Done]) -> dict[str, Any]:
-        return self._choice(texts[0], dones[0])
+    def whole(self, texts: list[str], dones: list[fr.Done],
+              scores: list[sse.Scores] | None = None) -> dict[str, Any]:
+        return self._choice(texts[0], dones[0], sse.Scores())
 
-    def _choice(self, text: str, done: fr.Done) -> dict[str, Any]:
+    def _choice(self, text: str, done: fr.Done, scores: sse.Scores) -> dict[str, Any]:
         body = {
             "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": done.completion_tokens,

@@ -70,10 +70,22 @@ class GenerationFields(Struct, kw_only=True):
     stop_token_ids: Annotated[list[int], Meta(max_length=256)] | None = None
 
 
+# OpenAI's bound on the alternatives per token (vLLM's default max_logprobs too).
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 class CompletionRequest(GenerationFields, kw_only=True):
-    prompt: str | list[int | str]
+    # A string, token ids, or a one-element list of either (as evaluation harnesses
+    # send a batch of one).
+    prompt: str | list[int | str | list[int]]
+    # 0 (only with echo): nothing generated; with logprobs, the prompt scored
+    # (forged.http.logprobs).
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     # Fill-in-the-middle: the code after the completion (the prompt is the code before).
     suffix: str | None = None
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
 
 
 class ContentPart(Struct):
@@ -101,6 +113,8 @@ class ChatRequest(GenerationFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     # Extra variables for the chat template (vLLM's), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
 
 
 completion_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
 
 from forged.engine import frames as fr
+from forged.http.logprobs import ChatLogprobs, CompletionLogprobs, Vocabulary, joined
 from forged.http.responses import HTTPError
 from forged.http.tools import ToolCallParser
 
@@ -68,12 +70,21 @@ class Format:
     def start(self) -> bytes:
         return b""
 
-    def delta(self, text: str, index: int = 0) -> bytes:
+    def delta(self, text: str, index: int = 0,
+              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+        """A chunk of choice ``index``'s text, with the logprob entries of the tokens
+        it completes."""
         raise NotImplementedError
+
+    def scored(self, prompt: list[fr.TokenLogprob]) -> bytes:
+        """The prompt's entries (after its first token), when it was scored."""
+        return b""
 
     def finish(self, done: fr.Done) -> bytes:
         """One choice's last frames: the text it held back, then its finish_reason."""
-        out = self.delta(done.text, done.index) if done.text else b""
+        out = b""
+        if done.text or done.logprobs:
+            out += self.delta(done.text, done.index, done.logprobs)
         return out + self._tail(done.index) + self._final_chunk(done, self._reason(done))
 
     def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
@@ -95,87 +106,168 @@ class Format:
         """A choice's last chunk: ``finish_reason`` and vLLM's ``stop_reason``."""
         raise NotImplementedError
 
-    def whole(self, texts: list[str], dones: list[fr.Done]) -> dict[str, Any]:
+    def whole(self, texts: list[str], dones: list[fr.Done],
+              scores: list[Scores] | None = None) -> dict[str, Any]:
         """The whole response: ``texts[i]`` is choice i's, ``dones[i]`` its end."""
+        scores = scores or [Scores() for _ in dones]
         out = self._envelope(self.object_whole, [
-            self._choice(text, done) for text, done in zip(texts, dones, strict=True)])
+            self._choice(text, done, score)
+            for text, done, score in zip(texts, dones, scores, strict=True)])
         out["usage"] = usage(dones)
         return out
 
-    def _choice(self, text: str, done: fr.Done) -> dict[str, Any]:
+    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
         raise NotImplementedError
+
+
+@dataclass
+class Scores:
+    """A collected choice's logprob entries: its tokens', and its prompt's when scored."""
+
+    tokens: list[fr.TokenLogprob] = field(default_factory=list)
+    prompt: list[fr.TokenLogprob] | None = None
 
 
 # A format's maker: the class, or the class with settings of this request bound.
 MakeFormat = Callable[..., Format]
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion returns before its text (``echo``)."""
+
+    text: str
+    tokens: list[int]
+    scored: bool  # its logprobs come (in a Scored event) before any text
+
+
 class CompletionFormat(Format):
+    """Completions' shapes; with ``vocab``, the legacy logprobs (each choice's offsets
+    its own); with ``echo``, the prompt first, in every choice."""
+
     object_whole = "text_completion"
     object_chunk = "text_completion"
     id_prefix = "cmpl-"
 
-    def delta(self, text: str, index: int = 0) -> bytes:
-        return self._chunk({"index": index, "text": text, "logprobs": None,
+    def __init__(self, model: str, created: int, n: int = 1, *,
+                 fingerprint: str | None = None, vocab: Vocabulary | None = None,
+                 echo: Echo | None = None) -> None:
+        super().__init__(model, created, n, fingerprint=fingerprint)
+        self.logprobs = ([CompletionLogprobs(vocab) for _ in range(n)]
+                         if vocab is not None else None)
+        self.echo = echo
+
+    def start(self) -> bytes:
+        if self.echo is None or self.echo.scored:
+            return b""
+        return b"".join(self._text(self.echo.text, i, None) for i in range(self.n))
+
+    def scored(self, prompt: list[fr.TokenLogprob]) -> bytes:
+        echo, logprobs = self.echo, self.logprobs
+        assert echo is not None and logprobs is not None
+        return b"".join(self._text(echo.text, i, lp.prompt(echo.tokens, prompt, echo.text))
+                        for i, lp in enumerate(logprobs))
+
+    def delta(self, text: str, index: int = 0,
+              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+        return self._text(text, index, None if self.logprobs is None
+                          else self.logprobs[index].tokens(logprobs or []))
+
+    def _text(self, text: str, index: int, logprobs: dict[str, Any] | None) -> bytes:
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": None})
 
     def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
         return self._chunk({"index": done.index, "text": "", "logprobs": None,
                             "finish_reason": reason, "stop_reason": done.stop_reason})
 
-    def _choice(self, text: str, done: fr.Done) -> dict[str, Any]:
-        return {"index": done.index, "text": text, "logprobs": None,
+    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs is not None:
+            lp = self.logprobs[done.index]
+            parts = []  # the prompt's first: the offsets run on
+            if self.echo is not None and scores.prompt is not None:
+                parts.append(lp.prompt(self.echo.tokens, scores.prompt, self.echo.text))
+            logprobs = joined([*parts, lp.tokens(scores.tokens)])
+        if self.echo is not None:
+            text = self.echo.text + text
+        return {"index": done.index, "text": text, "logprobs": logprobs,
                 "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
 
 
 class ChatFormat(Format):
     """Chat's shapes. With ``tools``, the answer's ``<tool_call>`` blocks are parsed
     out of the content (forged.http.tools) and sent as ``tool_calls``: each choice
-    has a parser of its own, since each writes its own calls."""
+    has a parser of its own, since each writes its own calls. With ``vocab``,
+    logprobs: with tools they cover every generated token, the calls' text included,
+    each chunk carrying those of the text it was made from (text the parser holds back
+    keeps its entries for the next chunk)."""
 
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
     def __init__(self, model: str, created: int, n: int = 1, *, tools: bool = False,
-                 fingerprint: str | None = None) -> None:
+                 fingerprint: str | None = None, vocab: Vocabulary | None = None) -> None:
         super().__init__(model, created, n, fingerprint=fingerprint)
         self.parsers = [ToolCallParser() for _ in range(n)] if tools else None
+        self.logprobs = ChatLogprobs(vocab) if vocab is not None else None
+        # Each choice's entries for its next chunk.
+        self._pending: list[list[fr.TokenLogprob]] = [[] for _ in range(n)]
 
     def start(self) -> bytes:
         return b"".join(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None})
                         for i in range(self.n))
 
-    def delta(self, text: str, index: int = 0) -> bytes:
+    def delta(self, text: str, index: int = 0,
+              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+        self._pending[index] += logprobs or []
+        choices = self._choices(text, index)
+        if choices:
+            choices[-1]["logprobs"] = self._take_logprobs(index)
+        return b"".join(self._chunk(c) for c in choices)
+
+    def _choices(self, text: str, index: int) -> list[dict[str, Any]]:
         if self.parsers is None:
-            return self._content(text, index)
+            return [self._content(text, index)]
         parser = self.parsers[index]
         before = len(parser.calls)
         content, calls = parser.feed(text)
-        out = self._content(content, index) if content else b""
-        for i, call in enumerate(calls, before):
-            out += self._chunk({"index": index, "delta": {"tool_calls": [call.openai(i)]},
-                                "logprobs": None, "finish_reason": None})
+        out = [self._content(content, index)] if content else []
+        out += [{"index": index, "delta": {"tool_calls": [call.openai(i)]}, "logprobs": None,
+                 "finish_reason": None} for i, call in enumerate(calls, before)]
         return out
 
-    def _content(self, text: str, index: int) -> bytes:
-        return self._chunk({"index": index, "delta": {"content": text}, "logprobs": None,
-                            "finish_reason": None})
+    def _take_logprobs(self, index: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        entries, self._pending[index] = self._pending[index], []
+        return self.logprobs.content(entries)
+
+    @staticmethod
+    def _content(text: str, index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text}, "logprobs": None,
+                "finish_reason": None}
 
     def _tail(self, index: int) -> bytes:
         rest = self.parsers[index].flush() if self.parsers is not None else ""
-        return self._content(rest, index) if rest else b""
+        if not rest:
+            return b""
+        return self._chunk({**self._content(rest, index),
+                            "logprobs": self._take_logprobs(index)})
 
     def _reason(self, done: fr.Done) -> str:
         called = self.parsers is not None and self.parsers[done.index].calls
         return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
 
     def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
-        return self._chunk({"index": done.index, "delta": {}, "logprobs": None,
+        # Entries still held (text the tool-call parser consumed) go with the last chunk.
+        logprobs = self._take_logprobs(done.index) if self._pending[done.index] else None
+        return self._chunk({"index": done.index, "delta": {}, "logprobs": logprobs,
                             "finish_reason": reason, "stop_reason": done.stop_reason})
 
-    def _choice(self, text: str, done: fr.Done) -> dict[str, Any]:
+    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.parsers is not None:
             parser = self.parsers[done.index]
@@ -186,5 +278,7 @@ class ChatFormat(Format):
                 message["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
                 for c in message["tool_calls"]:
                     del c["index"]  # a whole message's calls have no index
-        return {"index": done.index, "message": message, "logprobs": None,
-                "finish_reason": self._reason(done), "stop_reason": done.stop_reason}
+        return {"index": done.index, "message": message, "finish_reason": self._reason(done),
+                "stop_reason": done.stop_reason,
+                "logprobs": None if self.logprobs is None
+                else self.logprobs.content(scores.tokens)}
