@@ -19,7 +19,7 @@ from forged.engine.limits import scheduler_limits
 from forged.engine.prompts import CHATML, Prompter
 from forged.http import refused
 from tests.conftest import make_config
-from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
 from tests.tinymodel import write_tiny_llama
 
 # ChatML, and Qwen3's switch: with enable_thinking false, an empty thought is written
@@ -71,21 +71,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         d.wait_ready(180)
         yield d
     finally:
-        client = _CLIENTS.pop(d.url, None)
-        if client is not None:
-            client.close()
+        close_client(d)
         assert d.stop() == 0
 
 
-_CLIENTS: dict[str, openai.OpenAI] = {}
-
-
 def _client(d: DaemonProcess) -> openai.OpenAI:
-    """One client per daemon, closed with it (an unclosed one warns at exit)."""
-    if d.url not in _CLIENTS:
-        _CLIENTS[d.url] = openai.OpenAI(base_url=d.url + "/v1", api_key="none",
-                                        max_retries=0, timeout=60)
-    return _CLIENTS[d.url]
+    return client(d, timeout=60)
 
 
 def test_models_tell_the_context_served(tiny: DaemonProcess) -> None:

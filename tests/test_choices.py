@@ -23,7 +23,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tests.conftest import DaemonFactory
-from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
 from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, until
 from tests.tinymodel import write_tiny_llama
 
@@ -79,6 +79,7 @@ def _start(model: Path, tmp: Path) -> Iterator[DaemonProcess]:
         d.wait_ready(180)
         yield d
     finally:
+        close_client(d)
         assert d.stop() == 0
 
 
@@ -95,7 +96,7 @@ def smol(real_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _client(d: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return client(d, timeout=120)
 
 
 def _chat(d: DaemonProcess, **kw: Any) -> ChatCompletion:

@@ -45,9 +45,11 @@ def fresh_daemon(real_model: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture
-def client(daemon: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
+def client(daemon: DaemonProcess) -> Iterator[openai.OpenAI]:
+    # Closed, not left to the garbage collector (whose socket warnings are errors here).
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0,
+                       timeout=120) as c:
+        yield c
 
 
 def test_streaming_chat(client: openai.OpenAI) -> None:

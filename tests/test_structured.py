@@ -27,7 +27,7 @@ from forged import errors as e
 from forged.engine.backend import Model
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
-from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
 from tests.tinymodel import write_tiny_llama
 
 # A schema that uses most of what the grammar enforces, and bounds every part of the
@@ -179,6 +179,7 @@ def _start(model: Path, tmp: Path) -> Iterator[DaemonProcess]:
         d.wait_ready(180)
         yield d
     finally:
+        close_client(d)
         assert d.stop() == 0
 
 
@@ -195,7 +196,7 @@ def smol(real_model: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _client(d: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    return client(d, timeout=300)
 
 
 def _model(d: DaemonProcess) -> str:

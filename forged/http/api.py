@@ -50,6 +50,7 @@ from forged.http.responses import (
     json_response,
 )
 from forged.http.schemas import (
+    ChatRequest,
     CompletionRequest,
     body_error,
     chat_decoder,
@@ -58,6 +59,7 @@ from forged.http.schemas import (
 from forged.http.state import AppState, KeyUsage
 from forged.http.structured import request_grammar
 from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
+from forged.http.tools import ToolPlan
 
 access_log = logging.getLogger("forged.access")
 # llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
@@ -193,17 +195,10 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         req = await _decoded(state, chat_decoder, refuse=True)
         _check_model(state, req.model)
         prompt = await chat_prompt(state, req)
-        plan = prompt.tools
-        calls = plan is not None and plan.parse
-        if calls and request_grammar(req) is not None:
-            raise e.BadRequest("response_format cannot be combined with tool calls "
-                               "(tool_choice 'none' allows it)", param="response_format")
-        asked = chat_asked(req)
-        fmt = functools.partial(sse.ChatFormat, tools=calls,
-                                fingerprint=system_fingerprint(state),
-                                vocab=None if asked.top is None else state.prompter)
+        plan, asked = prompt.tools, chat_asked(req)
         return await _run(state, req, prompt.tokens,
-                          req.max_completion_tokens or req.max_tokens, fmt,
+                          req.max_completion_tokens or req.max_tokens,
+                          _chat_format(state, req, plan, asked),
                           grammar=plan.grammar if plan else None, asked=asked)
 
     @app.post("/infill")
@@ -315,6 +310,19 @@ def _completion_format(state: AppState, req: CompletionRequest, tokens: list[int
         text = given if isinstance(given, str) else state.prompter.detokenize(tokens)
         echo = sse.Echo(text, tokens, asked.prompt)
     return functools.partial(sse.CompletionFormat, echo=echo,
+                             fingerprint=system_fingerprint(state),
+                             vocab=None if asked.top is None else state.prompter)
+
+
+def _chat_format(state: AppState, req: ChatRequest, plan: ToolPlan | None,
+                 asked: Asked) -> sse.MakeFormat:
+    """The answer's shape: the calls parsed out when the model may make them, and
+    logprobs when asked."""
+    calls = plan is not None and plan.parse
+    if calls and request_grammar(req) is not None:
+        raise e.BadRequest("response_format cannot be combined with tool calls "
+                           "(tool_choice 'none' allows it)", param="response_format")
+    return functools.partial(sse.ChatFormat, tools=calls,
                              fingerprint=system_fingerprint(state),
                              vocab=None if asked.top is None else state.prompter)
 
