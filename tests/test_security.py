@@ -306,7 +306,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "stop_token_ids", "chat_template_kwargs", "content", "add_special",
           "with_pieces", "parse_special", "tokens", "audio", "modalities", "prediction",
           "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of",
-          "logprobs", "top_logprobs", "echo"]
+          "logprobs", "top_logprobs", "echo", "response_format", "json_schema", "grammar",
+          "guided_json", "guided_choice", "tools", "tool_choice", "parallel_tool_calls"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -355,6 +356,28 @@ structured = st.fixed_dictionaries({}, optional={
     "logprobs": st.one_of(st.booleans(), st.integers(-2, 25), values),
     "top_logprobs": st.one_of(st.integers(-2, 25), values),
     "echo": st.one_of(st.booleans(), values),
+    # issue 18, points 1 and 2: constraints and tools, well-formed and not
+    "response_format": st.one_of(st.sampled_from([
+        {"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}},
+        {"type": "json_schema", "json_schema": {"schema": {"oneOf": [{"type": "null"}]}}},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
+        {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
+        {"type": "json_object", "schema": {"enum": [1, "a", None]}}]), values),
+    "json_schema": st.one_of(st.just({"type": "string", "maxLength": 3}), values),
+    "grammar": st.one_of(st.sampled_from(['root ::= "a"', "root ::= ", 'x ::= "y"',
+                                          'root ::= [^\\x00]*']), st.text(max_size=12),
+                         values),
+    "guided_json": st.one_of(st.just({"type": "boolean"}), values),
+    "guided_choice": st.one_of(st.lists(st.text(max_size=6), max_size=3), values),
+    "tools": st.one_of(st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "code"]),
+         "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "", "a b"])},
+                                           optional={"parameters": values})}),
+        max_size=2), values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "x", {
+        "type": "function", "function": {"name": "f"}}]), values),
+    "parallel_tool_calls": values,
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens: this is about the input."""
