@@ -19,6 +19,9 @@ from tests.test_scheduler import limits
 EOS = 0
 
 
+NO_TOKEN = -1  # in a script: the draw finds no token to take
+
+
 class FakeSampler:
     """Draws its script; a token the sampling suppresses (min_tokens) is skipped, as
     the real sampler never draws a banned token."""
@@ -34,7 +37,10 @@ class FakeSampler:
         while self.draws <= self.sampling.min_tokens and self.script and \
                 self.script[0] in self.sampling.suppress:
             self.script.pop(0)
-        return self.script.pop(0) if self.script else 1
+        token = self.script.pop(0) if self.script else 1
+        if token == NO_TOKEN:  # as the real sampler when a grammar leaves no token
+            raise ValueError("no token can continue the answer within the grammar")
+        return token
 
     def close(self) -> None:
         self.backend.open_samplers -= 1
@@ -374,6 +380,21 @@ def test_a_cancel_frees_every_choice(steps: int) -> None:
     run(core)
     assert_nothing_left(core, backend)
     assert core.statistics()["kv_cells_active"] == 0
+
+
+def test_a_draw_with_no_token_fails_its_request_and_the_step_goes_on() -> None:
+    """A grammar that leaves no token (asking for a surrogate, say): before, the
+    ValueError left the step and took the worker with it."""
+    core, backend = core_with({5: [1, 2, NO_TOKEN, 3], 6: [2] * 20})
+    submit(core, 1, [5, 1, 1], max_tokens=4)
+    submit(core, 2, [6, 2, 2], max_tokens=4)
+    events = run(core)
+    assert [(e.code, e.message) for e in of(events, 1) if isinstance(e, fr.Failed)] == [
+        ("bad_request", "no token can continue the answer within the grammar")]
+    assert "".join(e.text for e in of(events, 1) if isinstance(e, fr.Delta)) == "ab"
+    done = [e for e in events if isinstance(e, fr.Done)]
+    assert [(d.rid, d.completion_tokens) for d in done] == [(2, 4)]
+    assert_nothing_left(core, backend)
 
 
 def test_a_failed_step_fails_a_request_of_n_choices_once() -> None:

@@ -11,6 +11,7 @@ tools, so forged's system message carries them). Every sampled output at tempera
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -279,6 +280,32 @@ def test_bad_constraints_get_a_400_that_names_them(tiny_tools: DaemonProcess,
     ok = httpx.post(tiny_tools.url + "/v1/completions", timeout=30,
                     json={"prompt": "still", "max_tokens": 2})
     assert ok.status_code == 200  # the worker is alive and nothing leaked
+
+
+def _restarts(d: DaemonProcess) -> float:
+    admin = httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")))
+    with admin:
+        text = admin.get("http://admin/metrics").text
+    return float(re.search(r"^forged_worker_restarts_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_leaves_no_token_fails_the_request_not_the_worker(
+        tiny_tools: DaemonProcess, stream: bool) -> None:
+    """A surrogate is no valid UTF-8, so the guard bans what the grammar asks for:
+    before, llama.cpp aborted the worker on accepting a token the grammar refused."""
+    before = _restarts(tiny_tools)
+    r = httpx.post(tiny_tools.url + "/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 8, "grammar": 'root ::= "ab\\uD800"', "stream": stream})
+    # Streamed, the failure comes after "ab" was drawn: an error event if the stream had
+    # begun, else (all in the worker's first frames) the same error as a 400.
+    error = (r.json() if r.status_code == 400 else
+             json.loads(r.text.split("data: ")[-2]) if stream else {})
+    assert error["error"]["type"] == "invalid_request_error", r.text
+    assert "grammar" in error["error"]["message"]
+    ok = httpx.post(tiny_tools.url + "/v1/completions", timeout=30,
+                    json={"prompt": "still", "max_tokens": 2})
+    assert ok.status_code == 200 and _restarts(tiny_tools) == before
 
 
 def _args_valid(call: Any, tools: list[dict[str, Any]]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Self
 
 import llama_cpp as ll
 import numpy as np
+import numpy.typing as npt
 
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
 from forged.engine.fim import FimTokens
@@ -235,19 +236,50 @@ def check_grammar(model: Model, g: Grammar) -> None:
     ll.llama_sampler_free(grammar_sampler(model, g))
 
 
+# llama_token_data, as numpy lays out a candidate array llama.cpp can read.
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class _Candidates:
+    """A reusable llama_token_data_array over one vocabulary: a draw that must ban
+    tokens, or check what a grammar left, builds its candidates here from a copy of
+    the logits row (the row itself stays the model's, for logprobs)."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self.array = ll.llama_token_data_array(
+            data=self.data.ctypes.data_as(ctypes.POINTER(ll.llama_token_data)),
+            size=n_vocab, selected=-1, sorted=False)
+
+    def fill(self, logits: Any) -> npt.NDArray[np.float32]:
+        """Reset to ``logits``; the logit column, indexed by token id, to ban in."""
+        self.data["id"] = self._ids
+        self.data["logit"] = logits
+        self.data["p"] = 0.0
+        a = self.array
+        a.size, a.selected, a.sorted = len(self.data), -1, False
+        column: npt.NDArray[np.float32] = self.data["logit"]
+        return column
+
+    def selected(self) -> int:
+        return int(self.array.data[self.array.selected].id)
+
+
 class Sampler(_Closing):
     """One request's llama.cpp sampler chain (its RNG and penalty history are its own).
 
-    With a grammar, the chain is nested: the grammar first, then the request's chain.
-    Penalties want the prompt in their history, but a grammar must only ever see what
-    it constrains (a token it cannot accept aborts the process), so the prompt is fed
-    to the inner chain before the outer one exists. Sampling through the outer chain
-    then accepts each new token into both.
+    A grammar stays out of the chain and is applied before it. Penalties want the
+    prompt in their history, but a grammar must only ever see what it constrains (a
+    token it cannot accept aborts the process); and a draw for which the grammar leaves
+    no token (it may ask for text that is not valid UTF-8, which the guard bans) must
+    fail this request, not abort the worker in llama.cpp's accept.
     """
 
     def __init__(self, model: Model, p: Sampling, prompt: Sequence[int] = ()) -> None:
         self._ptr = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._model, self._p = model, p
+        self._grammar: Any = None
         self._guard: Utf8Guard | None = None  # with a grammar (see forged.engine.utf8)
         self._draws = 0
         self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
@@ -268,18 +300,13 @@ class Sampler(_Closing):
             self.accept(prompt)
         if p.grammar is not None:
             try:
-                grammar = grammar_sampler(model, p.grammar)
+                self._grammar = grammar_sampler(model, p.grammar)
             except ValueError:
                 self.close()
                 raise
-            self._nest_under(grammar)
             self._guard = Utf8Guard(model.utf8_table())
-
-    def _nest_under(self, grammar: Any) -> None:
-        outer = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        ll.llama_sampler_chain_add(outer, grammar)
-        ll.llama_sampler_chain_add(outer, self._ptr)  # the outer chain owns it now
-        self._ptr = outer
+        self._candidates = (_Candidates(model.n_vocab)
+                            if self._grammar is not None or p.min_tokens else None)
 
     def _add(self, sampler: Any) -> None:
         ll.llama_sampler_chain_add(self._ptr, sampler)
@@ -312,30 +339,41 @@ class Sampler(_Closing):
             ll.llama_sampler_accept(self._ptr, t)
 
     def sample(self, ctx: Context, index: int) -> int:
-        if self._guard is not None or self._draws < self._p.min_tokens:
-            self._ban(ctx, index)
+        c = self._candidates
+        if c is None:
+            # llama_sampler_sample also accepts the sampled token into the chain.
+            return int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+        logits = c.fill(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, index),
+                                              shape=(self._model.n_vocab,)))
+        if self._draws < self._p.min_tokens:
+            logits[list(self._p.suppress)] = -np.inf
         self._draws += 1
-        # llama_sampler_sample also accepts the sampled token into the chain.
-        token = int(ll.llama_sampler_sample(self._ptr, ctx.ptr, index))
+        if self._grammar is not None:
+            self._constrain(c, logits)
+        ll.llama_sampler_apply(self._ptr, ctypes.byref(c.array))
+        token = c.selected()
+        ll.llama_sampler_accept(self._ptr, token)
+        if self._grammar is not None:
+            ll.llama_sampler_accept(self._grammar, token)
         if self._guard is not None:
             self._guard.accept(token)
         return token
 
-    def _ban(self, ctx: Context, index: int) -> None:
-        # Banned before the chain sees the logits, so that no sampler (penalties,
-        # top-k, ...) counts them: the chain reads this row when it samples. Each row is
-        # sampled once, so nothing else reads the change.
-        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, index),
-                                       shape=(self._model.n_vocab,))
-        if self._draws < self._p.min_tokens:
-            logits[list(self._p.suppress)] = -np.inf
-        if self._guard is not None:
-            self._guard.ban(logits)
+    def _constrain(self, c: _Candidates, logits: npt.NDArray[np.float32]) -> None:
+        assert self._guard is not None
+        self._guard.ban(logits)
+        ll.llama_sampler_apply(self._grammar, ctypes.byref(c.array))
+        if not np.isfinite(c.data["logit"][:c.array.size]).any():
+            raise ValueError("no token can continue the answer within the grammar (does it "
+                             "ask for text that is not valid UTF-8?)")
 
     def close(self) -> None:
         if self._ptr:
             ll.llama_sampler_free(self._ptr)
             self._ptr = None
+        if self._grammar is not None:
+            ll.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
 
 class TokenSampler(Protocol):
     def sample(self, index: int) -> int:
-        """The next token from the logits at batch ``index`` of the last decode."""
+        """The next token from the logits at batch ``index`` of the last decode;
+        ValueError if no token may be taken there (the request fails, not the step)."""
 
     def close(self) -> None: ...
 
@@ -149,6 +150,9 @@ class WorkerCore:
         self.clock = clock
         self.streams: dict[int, _Stream] = {}
         self.events: list[fr.Event] = []
+        # Requests whose draw this step found no token to take (a grammar left none):
+        # the step ran, but they end here, by rid, with why.
+        self._undrawn: dict[int, str] = {}
         self._last_stats = _NEVER
         self._step_ms = 0.0
         self._steps = 0
@@ -222,16 +226,22 @@ class WorkerCore:
 
     def _decode(self, plan: StepPlan) -> None:
         t0 = self.clock()
+        self._undrawn = {}
         try:
             sampled, failed = run_isolating(plan.chunks, self._decode_and_sample)
         except NoKVSpace:
             self._relieve(plan)
             return
-        ran = plan if not failed else StepPlan(
-            [], [c for c in plan.chunks if c.rid not in failed], plan.shape)
+        undrawn = self._undrawn
+        sampled = {key: tok for key, tok in sampled.items() if key[0] not in undrawn}
+        ran = plan if not (failed or undrawn) else StepPlan(
+            [], [c for c in plan.chunks if c.rid not in failed and c.rid not in undrawn],
+            plan.shape)
         self.sched.commit(ran, sampled, self.clock())
         for rid, exc in failed.items():
             self._fail(rid, "engine_error", f"decode failed: {exc}")
+        for rid, why in undrawn.items():
+            self._fail(rid, "bad_request", why)
         for (rid, index), tok in sampled.items():
             self._on_token(rid, index, tok)
         self._step_ms = (self.clock() - t0) * 1000
@@ -245,20 +255,28 @@ class WorkerCore:
         # whatever is scored is scored here.
         idx = self.backend.decode([(c.seq, c.pos, c.tokens, self._logits_wanted(c))
                                    for c in chunks])
-        sampled = {}
+        sampled: dict[Key, int] = {}
         for c, i in zip(chunks, idx, strict=True):
             stream = self.streams[c.rid]
             scores = stream.choices[c.index].scores
             if scores is not None and scores.scoring:
                 self._score_prompt(stream, scores, c, i)
-            # At the end of a shared prompt, every choice samples from the same logits.
-            for index in c.choices:
-                choice = stream.choices[index]
-                sampled[(c.rid, index)] = tok = choice.sampler.sample(i)
-                if choice.scores is not None:
-                    choice.scores.scoring = False
-                    choice.scores.sampled = self.backend.logprobs(i, tok, choice.scores.top)
+            try:
+                sampled |= self._draw(stream, c, i)
+            except ValueError as exc:  # no token to take: this request ends, not the step
+                self._undrawn[c.rid] = str(exc)
         return sampled
+
+    def _draw(self, stream: _Stream, c: Chunk, i: int) -> dict[Key, int]:
+        """At the end of a shared prompt, every choice samples from the same logits."""
+        out = {}
+        for index in c.choices:
+            choice = stream.choices[index]
+            out[(c.rid, index)] = tok = choice.sampler.sample(i)
+            if choice.scores is not None:
+                choice.scores.scoring = False
+                choice.scores.sampled = self.backend.logprobs(i, tok, choice.scores.top)
+        return out
 
     def _logits_wanted(self, c: Chunk) -> int:
         scores = self.streams[c.rid].choices[c.index].scores

@@ -243,7 +243,7 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
                         return out.whole(["".join(p) for p in parts],
                                          [dones[i] for i in range(out.n)], scores)
                 case fr.Failed():
-                    raise e.EngineError(ev.message)
+                    raise _failure(state, ev)
         events = await _next_events(state, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
@@ -280,7 +280,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                             return
                     case fr.Failed():
                         outcome.end = "error"
-                        yield sse.error_event(from_exception(e.EngineError(ev.message)))
+                        yield sse.error_event(from_exception(_failure(state, ev)))
                         return
             events = await _next_events(state, rs)
         outcome.end = "drain"
