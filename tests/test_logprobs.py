@@ -391,3 +391,40 @@ def test_bad_logprob_fields_get_a_400_naming_them(daemon: DaemonProcess, path: s
     r = httpx.post(daemon.url + path, json={**base, "max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert json.loads(r.text)["error"]["param"] == param
+
+
+@pytest.mark.model
+def test_smollm2_logprobs_through_the_openai_client(real_model: Path, tmp_path: Path) -> None:
+    """The real model: chat logprobs with alternatives, each of n choices with its own
+    legacy logprobs, and a prompt scored without generating (echo, max_tokens 0)."""
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", real_model, port), port)
+    try:
+        d.wait_ready(180)
+        with openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120) as c:
+            model = c.models.list().data[0].id
+            r = c.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                          max_tokens=16, logprobs=True, top_logprobs=3)
+            content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+            assert content and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+            for e in content:
+                _check_content_entry(e, 3)
+            assert b"".join(bytes(e.bytes or []) for e in content).decode() \
+                == r.choices[0].message.content
+            two = c.completions.create(model=model, prompt="def add(a, b):", max_tokens=8,
+                                       temperature=0, logprobs=2, n=2)
+            lps = [ch.logprobs for ch in sorted(two.choices, key=lambda ch: ch.index)]
+            assert lps[0] is not None and lps[1] is not None
+            assert lps[0].tokens == lps[1].tokens and len(lps[0].tokens or []) == 8
+            assert lps[0].text_offset == sorted(lps[0].text_offset or [])
+        prompt = "The capital of France is Paris."
+        scored = httpx.post(d.url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}).json()
+        choice = scored["choices"][0]
+        assert choice["text"] == prompt and scored["usage"]["completion_tokens"] == 0
+        tl = choice["logprobs"]["token_logprobs"]
+        assert tl[0] is None and len(tl) == scored["usage"]["prompt_tokens"]
+        assert all(lp <= 0.0 for lp in tl[1:])
+    finally:
+        assert d.stop() == 0

@@ -1,0 +1,79 @@
+"""What a grammar costs per token: constrained against free decoding, in one run.
+
+``python -m bench.grammar`` (about a minute). forged serves the default model
+(SmolLM2-135M, 49k tokens); one caller at a time streams ``--requests`` (6) chat answers
+of each kind, at temperature 0:
+
+* **free**: plain text, ``ignore_eos``, ``--tokens`` (96) tokens;
+* **json_object**: ``response_format: {"type": "json_object"}`` (llama.cpp's grammar
+  sampler, and forged's UTF-8 guard), up to ``--tokens``.
+
+Measured: the mean time per streamed token after the first, per kind, and the
+difference (what the grammar and the guard add to each constrained token). One caller
+at a time, so the figure is a sequence's own cost, not the batch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.daemonproc import DaemonProcess, free_port, write_config
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+KINDS: dict[str, dict[str, Any]] = {
+    "free": {"ignore_eos": True},
+    "json_object": {"response_format": {"type": "json_object"}},
+}
+
+
+def per_token_ms(url: str, tokens: int, extra: dict[str, Any]) -> tuple[float, int]:
+    """Mean ms between streamed chunks after the first, and the chunks counted."""
+    body = {"messages": [{"role": "user", "content": "Describe a small Python project."}],
+            "max_tokens": tokens, "temperature": 0, "stream": True, **extra}
+    stamps = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line:
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return (1000 * statistics.fmean(gaps) if gaps else float("nan")), len(stamps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        d = DaemonProcess(write_config(Path(tmp) / "forged.toml", MODEL, port), port)
+        try:
+            d.wait_ready(180)
+            per_token_ms(d.url, 8, {})  # warm-up (and the guard's table, built once)
+            per_token_ms(d.url, 8, KINDS["json_object"])
+            out: dict[str, Any] = {}
+            for kind, extra in KINDS.items():
+                runs = [per_token_ms(d.url, args.tokens, extra) for _ in range(args.requests)]
+                out[kind] = {"ms_per_token": round(statistics.median(r[0] for r in runs), 2),
+                             "tokens": [r[1] for r in runs]}
+            out["grammar_ms_per_token"] = round(
+                out["json_object"]["ms_per_token"] - out["free"]["ms_per_token"], 2)
+        finally:
+            assert d.stop() == 0
+    json.dump(out, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
