@@ -230,9 +230,9 @@ def test_n_choices_each_make_a_valid_tool_call(tiny: DaemonProcess) -> None:
     ("/v1/completions", {"n": 17}, "n"),
     ("/v1/completions", {"n": "two"}, "n"),
     ("/v1/chat/completions", {"n": MAX_RUNNING + 1}, "n"),  # more than can ever run at once
-    ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"n": 2, "best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
-    ("/v1/chat/completions", {"best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"best_of": MAX_RUNNING + 1}, "best_of"),
     ("/v1/completions", {"best_of": 0}, "best_of"),
     ("/infill", {"n": 2}, "n"),
 ])
@@ -247,6 +247,29 @@ def test_bad_n_and_best_of_get_a_400_that_names_them(
     ok = httpx.post(tiny.url + "/v1/completions", timeout=30,
                     json={"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_best_of_returns_the_choices_with_the_highest_logprob_per_token(
+        tiny: DaemonProcess) -> None:
+    """OpenAI's best_of: best_of choices generated, the n with the highest mean logprob
+    per token returned. With a seed, choice i draws with seed + i, so asking for all of
+    them with their logprobs shows which were best."""
+    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "seed": 11}
+    every = httpx.post(tiny.url + "/v1/completions", timeout=60,
+                       json={**body, "n": 4, "logprobs": 0}).json()
+    mean = {c["text"]: sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["tokens"])
+            for c in every["choices"]}
+    assert len(mean) == 4  # four different answers to rank
+    r = httpx.post(tiny.url + "/v1/completions", timeout=60,
+                   json={**body, "n": 2, "best_of": 4})
+    assert r.status_code == 200, r.text
+    best = Completion.model_validate(r.json())
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == sorted(mean, key=lambda t: -mean[t])[:2]
+    assert all(c.logprobs is None for c in best.choices)  # not asked for
+    assert best.usage is not None  # every choice generated counts, as OpenAI bills it
+    assert best.usage.completion_tokens == every["usage"]["completion_tokens"]
+    assert best.usage.prompt_tokens == every["usage"]["prompt_tokens"]
 
 
 @pytest.mark.model

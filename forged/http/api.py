@@ -372,8 +372,11 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
     if req.stop_token_ids:
         check_ids(state, req.stop_token_ids, "stop_token_ids")
     key = g.get("key")
+    n = _choices(state, req, prompt, max_tokens)
+    if n > req.n and asked.top is None:  # best_of ranks by the tokens' logprobs
+        asked = Asked(0, asked.prompt)
     return Request(
-        prompt=prompt, max_tokens=max_tokens, n=_choices(state, req, prompt, max_tokens),
+        prompt=prompt, max_tokens=max_tokens, n=n,
         priority=req.priority or (key.priority if key else lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
@@ -415,17 +418,20 @@ def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
 
 
 def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> int:
-    """``n``, checked against what a worker can run at once; ``best_of`` may only
-    repeat it."""
-    if req.best_of is not None and req.best_of != req.n:
-        # vLLM V1 and llama.cpp's server do not implement it either.
-        raise e.BadRequest("best_of is not supported: leave it out or make it equal to n "
-                           "(every choice sampled is returned)", param="best_of")
+    """The choices to generate: ``n``, or ``best_of`` of which the best ``n`` are
+    returned; checked against what a worker can run at once."""
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise e.BadRequest(f"best_of ({best_of}) must be at least n ({req.n})",
+                           param="best_of")
+    if best_of > req.n and req.stream:  # as OpenAI: the best are known only at the end
+        raise e.BadRequest("best_of cannot be combined with stream", param="best_of")
     most = state.pool.limits.max_choices(len(prompt), max_tokens)
-    if req.n > most:
-        raise e.BadRequest(f"n is {req.n}, but at most {most} choices of this request can "
-                           "run at once on this server", param="n")
-    return int(req.n)
+    if best_of > most:
+        field = "n" if best_of == req.n else "best_of"
+        raise e.BadRequest(f"{field} is {best_of}, but at most {most} choices of this "
+                           "request can run at once on this server", param=field)
+    return int(best_of)
 
 
 def _sampling(state: AppState, req: Any) -> Sampling:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -144,7 +145,8 @@ async def generate(state: AppState, req: Any, request: Request, fmt: sse.MakeFor
             body = _stream(state, rs, first, out, include_usage, outcome)
             return Response(body, content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return json_response(await _collect(state, rs, first, out, outcome))
+        whole = await _collect(state, rs, first, out, outcome, keep=req.n)
+        return json_response(whole)
     except e.ForgedError as exc:
         outcome.failed(exc)
         raise
@@ -219,9 +221,10 @@ def _done(outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Done], n: int) -> b
 
 
 async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
-                   out: sse.Format, outcome: Outcome) -> dict[str, Any]:
-    """The whole completion. Counted among the open generations like a stream, it may
-    finish until the drain's deadline; past it the caller gets a 503 to retry."""
+                   out: sse.Format, outcome: Outcome, keep: int) -> dict[str, Any]:
+    """The whole completion, its best ``keep`` choices (all but with ``best_of``).
+    Counted among the open generations like a stream, it may finish until the drain's
+    deadline; past it the caller gets a 503 to retry."""
     parts: list[list[str]] = [[] for _ in range(out.n)]
     scores = [sse.Scores() for _ in range(out.n)]
     dones: dict[int, fr.Done] = {}
@@ -240,14 +243,33 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
                     scores[ev.index].tokens += ev.logprobs or []
                     if _done(outcome, ev, dones, out.n):
                         outcome.end = "ok"
-                        return out.whole(["".join(p) for p in parts],
-                                         [dones[i] for i in range(out.n)], scores)
+                        return _whole(out, ["".join(p) for p in parts],
+                                      [dones[i] for i in range(out.n)], scores, keep)
                 case fr.Failed():
                     raise _failure(state, ev)
         events = await _next_events(state, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
                         state.cfg.limits.retry_after)
+
+
+def _whole(out: sse.Format, texts: list[str], dones: list[fr.Done], scores: list[sse.Scores],
+           keep: int) -> dict[str, Any]:
+    """The response of the ``keep`` choices with the highest mean logprob per token
+    (OpenAI's ``best_of``), numbered from 0; usage counts every choice generated."""
+    if keep == len(dones):
+        return out.whole(texts, dones, scores)
+    best = sorted(range(len(dones)), key=lambda i: -_mean_logprob(scores[i]))[:keep]
+    whole = out.whole([texts[i] for i in best],
+                      [msgspec.structs.replace(dones[i], index=j) for j, i in enumerate(best)],
+                      [scores[i] for i in best])
+    whole["usage"] = sse.usage(dones)
+    return whole
+
+
+def _mean_logprob(scores: sse.Scores) -> float:
+    entries = scores.tokens
+    return sum(t.logprob for t in entries) / len(entries) if entries else -math.inf
 
 
 async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
