@@ -179,7 +179,7 @@ SMALL = {"type": "object", "properties": {
 
 
 def test_n_choices_each_match_the_schema(tiny: DaemonProcess) -> None:
-    answer = _chat(tiny, messages=CHAT, max_tokens=200, n=6, seed=11, temperature=1.0,
+    answer = _chat(tiny, messages=CHAT, max_tokens=400, n=6, seed=11, temperature=1.0,
                    response_format={"type": "json_schema",
                                     "json_schema": {"name": "small", "schema": SMALL}})
     assert len(answer.choices) == 6
@@ -200,7 +200,7 @@ def test_n_choices_each_make_a_valid_tool_call(tiny: DaemonProcess) -> None:
     tools: Any = [PICK, ROLL]
     answer = _chat(tiny, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                    tools=tools, tool_choice="required", parallel_tool_calls=False,
-                   max_tokens=150, n=3, seed=5, temperature=1.0)
+                   max_tokens=400, n=3, seed=5, temperature=1.0)
     for choice in answer.choices:
         assert choice.finish_reason == "tool_calls"
         calls = choice.message.tool_calls or []
@@ -212,7 +212,7 @@ def test_n_choices_each_make_a_valid_tool_call(tiny: DaemonProcess) -> None:
     # streamed: each choice's calls arrive under its own index
     with httpx.stream("POST", tiny.url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Weather?"}], "tools": tools,
-            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 150,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 400,
             "n": 2, "seed": 5, "stream": True}) as r:
         chunks = [ChatCompletionChunk.model_validate_json(line[6:])
                   for line in r.iter_lines() if line.startswith("data: {")]

@@ -113,6 +113,20 @@ def test_the_parser_holds_back_a_partial_marker_and_splits_calls() -> None:
     assert held.feed("box>") == ("<tool_box>", [])
 
 
+def test_a_closing_marker_inside_an_argument_string_does_not_end_the_call() -> None:
+    """Seen at temperature 1 on the tiny model: the grammar lets a string hold
+    "</tool_call>", and the call was cut there and sent as content."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "f,[</tool_call>V"}}'
+            '</tool_call>')
+    for pieces in ([text], list(text)):  # whole, and one character at a time
+        p = ToolCallParser()
+        out = [p.feed(piece) for piece in pieces]
+        assert "".join(c for c, _ in out) == "" and p.flush() == ""
+        calls = [call for _, cs in out for call in cs]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "f,[</tool_call>V"})]
+
+
 def test_a_block_that_is_not_a_call_is_content() -> None:
     p = ToolCallParser()
     content, calls = p.feed("<tool_call>not json</tool_call> and <tool_call>{")
@@ -320,7 +334,8 @@ def _tool_loop(d: DaemonProcess) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     raw = c.chat.completions.with_raw_response.create(
         model=_model(d), messages=messages, tools=tools, tool_choice="required",
-        parallel_tool_calls=False, max_tokens=120)
+        # Room for a random model's call: the grammar allows up to 20 spaces at each gap.
+        parallel_tool_calls=False, max_tokens=400, seed=3)
     first = ChatCompletion.model_validate(raw.http_response.json())
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"

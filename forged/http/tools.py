@@ -206,13 +206,11 @@ class ToolCallParser:
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
             content += self._text(self._buf[:start])
-            end = self._buf.find(CLOSE, start)
+            self._buf = self._buf[start:]
+            end, call = _block_end(self._buf)
             if end < 0:
-                self._buf = self._buf[start:]
                 break
-            block = self._buf[start:end + len(CLOSE)]
-            self._buf = self._buf[end + len(CLOSE):]
-            call = _parse_call(block[len(OPEN):-len(CLOSE)])
+            block, self._buf = self._buf[:end], self._buf[end:]
             if call is None:
                 content += block
             else:
@@ -238,11 +236,24 @@ def _partial_suffix(text: str, word: str) -> int:
     return 0
 
 
+def _block_end(text: str) -> tuple[int, ToolCall | None]:
+    """Where the block that ``text`` opens ends, and its call (None: not a call, so
+    content); -1 while it is unfinished. A ``</tool_call>`` inside one of the JSON's
+    strings (a random argument may hold one) does not end it."""
+    close = text.find(CLOSE)
+    while close >= 0:
+        try:
+            return close + len(CLOSE), _parse_call(text[len(OPEN):close])
+        except json.JSONDecodeError as exc:
+            if not exc.msg.startswith("Unterminated string"):
+                return close + len(CLOSE), None
+        close = text.find(CLOSE, close + 1)
+    return -1, None
+
+
 def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+    """The call a block's JSON holds; None if it holds none. Raises JSONDecodeError."""
+    obj = json.loads(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", {})
