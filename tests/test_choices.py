@@ -22,6 +22,8 @@ import trio
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from forged.auth import add_key
+from forged.engine import testhooks
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
 from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, until
@@ -53,6 +55,41 @@ async def test_n_computes_the_prompt_once_and_frees_every_sequence(
                 computed.append(d.stats()["prompt_tokens_computed"] - before)
             assert computed == [30, 30]
             assert d.stats()["kv_cells_active"] == 0
+
+
+@pytest.mark.trio
+async def test_a_keys_places_count_every_choice(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """max_streams counts sequences: before, n = 16 took one of a key's places."""
+    key = add_key(tmp_path / "keys.toml", "three", max_streams=3, max_queued=3,
+                  priority="interactive")
+    body: dict[str, Any] = {"prompt": "x", "max_tokens": 2}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(
+                base_url=d.url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as c:
+            never = await c.post("/v1/completions", json={**body, "n": 4})
+            assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+            testhooks.slow_steps(d.daemon.pool, 0, 0.05)  # the stream below stays open
+            # Held open on a raw connection (an httpx stream left unread warns when
+            # collected): two choices streaming.
+            raw = json.dumps({**body, "max_tokens": 200, "ignore_eos": True, "n": 2,
+                              "stream": True}).encode()
+            host, port = d.url.removeprefix("http://").rsplit(":", 1)
+            held = await trio.open_tcp_stream(host, int(port))
+            await held.send_all(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+                f"\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            received = b""
+            while b"data: {" not in received:
+                received += await held.receive_some(65536)
+            state = d.daemon.state
+            assert state is not None and state.key_usage["three"].open == 2
+            over = await c.post("/v1/completions", json={**body, "n": 2})
+            assert over.status_code == 429, over.text
+            assert (await c.post("/v1/completions", json=body)).status_code == 200
+            await held.aclose()
+            await until(lambda: d.daemon.state is not None
+                        and d.daemon.state.key_usage["three"].open == 0)
 
 
 @pytest.mark.trio

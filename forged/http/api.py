@@ -508,7 +508,8 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     # its places back (forged.http.lifetime).
     resources().callback(outcome.record, state)
     if key is not None:
-        outcome.usage = _admit_key(state, key)
+        outcome.usage = _admit_key(state, key, engine_request.n)
+        outcome.places = engine_request.n
     return await generate(state, req, engine_request, fmt, outcome)
 
 
@@ -525,16 +526,20 @@ async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
         raise e.BadRequest("llama.cpp could not parse the grammar", param="grammar") from exc
 
 
-def _admit_key(state: AppState, key: KeyEntry) -> KeyUsage:
-    """Per-key limits: over them this key gets 429 and every other key is unaffected."""
+def _admit_key(state: AppState, key: KeyEntry, places: int) -> KeyUsage:
+    """Per-key limits: over them this key gets 429 and every other key is unaffected.
+    A request takes a place per sequence it runs (``n`` choices take ``n``)."""
     usage = state.key_usage.setdefault(key.name, KeyUsage())
     retry = state.cfg.limits.retry_after
-    if usage.open >= key.max_streams:
-        raise e.RateLimited(f"API key {key.name!r} has {usage.open} requests in flight, "
-                            f"its limit", retry)
+    if places > key.max_streams:
+        raise e.BadRequest(f"API key {key.name!r} may run {key.max_streams} sequences at "
+                           f"once; this request asks for {places}", param="n")
+    if usage.open + places > key.max_streams:
+        raise e.RateLimited(f"API key {key.name!r} has {usage.open} sequences in flight; "
+                            f"{places} more would pass its limit", retry)
     if usage.queued >= key.max_queued:
         raise e.RateLimited(f"API key {key.name!r} has {usage.queued} requests queued, "
                             f"its limit", retry)
-    usage.open += 1
+    usage.open += places
     usage.queued += 1
     return usage

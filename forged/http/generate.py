@@ -51,6 +51,7 @@ class Outcome:
     ttft: float | None = None
     key: str = "-"
     usage: KeyUsage | None = None
+    places: int = 1  # of the key's max_streams: one per choice
     admitted: bool = False
     rs: RequestStream | None = None
     prefill: tuple[float, int] = (0.0, 0)  # admission to first token: seconds, steps
@@ -81,7 +82,7 @@ class Outcome:
         """Called once, by the request's resources when the request ends."""
         if self.usage is not None:  # give the key its places back
             self.mark_admitted()
-            self.usage.open -= 1
+            self.usage.open -= self.places
             self.usage = None
         m = state.metrics
         duration = time.monotonic() - self.started

@@ -87,7 +87,8 @@ class Holds:
 
 @dataclass
 class KeyUsage:
-    """What one API key has in flight: generating and waiting for a slot."""
+    """What one API key has in flight: sequences generating (a request's choices each
+    count) and requests waiting for a slot."""
 
     open: int = 0
     queued: int = 0
