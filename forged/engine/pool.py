@@ -61,14 +61,16 @@ class RequestStream:
         self.admitted = False
         self.finished = False
         self._open = choices  # choices not yet Done: the request ends with the last
-        # When each piece of text reached the daemon: TTFT and inter-token latency.
+        # When each piece of the first choice's text reached the daemon: TTFT and
+        # inter-token latency (other choices' pieces would show as gaps of ~0).
         self.delta_times: list[float] = []
         self._events: list[fr.Event] = []
         self._error: ForgedError | None = None
         self._wake = trio.Event()
 
     def push(self, ev: fr.Event) -> None:
-        if isinstance(ev, fr.Delta) or (isinstance(ev, fr.Done) and ev.text):
+        if (isinstance(ev, fr.Delta) or (isinstance(ev, fr.Done) and ev.text)) \
+                and ev.index == 0:
             self.delta_times.append(time.monotonic())
         if isinstance(ev, fr.Admitted):
             self.admitted = True
