@@ -1,12 +1,16 @@
 """End-to-end tests start ``forged serve`` with the benchmark's helper (bench/ never
 imports tests/, so the helper lives there), and talk to it with the ``openai`` client."""
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import openai
 
 from bench.daemonproc import DaemonProcess, free_port, health_ok, write_config
 
-__all__ = ["DaemonProcess", "client", "close_client", "free_port", "health_ok",
-           "write_config"]
+__all__ = ["DaemonProcess", "client", "close_client", "free_port", "health_ok", "serve",
+           "serve_model", "write_config"]
 
 _CLIENTS: dict[str, openai.OpenAI] = {}
 
@@ -25,3 +29,21 @@ def close_client(d: DaemonProcess) -> None:
     c = _CLIENTS.pop(d.url, None)
     if c is not None:
         c.close()
+
+
+def serve(config: Path, port: int) -> Iterator[DaemonProcess]:
+    """A module fixture's body: ``forged serve`` on ``config`` until the module ends,
+    its client closed first."""
+    d = DaemonProcess(config, port)
+    try:
+        d.wait_ready(180)
+        yield d
+    finally:
+        close_client(d)
+        assert d.stop() == 0
+
+
+def serve_model(model: Path, tmp: Path, **engine: Any) -> Iterator[DaemonProcess]:
+    """:func:`serve` with ``model`` and these engine settings, its files in ``tmp``."""
+    port = free_port()
+    yield from serve(write_config(tmp / "forged.toml", model, port, engine=engine), port)

@@ -146,6 +146,23 @@ async def test_bad_input_gets_openai_4xx_and_loses_nothing(
             assert d.stats()["kv_cells_active"] == 0
 
 
+async def open_raw_stream(d: RunningDaemon, path: str, body: dict[str, Any], events: int,
+                          headers: str = "") -> trio.SocketStream:
+    """POST ``body`` to ``path`` on a raw connection and read until ``events`` SSE events
+    arrived; the caller holds the stream open, or drops it, by the socket (an httpx
+    stream left unread warns when it is collected)."""
+    raw = json.dumps(body).encode()
+    host, port = d.url.removeprefix("http://").rsplit(":", 1)
+    sock = await trio.open_tcp_stream(host, int(port))
+    await sock.send_all(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    received = b""
+    while received.count(b"data: {") < events:
+        received += await sock.receive_some(65536)
+    return sock
+
+
 async def assert_a_dropped_stream_is_freed_within_a_step(
         d: RunningDaemon, path: str, body: dict[str, Any], events: int) -> None:
     """Stream ``body`` to ``path`` over a raw connection, drop it after ``events`` SSE
@@ -155,15 +172,7 @@ async def assert_a_dropped_stream_is_freed_within_a_step(
     # room for a slow machine to notice the drop within the step in flight.
     step = 0.5
     testhooks.slow_steps(d.daemon.pool, 0, step)
-    raw = json.dumps(body).encode()
-    host, port = d.url.removeprefix("http://").rsplit(":", 1)
-    sock = await trio.open_tcp_stream(host, int(port))
-    await sock.send_all(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    received = b""
-    while received.count(b"data: {") < events:
-        received += await sock.receive_some(65536)
+    sock = await open_raw_stream(d, path, body, events)
     assert d.stats()["running"] == body.get("n", 1)
     await trio.sleep(2 * step)  # statistics arrive with each (slow) step
     steps_at_drop = d.stats()["steps"]

@@ -19,7 +19,7 @@ from forged.engine.limits import scheduler_limits
 from forged.engine.prompts import CHATML, Prompter
 from forged.http import refused
 from tests.conftest import make_config
-from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
+from tests.daemonproc import DaemonProcess, client, free_port, serve, write_config
 from tests.tinymodel import write_tiny_llama
 
 # ChatML, and Qwen3's switch: with enable_thinking false, an empty thought is written
@@ -66,13 +66,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     # write_config's own argument is named `model`: the model's keys go in by hand
     cfg.write_text(cfg.read_text().replace("[model]\n", '[model]\naliases = ["gpt-x"]\n'
                                            f"chat_template = {json.dumps(THINKING)}\n"))
-    d = DaemonProcess(cfg, port)
-    try:
-        d.wait_ready(180)
-        yield d
-    finally:
-        close_client(d)
-        assert d.stop() == 0
+    yield from serve(cfg, port)
 
 
 def _client(d: DaemonProcess) -> openai.OpenAI:

@@ -27,8 +27,8 @@ from forged.engine import frames as fr
 from forged.engine import testhooks
 from forged.engine.pool import RequestStream
 from tests.conftest import DaemonFactory
-from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
-from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, until
+from tests.daemonproc import DaemonProcess, client, serve_model
+from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, open_raw_stream, until
 from tests.tinymodel import write_tiny_llama
 
 MAX_RUNNING = 8
@@ -83,18 +83,9 @@ async def test_a_keys_places_count_every_choice(
             never = await c.post("/v1/completions", json={**body, "n": 4})
             assert never.status_code == 400 and never.json()["error"]["param"] == "n"
             testhooks.slow_steps(d.daemon.pool, 0, 0.05)  # the stream below stays open
-            # Held open on a raw connection (an httpx stream left unread warns when
-            # collected): two choices streaming.
-            raw = json.dumps({**body, "max_tokens": 200, "ignore_eos": True, "n": 2,
-                              "stream": True}).encode()
-            host, port = d.url.removeprefix("http://").rsplit(":", 1)
-            held = await trio.open_tcp_stream(host, int(port))
-            await held.send_all(
-                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
-                f"\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
-            received = b""
-            while b"data: {" not in received:
-                received += await held.receive_some(65536)
+            held = await open_raw_stream(d, "/v1/completions", {
+                **body, "max_tokens": 200, "ignore_eos": True, "n": 2, "stream": True},
+                1, headers=f"Authorization: Bearer {key}\r\n")
             state = d.daemon.state
             assert state is not None and state.key_usage["three"].open == 2
             over = await c.post("/v1/completions", json={**body, "n": 2})
@@ -121,16 +112,8 @@ async def test_a_dropped_stream_of_n_choices_frees_them_all_within_a_step(
 
 
 def _start(model: Path, tmp: Path) -> Iterator[DaemonProcess]:
-    port = free_port()
-    d = DaemonProcess(write_config(tmp / "forged.toml", model, port, engine={
-        "kv_cells": 8192, "kv_layout": "unified", "max_context": 2048, "slots": 16,
-        "max_running": MAX_RUNNING}), port)
-    try:
-        d.wait_ready(180)
-        yield d
-    finally:
-        close_client(d)
-        assert d.stop() == 0
+    yield from serve_model(model, tmp, kv_cells=8192, kv_layout="unified", max_context=2048,
+                           slots=16, max_running=MAX_RUNNING)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from forged import errors as e
 from forged.engine.backend import Model
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
-from tests.daemonproc import DaemonProcess, client, close_client, free_port, write_config
+from tests.daemonproc import DaemonProcess, client, serve_model
 from tests.tinymodel import write_tiny_llama
 
 # A schema that uses most of what the grammar enforces, and bounds every part of the
@@ -186,16 +186,8 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
 
 
 def _start(model: Path, tmp: Path) -> Iterator[DaemonProcess]:
-    port = free_port()
-    d = DaemonProcess(write_config(tmp / "forged.toml", model, port, engine={
-        "kv_cells": 8192, "kv_layout": "unified", "max_context": 2048, "slots": 16,
-        "max_running": 16}), port)
-    try:
-        d.wait_ready(180)
-        yield d
-    finally:
-        close_client(d)
-        assert d.stop() == 0
+    yield from serve_model(model, tmp, kv_cells=8192, kv_layout="unified", max_context=2048,
+                           slots=16, max_running=16)
 
 
 @pytest.fixture(scope="module")
