@@ -11,11 +11,16 @@ of each kind, at temperature 0:
 Measured: the mean time per streamed token after the first, per kind, and the
 difference (what the grammar and the guard add to each constrained token). One caller
 at a time, so the figure is a sequence's own cost, not the batch's.
+
+Then, in-process on the same model, the parts of a draw whose first pick the grammar
+refuses (median of 20): forged's copy of the logits into its candidate array, the
+UTF-8 guard, llama.cpp's grammar over every candidate, and the request's chain.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
 import statistics
@@ -26,8 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import llama_cpp as ll
+import numpy as np
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
+from forged.engine.backend import ContextParams, Llama, Sampler
+from forged.engine.grammar import json_object_grammar
+from forged.engine.request import Sampling
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KINDS: dict[str, dict[str, Any]] = {
@@ -47,6 +57,36 @@ def per_token_ms(url: str, tokens: int, extra: dict[str, Any]) -> tuple[float, i
                 stamps.append(time.perf_counter())
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return (1000 * statistics.fmean(gaps) if gaps else float("nan")), len(stamps)
+
+
+def full_draw_ms(draws: int = 20) -> dict[str, float]:
+    """The parts of a draw that filters the whole vocabulary (reaches into the
+    sampler: this is what ``Sampler.sample`` does when the first pick does not fit)."""
+    llm = Llama(str(MODEL), ContextParams(n_ctx=512, n_seq_max=1, n_batch=512, threads=2))
+    prompt = llm.model.tokenize("Describe a project as JSON.", add_special=True,
+                                parse_special=False)
+    index = llm.decode([(0, 0, prompt, 1)])[0]
+    s = Sampler(llm.model, Sampling(temperature=0, grammar=json_object_grammar()), prompt)
+    c, guard = s._candidates, s._guard
+    assert c is not None and guard is not None
+    row = np.ctypeslib.as_array(ll.llama_get_logits_ith(llm.ctx.ptr, index),
+                                shape=(llm.model.n_vocab,))
+    parts: dict[str, list[float]] = {}
+    for _ in range(draws):
+        t = [time.perf_counter()]
+        logits = c.fill(row)
+        t.append(time.perf_counter())
+        guard.ban(logits)
+        t.append(time.perf_counter())
+        ll.llama_sampler_apply(s._grammar, ctypes.byref(c.array))
+        t.append(time.perf_counter())
+        ll.llama_sampler_apply(s._ptr, ctypes.byref(c.array))
+        t.append(time.perf_counter())
+        for name, a, b in zip(("copy", "guard", "grammar", "chain"), t, t[1:], strict=False):
+            parts.setdefault(name, []).append(1000 * (b - a))
+    s.close()
+    llm.close()
+    return {name: round(statistics.median(v), 2) for name, v in parts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 out["json_object"]["ms_per_token"] - out["free"]["ms_per_token"], 2)
         finally:
             assert d.stop() == 0
+    out["full_draw_ms"] = full_draw_ms()
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0

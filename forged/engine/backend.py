@@ -195,7 +195,7 @@ class Model(_Closing):
         return buf.raw[:n]
 
     def utf8_table(self) -> Utf8Table:
-        """Built on first use (a pass over the vocabulary, ~0.2 s for 49k tokens)."""
+        """Built on first use: one pass over the vocabulary."""
         if self._utf8 is None:
             self._utf8 = Utf8Table.build([self.piece(t) for t in range(self.n_vocab)])
         return self._utf8
