@@ -86,6 +86,12 @@ class EngineConfig(_Section, frozen=True):
     # that outgrows it may preempt the newest batch/interactive request, which is then
     # recomputed: more concurrency for the same memory.
     decode_reservation: Positive = 256
+    # Host RAM for the KV state of evicted slots, restored by prefix match instead of
+    # recomputed (llama-server's --cache-ram). 0: off. Per worker.
+    cache_ram_mib: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    # Disk (under server.state_dir/kvcache) for sessions' KV state when it leaves RAM
+    # and when the daemon stops, restored after a restart or upgrade. 0: off. Per worker.
+    cache_disk_mib: Annotated[int, msgspec.Meta(ge=0)] = 8192
     heartbeat_interval: Seconds = 1.0
     # A worker that sends nothing for this long is killed and restarted.
     heartbeat_timeout: Seconds = 30.0

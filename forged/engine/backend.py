@@ -68,6 +68,11 @@ def _init() -> None:
         _initialised = True
 
 
+def llama_version() -> str:
+    """llama-cpp-python's version: a saved KV state is valid only for the same one."""
+    return str(ll.__version__)
+
+
 class BackendError(Exception):
     """llama.cpp refused something (a file it cannot load, a context it cannot make)."""
 
@@ -442,6 +447,20 @@ class Context(_Closing):
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         self.seq_rm(dst, n)
 
+    def seq_save(self, seq: int) -> bytes:
+        size = ll.llama_state_seq_get_size(self._ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        got = ll.llama_state_seq_get_data(self._ptr, buf, size, seq)
+        return bytes(buf)[:got]
+
+    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if ll.llama_state_seq_set_data(self._ptr, src, len(state), seq) == len(state) and (
+                ll.llama_memory_seq_pos_max(self._mem, seq) == n_tokens - 1):
+            return True
+        self.seq_rm(seq, 0)  # llama.cpp clears it on most refusals, not on a short state
+        return False
+
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
         """Run one batch of ``(seq, pos, tokens, n_logits)`` runs: logits for the last
         ``n_logits`` tokens of each (1 to sample from; all of a scored prompt's chunk).
@@ -544,6 +563,12 @@ class Llama(_Closing):
 
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
         self.ctx.seq_cp_stream(src, dst, n)
+
+    def seq_save(self, seq: int) -> bytes:
+        return self.ctx.seq_save(seq)
+
+    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        return self.ctx.seq_load(seq, state, n_tokens)
 
     def close(self) -> None:
         self.ctx.close()

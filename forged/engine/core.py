@@ -34,6 +34,7 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
+from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
@@ -42,10 +43,13 @@ from forged.engine.scheduler import (
     Chunk,
     Expired,
     Key,
+    MemOp,
     QueueFull,
     Scheduler,
     SeqCp,
+    SeqLoad,
     SeqRm,
+    SeqSave,
     StepPlan,
 )
 from forged.engine.textstream import TextStream
@@ -107,6 +111,26 @@ class Backend(Protocol):
 
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None: ...
 
+    def seq_save(self, seq: int) -> bytes:
+        """``seq``'s KV state (``llama_state_seq_get_data``)."""
+
+    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        """Write a saved state into the empty ``seq``; False (and ``seq`` left empty)
+        when llama.cpp refuses it or it does not hold ``n_tokens`` positions."""
+
+
+class DiskTier(Protocol):
+    """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
+
+    def write(self, entry: Entry, state: bytes) -> bool:
+        """Store ``state``, naming the file in ``entry.key``; False if it failed."""
+
+    def read(self, entry: Entry) -> bytes | None:
+        """``entry``'s state, checked against its model and tokens; None (the file
+        dropped, with a log line) when it is missing, corrupt or stale."""
+
+    def remove(self, entry: Entry) -> None: ...
+
 
 @dataclass
 class _Choice:
@@ -142,9 +166,17 @@ class _Stream:
 
 class WorkerCore:
     def __init__(self, backend: Backend, limits: SchedulerLimits, cost: CostModel, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 disk: DiskTier | None = None, saved: Sequence[Entry] = ()) -> None:
         self.backend = backend
         self.sched = Scheduler(limits, cost)
+        # The RAM tier's bytes, by entry id; the scheduler's Tiers says what they hold.
+        self.ram: dict[int, bytes] = {}
+        self.disk = disk
+        if disk is None:
+            self.sched.tiers.disk_bytes = 0
+        else:
+            self._tier_ops(self.sched.tiers.adopt(saved))
         # Seconds, on the clock of the ``now`` the caller passes: it times the steps
         # and the first tokens.
         self.clock = clock
@@ -207,15 +239,21 @@ class WorkerCore:
     def step(self, now: float) -> None:
         self.sched.expire(now)
         plan = self.sched.plan(now)
+        if plan is not None:
+            # Before the admissions are reported: a refused restore changes them.
+            recompute = self._apply_memory_ops(plan.ops)
+            if recompute:
+                plan = StepPlan([], [c for c in plan.chunks if c.key not in recompute],
+                                plan.shape)
         self._scheduler_events()
-        if plan is None:
-            return
-        self._apply_memory_ops(plan)
-        if plan.chunks:
+        if plan is not None and plan.chunks:
             self._decode(plan)
 
-    def _apply_memory_ops(self, plan: StepPlan) -> None:
-        for op in plan.ops:
+    def _apply_memory_ops(self, ops: list[MemOp]) -> set[Key]:
+        """Run the scheduler's memory operations; the requests whose saved state was
+        refused, which compute their prompt from the start instead (next step)."""
+        recompute: set[Key] = set()
+        for op in ops:
             match op:
                 case SeqRm(seq=seq, p0=p0):
                     self.backend.seq_rm(seq, p0)
@@ -223,6 +261,49 @@ class WorkerCore:
                     self.backend.seq_cp_stream(src, dst, n)
                 case SeqCp(src=src, dst=dst, n=n):
                     self.backend.seq_cp(src, dst, n)
+                case SeqSave(seq=seq, eid=eid):
+                    state = self.ram[eid] = self.backend.seq_save(seq)
+                    self._tier_ops(self.sched.tiers.sized(eid, len(state)))
+                case SeqLoad(seq=seq, entry=entry, keep=keep):
+                    if not self._restore(seq, entry, keep):
+                        self.backend.seq_rm(seq, 0)
+                        key = self.sched.restore_failed(seq)
+                        recompute |= {key} if key is not None else set()
+                case Drop() | Demote():
+                    self._tier_ops([op])
+        return recompute
+
+    def _restore(self, seq: int, entry: Entry, keep: bool) -> bool:
+        if entry.tier is Tier.RAM:
+            state = self.ram.get(entry.eid) if keep else self.ram.pop(entry.eid, None)
+        else:
+            state = self.disk.read(entry) if self.disk is not None else None
+            if self.disk is not None and not keep:
+                self.disk.remove(entry)  # the slot holds it now; saved again on eviction
+        return state is not None and self.backend.seq_load(seq, state, len(entry.tokens))
+
+    def _tier_ops(self, ops: list[TierOp]) -> None:
+        """Move or free the tiers' bytes as the scheduler's Tiers decided."""
+        for op in ops:
+            match op:
+                case Drop(entry=e, tier=Tier.RAM):
+                    self.ram.pop(e.eid, None)
+                case Drop(entry=e):
+                    if self.disk is not None:
+                        self.disk.remove(e)
+                case Demote(entry=e):
+                    state = self.ram.pop(e.eid, None)
+                    if self.disk is None or state is None or not self.disk.write(e, state):
+                        self.sched.tiers.lost(e)
+                    else:  # the file's size is known now (its header adds to the state)
+                        self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+
+    def persist(self) -> None:
+        """Before the worker exits (a drain, a restart): sessions' states go to disk."""
+        if self.disk is None:
+            return
+        self._apply_memory_ops(self.sched.save_sessions())
+        self._tier_ops(self.sched.tiers.demote_sessions())
 
     def _decode(self, plan: StepPlan) -> None:
         t0 = self.clock()

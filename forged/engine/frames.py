@@ -36,6 +36,8 @@ class Init(_Frame, tag="init"):
     heartbeat_interval: float
     limits: SchedulerLimits
     test_hooks: bool = False
+    # The disk tier's folder (sessions' KV states across restarts); "": none.
+    cache_dir: str = ""
 
 
 class Submit(_Frame, tag="submit"):

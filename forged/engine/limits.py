@@ -53,6 +53,9 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     # A finished request's KV stays pinned to its ``session`` for this long: idle
     # caches without a live session are evicted first.
     session_ttl: float = 600.0
+    # Evicted slots' states kept in host RAM (0: none), and sessions' states on disk.
+    cache_ram_bytes: int = 0
+    cache_disk_bytes: int = 0
 
     @property
     def per_slot(self) -> bool:
@@ -85,4 +88,5 @@ def scheduler_limits(cfg: Config, n_ctx_train: int) -> SchedulerLimits:
         decode_reservation=e.decode_reservation, per_slot_cells=e.per_slot_cells,
         max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,
         overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
+        cache_ram_bytes=e.cache_ram_mib << 20, cache_disk_bytes=e.cache_disk_mib << 20,
     )

@@ -17,6 +17,7 @@ refused (400) instead of taking its co-batched streams down a third time.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -24,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
 
@@ -115,18 +117,22 @@ class EnginePool:
 
     def _supervisor(self, index: int) -> WorkerSupervisor:
         return WorkerSupervisor(
-            index, self.cfg.engine, self._outbox_limit(), make_init=self._init,
+            index, self.cfg.engine, self._outbox_limit(),
+            make_init=functools.partial(self._init, index),
             on_step=lambda step: self._deliver(index, step),
             on_lost=lambda why: self._lose(index, why))
 
     def _outbox_limit(self) -> int:
         return 2 * (self.limits.max_queued + self.limits.max_running) + _OUTBOX_SPARE
 
-    def _init(self) -> fr.Init:
+    def _init(self, index: int) -> fr.Init:
         e = self.cfg.engine
+        # Each worker its own folder: a session's state is restored where it was saved.
+        cache_dir = (str(Path(self.cfg.server.state_dir) / "kvcache" / f"worker-{index}")
+                     if e.cache_disk_mib else "")
         return fr.Init(model_path=self.cfg.model.path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
-                       limits=self.limits, test_hooks=self.test_hooks)
+                       limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir)
 
     def supervisor(self, index: int) -> WorkerSupervisor:
         return self.workers[index]

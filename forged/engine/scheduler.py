@@ -73,6 +73,7 @@ import msgspec
 from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, chunk_shape, decode_shape
 from forged.engine.kvledger import KVLedger
+from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, TierOp, Tiers, common_prefix
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 
@@ -161,7 +162,25 @@ class SeqCp:
     whole: bool = False
 
 
-MemOp = SeqRm | SeqCp
+@dataclass(frozen=True)
+class SeqSave:
+    """Copy ``seq``'s state (``llama_state_seq_get_data``) to RAM as entry ``eid``."""
+
+    seq: int
+    eid: int
+
+
+@dataclass(frozen=True)
+class SeqLoad:
+    """Write ``entry``'s saved state into the empty ``seq`` (``llama_state_seq_set_data``);
+    with ``keep``, the entry stays in its tier too (the slot uses only part of it)."""
+
+    seq: int
+    entry: Entry
+    keep: bool = False
+
+
+MemOp = SeqRm | SeqCp | SeqSave | SeqLoad | TierOp
 
 
 @dataclass(frozen=True)
@@ -245,25 +264,12 @@ MAX_SCORED_TOKENS = 64
 _FINISH_WINDOW = 16
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix, comparing slices in C before going token by token."""
-    n = min(len(a), len(b))
-    lo, step = 0, 256
-    while lo < n:
-        hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
-            while a[lo] == b[lo]:
-                lo += 1
-            return lo
-        lo = hi
-    return n
-
-
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, cost: CostModel | None = None) -> None:
         self.limits = limits
         self.cost = cost or CostModel()
         self.ledger = KVLedger()
+        self.tiers = Tiers(limits.cache_ram_bytes, limits.cache_disk_bytes)
         self._slots = [_Slot(sid) for sid in range(limits.slots)]
         self._queues: tuple[list[_Queued], ...] = tuple([] for _ in PRIORITIES)
         self._queued_tokens = 0
@@ -343,7 +349,7 @@ class Scheduler:
         slot = self._slots[run.slot]
         slot.rid = None
         if not run.req.cache:
-            self._evict(slot)
+            self._evict(slot, keep=False)
         elif run.req.session is not None:
             # Only the latest turn is pinned; an earlier one is ordinary cache now.
             for other in self._slots:
@@ -368,6 +374,7 @@ class Scheduler:
         if limits.geometry != self.limits.geometry:
             raise ValueError("kv_cells, slots and kv_layout need a restart")
         self.limits = limits
+        self._ops.extend(self.tiers.set_budgets(limits.cache_ram_bytes, limits.cache_disk_bytes))
 
     # --- decisions out -------------------------------------------------------------
 
@@ -491,6 +498,23 @@ class Scheduler:
         """Idle caches go before pinned sessions, each least recently used first."""
         return self._pinned(slot), slot.last_used
 
+    def _swap_for(self, item: _Queued) -> bool:
+        """Interactive work waits for a slot that batch work holds: swap the batch
+        request with the most work left out to the RAM tier. It is queued again and
+        resumes from its saved state (its client sees a pause), instead of the
+        interactive request waiting for it to end."""
+        if item.req.rank != 0 or not self.tiers.ram_bytes or (
+                len(self._running) + item.req.n <= self.limits.max_running
+                and self._free_slot() is not None):
+            return False  # not a shortage of slots (cells: see _make_room, preempt_one)
+        batch = [r for r in self._running.values()
+                 if r.req.rank > 0 and r.phase is not Phase.FORK]
+        if not batch:
+            return False
+        self._preempt(max(batch, key=lambda r: r.req.max_tokens - r.generated + self._left(r)))
+        self.tiers.stats.swaps += 1
+        return True
+
     def preempt_one(self) -> bool:
         """Give back the cells of the least urgent running request (batch, newest first).
 
@@ -503,7 +527,12 @@ class Scheduler:
         candidates = [r for r in self._running.values() if r.phase is not Phase.FORK]
         if len(candidates) <= 1:
             return False  # alone it must fit: admission checked prompt + max_tokens
-        run = max(candidates, key=lambda r: (r.req.rank, r.admitted_at, r.index))
+        self._preempt(max(candidates, key=lambda r: (r.req.rank, r.admitted_at, r.index)))
+        return True
+
+    def _preempt(self, run: _Running) -> None:
+        """Queue ``run`` again with what it has so far; its slot's state is saved to the
+        RAM tier on the way out, when there is one, so it resumes without recomputing."""
         done = self._slots[run.slot].tokens[: self.ledger.length(run.slot)]
         if run.phase is Phase.DECODE:  # one choice resumes on its own
             again = msgspec.structs.replace(run.req, prompt=[*done, run.last_token], n=1,
@@ -517,7 +546,6 @@ class Scheduler:
             run.index))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
-        return True
 
     def _unslot(self, run: _Running) -> None:
         slot = self._slots[run.slot]
@@ -569,6 +597,8 @@ class Scheduler:
                 item = min(q, key=lambda it: (it.vstart, it.submitted_at))
                 if (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
+                    if self._swap_for(item):
+                        continue
                     return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
@@ -594,6 +624,9 @@ class Scheduler:
     def _try_admit(self, item: _Queued, now: float) -> bool:
         req = item.req
         src, n = self._best_prefix(req)
+        entry, m = self._best_saved(req)
+        if entry is not None and m >= n + self.limits.min_copy_tokens:
+            return self._admit_restored(item, entry, m, now)
         dst = self._destination(req, src, n)
         if dst is None:
             return False
@@ -604,7 +637,7 @@ class Scheduler:
             src, n = None, 0  # copying a whole stream costs more than a short prefill
         if not self._make_room(req, n, src, dst, forks):
             return False
-        self._count_reuse(req, src, n)
+        self._count_reuse(req, n, src is not None and self._slots[src].session == req.session)
         if dst == src:
             self._truncate(self._slots[dst], n)
         else:
@@ -616,12 +649,70 @@ class Scheduler:
         self._start(item, [dst, *forks], n, now)
         return True
 
-    def _count_reuse(self, req: Request, src: int | None, n: int) -> None:
+    def _admit_restored(self, item: _Queued, entry: Entry, m: int, now: float) -> bool:
+        """Admit ``item`` into a free slot that gets ``entry``'s saved state, truncated
+        to the ``m`` tokens its prompt shares: a restore instead of a recompute."""
+        req = item.req
+        dst = self._free_slot()
+        forks = None if dst is None else self._fork_slots(req.n - 1, dst)
+        # The restored cells are new ones (not shared with a slot): count them all.
+        if dst is None or forks is None or not self._make_room(req, 0, None, dst, forks):
+            return False
+        # A long tail the prompt does not share stays saved; otherwise the entry leaves
+        # the index first, so that saving what the slots held cannot drop it.
+        keep = len(entry.tokens) - m >= MIN_SAVED_TOKENS
+        self.tiers.take(entry, keep)
+        self.tiers.stats.restored_tokens += m
+        self._count_reuse(req, m, req.session is not None and entry.session == req.session)
+        for sid in (dst, *forks):
+            self._evict(self._slots[sid])
+        slot = self._slots[dst]
+        self._ops.append(SeqLoad(dst, entry, keep))
+        self.ledger.extend(dst, len(entry.tokens))
+        slot.tokens = list(entry.tokens)
+        self._truncate(slot, m, keep=False)
+        self._start(item, [dst, *forks], m, now)
+        return True
+
+    def _best_saved(self, req: Request) -> tuple[Entry | None, int]:
+        """The saved state (RAM or disk) sharing the longest prefix with ``req``."""
+        if req.prompt_logprobs or not req.cache:
+            return None, 0
+        return self.tiers.longest(req.tenant, req.prompt, len(req.prompt) - 1)
+
+    def restore_failed(self, seq: int) -> Key | None:
+        """The state restored into ``seq`` was refused (a corrupt or stale file): the
+        request there computes its whole prompt instead. Returns its key."""
+        self.tiers.stats.restore_failures += 1
+        self.ledger.clear(seq)
+        self._slots[seq].tokens = []
+        run = next((r for r in self._running.values() if r.slot == seq), None)
+        if run is None:
+            return None
+        self.cache_tokens_saved -= run.cached
+        run.next_prompt = run.cached = 0
+        self._events = [Admitted(ev.rid, 0, ev.queue_time)
+                        if isinstance(ev, Admitted) and ev.rid == run.rid else ev
+                        for ev in self._events]
+        return run.key
+
+    def save_sessions(self) -> list[MemOp]:
+        """Before the worker exits: save every idle session's state (to be written to
+        disk with the RAM tier's), keeping the slots as they are."""
+        for slot in self._slots:
+            if slot.rid is None and slot.session is not None and self.tiers.worth_saving(
+                    slot.tokens, slot.session):
+                entry, dropped = self.tiers.save(slot.tokens, slot.tenant, slot.session)
+                self._ops.extend([*dropped, SeqSave(slot.sid, entry.eid)])
+        out, self._ops = self._ops, []
+        return out
+
+    def _count_reuse(self, req: Request, n: int, own_session: bool) -> None:
         self.cache_queries += 1
-        if src is not None and n:
+        if n:
             self.cache_hits += 1
             self.cache_tokens_saved += n
-            if req.session is not None and self._slots[src].session == req.session:
+            if req.session is not None and own_session:
                 self.session_resumes += 1
 
     def _start(self, item: _Queued, slots: list[int], cached: int, now: float) -> None:
@@ -793,14 +884,28 @@ class Scheduler:
 
     # --- slots and cells ---------------------------------------------------------------
 
-    def _evict(self, slot: _Slot) -> None:
+    def _save(self, slot: _Slot) -> None:
+        """Save ``slot``'s state to the RAM tier, if that is worth it."""
+        if self.tiers.worth_saving(slot.tokens, slot.session):
+            entry, ops = self.tiers.save(slot.tokens, slot.tenant, slot.session)
+            self._ops.extend(ops)
+            self._ops.append(SeqSave(slot.sid, entry.eid))
+
+    def _evict(self, slot: _Slot, keep: bool = True) -> None:
+        """Empty ``slot``; with ``keep``, its state goes to the RAM tier first."""
+        if keep:
+            self._save(slot)
         if slot.tokens or self.ledger.length(slot.sid):
             self._ops.append(SeqRm(slot.sid, 0))
             self.ledger.clear(slot.sid)
         slot.tokens = []
         slot.session = None
 
-    def _truncate(self, slot: _Slot, n: int) -> None:
+    def _truncate(self, slot: _Slot, n: int, keep: bool = True) -> None:
+        """Cut ``slot`` to ``n`` tokens; with ``keep``, a tail worth saving is saved
+        (with what precedes it) to the RAM tier first."""
+        if keep and len(slot.tokens) - n >= MIN_SAVED_TOKENS:
+            self._save(slot)
         if len(slot.tokens) > n:
             self._ops.append(SeqRm(slot.sid, n))
             self.ledger.truncate(slot.sid, n)
@@ -877,6 +982,7 @@ class Scheduler:
                 self._prompt_room_ms([c.pos for c in self._decode_chunks()]), 1e9),
         }
         out.update(self.cost.statistics())
+        out.update(self.tiers.statistics())
         return out
 
     def _active_cells(self) -> int:

@@ -190,12 +190,18 @@ def _exit_note(own_exit: int | None) -> str:
     return f" (exit status {own_exit})"
 
 
+# Seconds a worker asked to stop may take: it writes its sessions' KV states to disk
+# first (engine.cache_disk_mib). TimeoutStopSec in forged.service covers drain_timeout
+# plus this.
+STOP_GRACE = 10.0
+
+
 async def _stop_process(proc: trio.Process, stream: trio.SocketStream, *,
                         polite: bool) -> int | None:
     """Stop the worker; its exit status if it ended by itself, None if we killed it."""
     # Ask politely first (the worker frees llama.cpp memory), then insist. A wedged
     # worker would not answer: kill it at once.
-    with trio.move_on_after(2.0 if polite else 0.0):
+    with trio.move_on_after(STOP_GRACE if polite else 0.0):
         with suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await stream.send_all(fr.encode(fr.Shutdown()))
         await proc.wait()

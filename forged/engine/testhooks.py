@@ -99,3 +99,9 @@ class HookedBackend:
 
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
         self.inner.seq_cp_stream(src, dst, n)
+
+    def seq_save(self, seq: int) -> bytes:
+        return self.inner.seq_save(seq)
+
+    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        return self.inner.seq_load(seq, state, n_tokens)

@@ -19,12 +19,14 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
 from forged.engine import frames as fr
-from forged.engine.backend import ContextParams, Llama
+from forged.engine.backend import ContextParams, Llama, llama_version
 from forged.engine.core import Backend, WorkerCore, calibrate
+from forged.engine.kvdisk import DiskStore, model_identity
 from forged.engine.testhooks import HookedBackend
 
 
@@ -40,7 +42,9 @@ class WorkerShell:
         ))
         self.hooks = HookedBackend(self.llama) if init.test_hooks else None
         backend: Backend = self.hooks or self.llama
-        self.core = WorkerCore(backend, lim, calibrate(backend, lim.slots))
+        disk = _disk_tier(init)
+        self.core = WorkerCore(backend, lim, calibrate(backend, lim.slots), disk=disk,
+                               saved=disk.scan() if disk is not None else ())
         self.inbuf = fr.FrameBuffer()
         self.running = True
         self._last_send = 0.0
@@ -87,8 +91,23 @@ class WorkerShell:
             self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb)
 
     def close(self) -> None:
-        self.core.close()
-        self.llama.close()
+        try:
+            self.core.persist()
+        finally:
+            self.core.close()
+            self.llama.close()
+
+
+def _disk_tier(init: fr.Init) -> DiskStore | None:
+    if not init.cache_dir or not init.limits.cache_disk_bytes:
+        return None
+    identity = model_identity(init.model_path, llama_version(),
+                              f"flash_attn={init.flash_attn}")
+    try:
+        return DiskStore(Path(init.cache_dir), identity)
+    except OSError as exc:  # the daemon checked state_dir; a sub-folder may still fail
+        print(f"forged worker: no disk tier for KV states: {exc}", file=sys.stderr)
+        return None
 
 
 def _read_init(sock: socket.socket) -> fr.Init:

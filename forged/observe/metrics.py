@@ -66,11 +66,39 @@ class _EngineCollector(Collector):
                     "sessions_pinned")
         yield counter("forged_session_resumes",
                       "Turns that resumed their session's cached KV.", "session_resumes")
+        yield from _tier_metrics(t)
         yield counter("forged_early_rejections",
                       "Requests refused at once because the estimated wait passed "
                       "limits.queue_timeout.", "early_rejections")
         yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
                                   value=self._restarts())
+
+
+def _tier_metrics(t: dict[str, float]) -> Iterator[Metric]:
+    """The KV tiers beyond the slots (RAM, disk): use, and what moved through them."""
+    for name, doc, key, cls in (
+        ("forged_kv_tier_bytes", "Bytes of saved KV states held, by tier.", "bytes",
+         GaugeMetricFamily),
+        ("forged_kv_tier_budget_bytes", "Bytes each tier may hold.", "budget_bytes",
+         GaugeMetricFamily),
+        ("forged_kv_tier_entries", "Saved KV states held, by tier.", "entries",
+         GaugeMetricFamily),
+        ("forged_kv_tier_restores", "Saved states restored into a slot, by tier.",
+         "restores", CounterMetricFamily),
+    ):
+        family = cls(name, doc, labels=["tier"])
+        for tier in ("ram", "disk"):
+            family.add_metric([tier], t.get(f"kv_{tier}_{key}", 0.0))
+        yield family
+    for key, doc in (
+        ("saves", "Slot states saved to the RAM tier."),
+        ("restored_tokens", "Prompt tokens restored from a tier instead of computed."),
+        ("restore_failures", "Saved states refused at restore (then recomputed)."),
+        ("demotions", "Session states moved from RAM to disk."),
+        ("drops", "Saved states dropped (budget, or superseded by a longer one)."),
+        ("swaps", "Batch requests swapped out to RAM for interactive work."),
+    ):
+        yield CounterMetricFamily(f"forged_kv_{key}", doc, value=t.get(f"kv_{key}", 0.0))
 
 
 @dataclass

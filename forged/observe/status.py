@@ -68,6 +68,7 @@ def render(stats: dict[str, Any]) -> str:
         f"{int(t.get('prefix_cache_queries', 0))} requests "
         f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved); sessions "
         f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
+        *_tiers(t),
         f"throughput  {lm['tokens_per_second']:.1f} tok/s over the last minute "
         f"({int(lm['requests'])} requests)",
         f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",
@@ -96,3 +97,27 @@ def _steps(s: dict[str, float]) -> list[str]:
         f"  admission wait estimate {s.get('wait_estimate_s', 0):.1f} s; "
         f"{int(s.get('early_rejections', 0))} refused at once",
     ]
+
+
+def _tiers(t: dict[str, float]) -> list[str]:
+    """The KV tiers beyond the slots: use against budget, and what moved."""
+    lines = []
+    for tier, name in (("ram", "RAM"), ("disk", "disk")):
+        budget = t.get(f"kv_{tier}_budget_bytes", 0)
+        if not budget:
+            lines.append(f"KV {name:<8} off")
+            continue
+        lines.append(
+            f"KV {name:<8} {_mib(t.get(f'kv_{tier}_bytes', 0))} of {_mib(budget)} MiB, "
+            f"{int(t.get(f'kv_{tier}_entries', 0))} states, "
+            f"{int(t.get(f'kv_{tier}_restores', 0))} restores")
+    lines.append(
+        f"KV moves    {int(t.get('kv_saves', 0))} saved, "
+        f"{int(t.get('kv_restored_tokens', 0))} tokens restored, "
+        f"{int(t.get('kv_demotions', 0))} to disk, {int(t.get('kv_drops', 0))} dropped, "
+        f"{int(t.get('kv_swaps', 0))} swaps, {int(t.get('kv_restore_failures', 0))} refused")
+    return lines
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f}"

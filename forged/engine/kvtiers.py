@@ -1,0 +1,238 @@
+"""What the worker keeps of evicted KV beyond its slots: a host-RAM tier and a disk tier.
+
+Sans-IO. :class:`Tiers` is the index the scheduler consults: for each saved sequence
+state, whose it is (tenant, session), which tokens it holds, how many bytes it takes
+and where it lives. The bytes themselves are the worker core's (RAM) and its disk
+store's (files); the index tells them what to keep, move or drop, as :data:`TierOp`
+decisions, and it never holds a blob.
+
+- A slot's cache that is evicted is *saved* to RAM first (``SeqSave``), unless it is
+  too short to be worth it. Entries that the new one extends (an earlier turn of the
+  same conversation, the same file a keystroke ago) are dropped: the longer one
+  serves every prompt they served.
+- A request whose prompt starts with a saved entry's tokens *restores* it into a slot
+  (``SeqLoad``) instead of recomputing it, when that beats what the slots hold. The
+  entry leaves the index: the slot now holds it, and saves it again when evicted.
+- RAM is bounded by ``ram_bytes``, least recently used first. A session's entry that
+  leaves RAM goes to disk (``Demote``) when there is a disk tier; anything else is
+  dropped. Disk is bounded by ``disk_bytes`` the same way.
+- Entries are matched only within a tenant: a cache is never used across tenants.
+  Across models, the disk store refuses files of another model when it indexes them.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# A state shorter than this is not saved: recomputing it costs about as much as the
+# copy, and every entry is one more prefix to compare at admission.
+MIN_SAVED_TOKENS = 32
+
+
+class Tier(enum.Enum):
+    RAM = "ram"
+    DISK = "disk"
+
+
+@dataclass
+class Entry:
+    eid: int
+    tokens: list[int]
+    tenant: str
+    session: str | None
+    tier: Tier = Tier.RAM
+    nbytes: int = 0  # known once saved (RAM) or from the file (disk)
+    key: str = ""  # the disk store's name for it, once written
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Forget ``entry``'s bytes in ``tier``."""
+
+    entry: Entry
+    tier: Tier
+
+
+@dataclass(frozen=True)
+class Demote:
+    """Write ``entry``'s RAM bytes to disk, then free them."""
+
+    entry: Entry
+
+
+TierOp = Drop | Demote
+
+
+@dataclass
+class TierStats:
+    saves: int = 0
+    restores_ram: int = 0
+    restores_disk: int = 0
+    restored_tokens: int = 0
+    restore_failures: int = 0
+    demotions: int = 0
+    drops: int = 0
+    swaps: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, comparing slices in C before going token by token."""
+    n = min(len(a), len(b))
+    lo, step = 0, 256
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo = hi
+    return n
+
+
+@dataclass
+class Tiers:
+    ram_bytes: int = 0
+    disk_bytes: int = 0
+    # Least recently used first, per tier.
+    _lru: dict[Tier, OrderedDict[int, Entry]] = field(
+        default_factory=lambda: {t: OrderedDict() for t in Tier})
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    stats: TierStats = field(default_factory=TierStats)
+
+
+    def entries(self, tier: Tier) -> list[Entry]:
+        return list(self._lru[tier].values())
+
+    def used(self, tier: Tier) -> int:
+        return sum(e.nbytes for e in self._lru[tier].values())
+
+    # --- saving ------------------------------------------------------------------------
+
+    def worth_saving(self, tokens: list[int], session: str | None) -> bool:
+        """Saved states go to RAM; with no RAM, a session's passes through to disk."""
+        kept = self.ram_bytes > 0 or (session is not None and self.disk_bytes > 0)
+        return kept and len(tokens) >= MIN_SAVED_TOKENS
+
+    def save(self, tokens: list[int], tenant: str,
+             session: str | None) -> tuple[Entry, list[TierOp]]:
+        """Index a state about to be saved to RAM; what it makes redundant goes."""
+        entry = Entry(next(self._ids), list(tokens), tenant, session)
+        ops: list[TierOp] = [self._remove(e) for t in Tier for e in self.entries(t)
+               if e.tenant == tenant and (
+                   common_prefix(e.tokens, tokens) == len(e.tokens)
+                   or (session is not None and e.session == session))]
+        self._lru[Tier.RAM][entry.eid] = entry
+        self.stats.saves += 1
+        return entry, ops
+
+    def sized(self, eid: int, nbytes: int) -> list[TierOp]:
+        """The saved state of ``eid`` takes ``nbytes``: make RAM fit its budget."""
+        entry = self._lru[Tier.RAM].get(eid)
+        if entry is None:
+            return []
+        entry.nbytes = nbytes
+        return self._fit(Tier.RAM)
+
+    def adopt(self, found: Iterable[Entry]) -> list[TierOp]:
+        """Disk entries found at start (oldest first): index them within the budget."""
+        for e in found:
+            e.eid, e.tier = next(self._ids), Tier.DISK
+            self._lru[Tier.DISK][e.eid] = e
+        return self._fit(Tier.DISK)
+
+    def refit(self, tier: Tier) -> list[TierOp]:
+        """After a size changed (a file's header): what must go for ``tier`` to fit."""
+        return self._fit(tier)
+
+    def _fit(self, tier: Tier) -> list[TierOp]:
+        budget = self.ram_bytes if tier is Tier.RAM else self.disk_bytes
+        lru = self._lru[tier]
+        ops: list[TierOp] = []
+        while lru and self.used(tier) > budget:
+            victim = next(iter(lru.values()))
+            if tier is Tier.RAM and victim.session is not None and self.disk_bytes > 0:
+                del lru[victim.eid]
+                victim.tier = Tier.DISK
+                self._lru[Tier.DISK][victim.eid] = victim
+                self.stats.demotions += 1
+                ops.append(Demote(victim))
+                ops.extend(self._fit(Tier.DISK))
+            else:
+                ops.append(self._remove(victim))
+        return ops
+
+    def _remove(self, e: Entry) -> Drop:
+        del self._lru[e.tier][e.eid]
+        self.stats.drops += 1
+        return Drop(e, e.tier)
+
+    def lost(self, e: Entry) -> None:
+        """``e``'s bytes are gone (a disk write failed): forget it."""
+        self._lru[e.tier].pop(e.eid, None)
+
+    def set_budgets(self, ram_bytes: int, disk_bytes: int) -> list[TierOp]:
+        self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
+        return self._fit(Tier.RAM) + self._fit(Tier.DISK)
+
+    # --- restoring ---------------------------------------------------------------------
+
+    def longest(self, tenant: str, prompt: list[int], limit: int) -> tuple[Entry | None, int]:
+        """The entry of ``tenant`` sharing the longest prefix with ``prompt`` (at most
+        ``limit`` tokens of it), RAM before disk on a tie."""
+        best, best_n = None, 0
+        for tier in Tier:
+            for e in self._lru[tier].values():
+                if e.tenant != tenant:
+                    continue  # never across tenants
+                if (n := min(common_prefix(e.tokens, prompt), limit)) > best_n:
+                    best, best_n = e, n
+        return best, best_n
+
+    def take(self, entry: Entry, keep: bool = False) -> None:
+        """``entry`` is being restored into a slot: it leaves the index, unless
+        ``keep`` (then it only counts as used now)."""
+        if keep:
+            self._lru[entry.tier].move_to_end(entry.eid)
+        else:
+            del self._lru[entry.tier][entry.eid]
+        if entry.tier is Tier.RAM:
+            self.stats.restores_ram += 1
+        else:
+            self.stats.restores_disk += 1
+
+    def demote_sessions(self) -> list[TierOp]:
+        """Before the worker exits: every session's RAM entry goes to disk, as far as
+        the disk budget holds them (the most recently used are kept)."""
+        if not self.disk_bytes:
+            return []
+        ops: list[TierOp] = []
+        for e in [e for e in self._lru[Tier.RAM].values() if e.session is not None]:
+            del self._lru[Tier.RAM][e.eid]
+            e.tier = Tier.DISK
+            self._lru[Tier.DISK][e.eid] = e
+            self.stats.demotions += 1
+            ops.append(Demote(e))
+        return ops + self._fit(Tier.DISK)
+
+    def statistics(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "kv_ram_entries": len(self._lru[Tier.RAM]),
+            "kv_ram_bytes": self.used(Tier.RAM),
+            "kv_ram_budget_bytes": self.ram_bytes,
+            "kv_disk_entries": len(self._lru[Tier.DISK]),
+            "kv_disk_bytes": self.used(Tier.DISK),
+            "kv_disk_budget_bytes": self.disk_bytes,
+            "kv_saves": s.saves,
+            "kv_ram_restores": s.restores_ram,
+            "kv_disk_restores": s.restores_disk,
+            "kv_restored_tokens": s.restored_tokens,
+            "kv_restore_failures": s.restore_failures,
+            "kv_demotions": s.demotions,
+            "kv_drops": s.drops,
+            "kv_swaps": s.swaps,
+        }

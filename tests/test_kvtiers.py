@@ -1,0 +1,269 @@
+"""KV tiers without a process: the scheduler's RAM and disk index, the core that moves
+the bytes (a fake backend whose "state" is its sequence's length), and the disk store
+on a real folder. The real llama.cpp states are checked end to end in
+test_kvtiers_daemon.py."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from forged.engine import frames as fr
+from forged.engine.core import WorkerCore
+from forged.engine.costmodel import CostModel
+from forged.engine.kvdisk import DiskStore
+from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tier, Tiers
+from forged.engine.scheduler import SeqLoad, SeqRm, SeqSave
+from tests.test_core import EOS, Clock, FakeBackend, assert_nothing_left, of, run, submit
+from tests.test_scheduler import limits
+
+LONG = MIN_SAVED_TOKENS + 8
+
+
+def prompt(head: int, n: int = LONG, tail: tuple[int, ...] = ()) -> list[int]:
+    """A prompt whose first token names its script (see FakeBackend)."""
+    return [head, *range(100, 100 + n - 1), *tail]
+
+
+def tiered(scripts: dict[int, list[int]], disk: DiskStore | None = None,
+           saved: list[Entry] | None = None, **kw: float) -> tuple[WorkerCore, FakeBackend]:
+    backend = FakeBackend(scripts)
+    lim = limits(**{"slots": 1, "max_running": 1, "cache_ram_bytes": 1 << 20,
+                    "cache_disk_bytes": 1 << 20, **kw})
+    core = WorkerCore(backend, lim, CostModel(), clock=Clock(), disk=disk, saved=saved or [])
+    return core, backend
+
+
+def done(events: list[fr.Event], rid: int) -> fr.Done:
+    last = of(events, rid)[-1]
+    assert isinstance(last, fr.Done), last
+    return last
+
+
+def text(events: list[fr.Event], rid: int) -> str:
+    return "".join(e.text for e in of(events, rid) if isinstance(e, fr.Delta | fr.Done))
+
+
+def test_an_evicted_slot_is_saved_to_ram_and_restored_by_prefix() -> None:
+    core, backend = tiered({5: [1, 2, EOS], 6: [3, EOS], 7: [4, EOS]})
+    submit(core, 1, prompt(5))
+    run(core)
+    submit(core, 2, prompt(6))  # takes the only slot: the first prompt's state is saved
+    run(core)
+    assert core.sched.tiers.statistics()["kv_ram_entries"] == 1 and len(core.ram) == 1
+    # A prompt that starts with the first one (and its answer) restores it.
+    submit(core, 3, prompt(5, tail=(1, 2, 9)))
+    events = run(core)
+    admitted = of(events, 3)[0]
+    assert isinstance(admitted, fr.Admitted) and admitted.cached == LONG + 2
+    assert done(events, 3).cached_tokens == LONG + 2
+    stats = core.sched.tiers.statistics()
+    assert stats["kv_ram_restores"] == 1 and stats["kv_restored_tokens"] == LONG + 2
+    # Only the new token was computed after the restore.
+    assert backend.batches[-2] == [(0, 1)]
+    assert_nothing_left(core, backend)
+
+
+def test_a_saved_state_is_never_restored_for_another_tenant() -> None:
+    core, _ = tiered({5: [1, EOS], 6: [3, EOS]})
+    submit(core, 1, prompt(5), tenant="a")
+    run(core)
+    submit(core, 2, prompt(6), tenant="a")
+    run(core)
+    submit(core, 3, prompt(5, tail=(1, 9)), tenant="b")
+    events = run(core)
+    assert done(events, 3).cached_tokens == 0
+    assert core.sched.tiers.statistics()["kv_ram_restores"] == 0
+
+
+def test_a_short_state_and_cache_prompt_false_are_not_saved() -> None:
+    core, _ = tiered({5: [1, EOS], 6: [3, EOS]})
+    submit(core, 1, [5, 6, 7])
+    run(core)
+    submit(core, 2, prompt(6), cache=False)
+    run(core)
+    submit(core, 3, prompt(5))
+    run(core)  # evicts nothing worth saving, and the second left nothing behind
+    assert core.sched.tiers.statistics()["kv_saves"] == 0
+
+
+def test_ram_and_disk_budgets_hold_under_churn(tmp_path: Path) -> None:
+    """Forty requests of ten prompts and four sessions over two slots: RAM holds at
+    most three states (four bytes each here), disk what 600 bytes hold (a file has its
+    header too); the bytes the core and the disk
+    store keep are exactly what the index lists, at every step."""
+    disk = DiskStore(tmp_path, "model")
+    core, backend = tiered({h: [1, 2, EOS] for h in range(10, 20)}, disk=disk,
+                           slots=2, max_running=2, cache_ram_bytes=12, cache_disk_bytes=600)
+    rng = random.Random(7)
+    for rid in range(1, 41):
+        head = rng.randrange(10, 20)
+        session = f"s{head % 4}" if head < 14 else None
+        submit(core, rid, prompt(head, LONG + rng.randrange(8)), session=session)
+        for _ in range(rng.randrange(1, 6)):
+            core.step(0.0)
+            tiers = core.sched.tiers
+            assert tiers.used(Tier.RAM) <= 12 and tiers.used(Tier.DISK) <= 600
+            assert set(core.ram) == {e.eid for e in tiers.entries(Tier.RAM)}
+            files = {p.stem for p in tmp_path.glob("*.kv")}
+            assert files == {e.key for e in tiers.entries(Tier.DISK)}
+        core.frame(0.0)
+    run(core, 400)
+    stats = core.sched.tiers.statistics()
+    assert stats["kv_saves"] > 10 and stats["kv_demotions"] > 0 and stats["kv_drops"] > 0
+    assert_nothing_left(core, backend)
+
+
+def test_interactive_work_swaps_batch_work_out_and_it_resumes_the_same() -> None:
+    """One slot, a batch request decoding; an interactive one arrives. The batch one is
+    swapped out to RAM, the interactive one runs, and the batch one resumes from its
+    saved state (only its last token computed) with the answer it would have given."""
+    script = [1, 2, 3, 4, 5, 6, 7, 8, EOS]
+    alone, _ = tiered({5: script})
+    submit(alone, 1, prompt(5), max_tokens=20, priority="batch")
+    expected = text(run(alone), 1)
+
+    core, backend = tiered({5: script, 6: [9, EOS]})
+    submit(core, 1, prompt(5), max_tokens=20, priority="batch")
+    events: list[fr.Event] = []
+    for _ in range(3):  # the batch request is decoding
+        core.step(0.0)
+    submit(core, 2, prompt(6), max_tokens=5)
+    core.step(0.0)
+    frame = core.frame(0.0)
+    events += frame.events if frame is not None else []
+    assert core.sched.tiers.statistics()["kv_swaps"] == 1
+    assert core.sched.is_running(2) and not core.sched.is_running(1)
+    events += run(core)
+    assert text(events, 1) == expected and text(events, 2) == "i"
+    assert core.sched.tiers.statistics()["kv_ram_restores"] == 1
+    # Resumed: one token computed (the last one sampled), not the whole history again.
+    assert core.sched.prompt_tokens_computed == 2 * LONG + 1
+    assert_nothing_left(core, backend)
+
+
+def test_no_swap_without_a_ram_tier_or_for_batch_work() -> None:
+    core, _ = tiered({5: [1] * 8 + [EOS], 6: [2, EOS]}, cache_ram_bytes=0)
+    submit(core, 1, prompt(5), max_tokens=20, priority="batch")
+    core.step(0.0)
+    submit(core, 2, prompt(6))
+    core.step(0.0)
+    assert core.sched.is_running(1) and not core.sched.is_running(2)
+    core, _ = tiered({5: [1] * 8 + [EOS], 6: [2, EOS]})
+    submit(core, 1, prompt(5), max_tokens=20, priority="batch")
+    core.step(0.0)
+    submit(core, 2, prompt(6), priority="batch")
+    core.step(0.0)
+    assert core.sched.is_running(1) and core.sched.tiers.statistics()["kv_swaps"] == 0
+
+
+class RefusingBackend(FakeBackend):
+    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        self.lengths[seq] = 0
+        return False
+
+
+def test_a_refused_restore_computes_the_prompt_and_reports_no_cache() -> None:
+    backend = RefusingBackend({5: [1, EOS], 6: [3, EOS]})
+    lim = limits(slots=1, max_running=1, cache_ram_bytes=1 << 20)
+    core = WorkerCore(backend, lim, CostModel(), clock=Clock())
+    submit(core, 1, prompt(5))
+    run(core)
+    submit(core, 2, prompt(6))
+    run(core)
+    submit(core, 3, prompt(5, tail=(1, 9)))
+    events = run(core)
+    admitted = of(events, 3)[0]
+    assert isinstance(admitted, fr.Admitted) and admitted.cached == 0
+    assert done(events, 3).cached_tokens == 0 and text(events, 3) == "a"
+    assert core.sched.tiers.statistics()["kv_restore_failures"] == 1
+    assert_nothing_left(core, backend)
+
+
+# --- disk -----------------------------------------------------------------------------
+
+
+def test_sessions_persist_to_disk_and_a_new_core_restores_them(tmp_path: Path) -> None:
+    core, _ = tiered({5: [1, 2, EOS], 6: [3, EOS]}, disk=DiskStore(tmp_path, "m"))
+    submit(core, 1, prompt(5), session="chat")
+    run(core)
+    submit(core, 2, prompt(6), tenant="t")  # no session: not persisted
+    run(core)
+    core.persist()  # the worker stops
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+
+    store = DiskStore(tmp_path, "m")
+    found = store.scan()
+    assert [(e.session, e.tokens) for e in found] == [("chat", [*prompt(5), 1, 2])]
+    core, _ = tiered({5: [1, 2, EOS]}, disk=store, saved=found)
+    submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
+    events = run(core)
+    assert done(events, 3).cached_tokens == LONG + 2
+    assert core.sched.tiers.statistics()["kv_disk_restores"] == 1
+    assert core.sched.session_resumes == 1
+    assert not list(tmp_path.glob("*.kv"))  # the slot holds it now
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flipped", "model", "truncated"])
+def test_a_corrupt_or_stale_file_is_dropped_and_never_restored(tmp_path: Path,
+                                                               damage: str) -> None:
+    store = DiskStore(tmp_path, "m")
+    entry = Entry(1, [5, 6, 7], "", "chat", Tier.DISK)
+    assert store.write(entry, b"state-bytes" * 10)
+    path = tmp_path / (entry.key + ".kv")
+    data = path.read_bytes()
+    if damage == "garbage":
+        path.write_bytes(b"\0" * 64)
+    elif damage == "flipped":
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "truncated":
+        path.write_bytes(data[:-5])
+    found = DiskStore(tmp_path, "other-model" if damage == "model" else "m").scan()
+    if damage in ("garbage", "model"):
+        assert found == [] and not path.exists()  # dropped when indexed
+        return
+    # The header is intact, so the file is indexed; its state is checked on restore.
+    assert [e.tokens for e in found] == [[5, 6, 7]]
+    assert DiskStore(tmp_path, "m").read(found[0]) is None
+    assert not path.exists()
+
+
+def test_a_file_whose_tokens_differ_from_the_index_is_refused(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, "m")
+    entry = Entry(1, [5, 6, 7], "", "chat", Tier.DISK)
+    assert store.write(entry, b"x" * 40)
+    assert store.read(Entry(2, [5, 6, 8], "", "chat", Tier.DISK, key=entry.key)) is None
+
+
+def test_an_index_that_supersedes_prefixes_keeps_one_entry_per_conversation() -> None:
+    tiers = Tiers(ram_bytes=1 << 20)
+    first, _ = tiers.save([1] * 40, "", "chat")
+    tiers.sized(first.eid, 10)
+    second, dropped = tiers.save([1] * 40 + [2] * 5, "", "chat")
+    assert [d.entry.eid for d in dropped] == [first.eid]
+    other, dropped = tiers.save([1] * 40, "b", None)  # another tenant: kept apart
+    assert dropped == [] and len(tiers.entries(Tier.RAM)) == 2
+    assert tiers.longest("", [1] * 40 + [2] * 5 + [3], 45) == (second, 45)
+    assert tiers.longest("b", [1] * 40 + [2], 40) == (other, 40)
+
+
+def test_memory_ops_save_before_they_free_and_restore_before_truncating() -> None:
+    core, _ = tiered({5: [1, EOS], 6: [2, EOS]})
+    submit(core, 1, prompt(5))
+    run(core)
+    sched = core.sched
+    submit(core, 2, prompt(6))
+    plan = sched.plan(1.0)  # the second evicts the first's slot
+    assert plan is not None and [type(op) for op in plan.ops] == [SeqSave, SeqRm]
+    core._apply_memory_ops(plan.ops)
+    sched.drop(2)  # it computed nothing: its slot is empty again
+    submit(core, 3, prompt(5, tail=(9,)))  # shares the prompt, not the answer
+    plan = sched.plan(2.0)
+    assert plan is not None
+    # the state is loaded whole, then cut to the shared prefix, before the decode
+    assert [type(op) for op in plan.ops] == [SeqLoad, SeqRm]
+    last = plan.ops[-1]
+    assert isinstance(last, SeqRm) and last.p0 == LONG
+    assert plan.chunks[0].pos == LONG
