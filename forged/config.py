@@ -275,6 +275,7 @@ RESTART_KEYS = (
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
     "engine.flash_attn", "engine.max_running",
     "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
+    "engine.cache_disk_mib",
 )
 
 

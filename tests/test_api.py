@@ -352,9 +352,10 @@ async def test_a_session_resumes_its_conversation_under_cache_pressure(
 ) -> None:
     """Two slots. Between a conversation's turns, other callers' prompts need both slots:
     without a session the first turn's KV is the LRU victim; with one it is pinned, and
-    the second turn computes only its new tokens."""
+    the second turn computes only its new tokens. (Without the RAM tier, which would
+    keep the victim too: test_kvtiers_daemon.py.)"""
     engine = {"kv_layout": "per_slot", "kv_cells": 2 * 512, "slots": 2, "max_running": 2,
-              "max_context": 512}
+              "max_context": 512, "cache_ram_mib": 0, "cache_disk_mib": 0}
     first = [{"role": "system", "content": "You review Python code."},
              {"role": "user", "content": "What does def f(x): return x * 2 do?"}]
 

@@ -71,11 +71,18 @@ def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
         "forged_cancellations": "counter", "forged_worker_restarts": "counter",
         "forged_early_rejections": "counter",
         "forged_build_info": "gauge",
+        "forged_kv_tier_bytes": "gauge", "forged_kv_tier_budget_bytes": "gauge",
+        "forged_kv_tier_entries": "gauge", "forged_kv_tier_restores": "counter",
+        "forged_kv_saves": "counter", "forged_kv_restored_tokens": "counter",
+        "forged_kv_restore_failures": "counter", "forged_kv_demotions": "counter",
+        "forged_kv_drops": "counter", "forged_kv_swaps": "counter",
     }
     for name, kind in expected.items():
         assert t.get(name) == kind, (name, t.get(name))
     m = scrape(daemon)
     assert total(m, "forged_kv_cells_total") == 4096
+    budgets = m["forged_kv_tier_budget_bytes"]
+    assert budgets[(("tier", "ram"),)] == 4096 << 20 and budgets[(("tier", "disk"),)] == 8192 << 20
     info = next(iter(m["forged_build_info"]))
     assert dict(info)["model"] == "tiny"
     # the API port serves none of it
@@ -132,6 +139,8 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     assert "(4 requests)" in out
     assert "TTFT        p50" in out and "worker 0" in out
     assert "in 4 requests" in out and "sessions 2 pinned" in out  # s0 and s1
+    assert "KV RAM      0 of 4096 MiB, 0 states, 0 restores" in out
+    assert "KV disk     0 of 8192 MiB" in out and "KV moves    0 saved" in out
     raw = json.loads(subprocess.run(
         [sys.executable, "-m", "forged", "status", "--admin", admin_addr, "--json"],
         capture_output=True, text=True, timeout=30, check=True).stdout)

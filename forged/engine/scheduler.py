@@ -54,6 +54,13 @@ that ends the prompt samples every choice's first token from the leader's logits
 tag in the unified cache, a stream copy per slot), after which each decodes on its own.
 A running sequence is keyed by ``(rid, choice index)``.
 
+Tiers: a slot's cache that is evicted (or cut by more than a few tokens) is saved to
+a host-RAM tier first, and a request whose prompt starts with a saved state longer
+than any slot's prefix restores it into a free slot (``_admit_restored``). Sessions'
+states also go to disk. :mod:`forged.engine.kvtiers` keeps the index; the worker core
+moves the bytes. Interactive work that waits for a slot held by batch work swaps the
+batch request out to RAM (``_swap_for``).
+
 Sessions: a request may name its conversation (``session``). When it ends, its slot is
 pinned to that session for ``session_ttl`` seconds, so the next turn finds its whole
 history cached and computes only the new tokens. Pinned slots are evicted only after
@@ -519,9 +526,10 @@ class Scheduler:
         """Give back the cells of the least urgent running request (batch, newest first).
 
         It is queued again, with everything it has produced so far as its prompt, so it
-        resumes exactly where it stopped: vLLM's recompute-preemption. The caller's
-        stream only pauses. It keeps its place in the aging order, and it may wait for
-        a slot again for at most its queue timeout.
+        resumes exactly where it stopped: vLLM's preemption, by swapping when there is
+        a RAM tier (its state is saved on the way out and restored), else by
+        recomputing. The caller's stream only pauses. It keeps its place in the aging
+        order, and it may wait for a slot again for at most its queue timeout.
         """
         # Choices waiting for their prompt go with their leader, never alone.
         candidates = [r for r in self._running.values() if r.phase is not Phase.FORK]
