@@ -1,4 +1,5 @@
-"""Engine figures for docs/engine.md: decode step times and single-stream decode speed.
+"""Engine figures for docs/engine.md: decode step times, KV state save and restore, and
+single-stream decode speed.
 
     .venv/bin/python -m bench.engine [--model PATH] [--threads 2]
 
@@ -99,6 +100,29 @@ def single_stream_backend(model: Model, threads: int, n: int = 128) -> float:
     return n / dt
 
 
+def state_copy(model: Model, threads: int, tokens: int,
+               repeats: int = 5) -> tuple[float, float, int]:
+    """Median ms to save one sequence's KV state of ``tokens`` tokens (the RAM tier's
+    SeqSave) and to restore it into another sequence (SeqLoad), and its bytes."""
+    ctx = Context(model, ContextParams(n_ctx=4 * tokens, n_seq_max=4, n_batch=256,
+                                       threads=threads))
+    prompt = (model.tokenize("def quicksort(items):\n" * tokens, add_special=True,
+                             parse_special=False) * 2)[:tokens]
+    for pos in range(0, tokens, 256):
+        ctx.decode([(0, pos, prompt[pos:pos + 256], 1)])
+    saves, loads = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = ctx.seq_save(0)
+        t1 = time.perf_counter()
+        assert ctx.seq_load(1, state, tokens)
+        loads.append(time.perf_counter() - t1)
+        saves.append(t1 - t0)
+        ctx.seq_rm(1, 0)
+    ctx.close()
+    return statistics.median(saves) * 1000, statistics.median(loads) * 1000, len(state)
+
+
 def single_stream_http(url: str, n: int = 128) -> float:
     body = json.dumps({"prompt": "def fibonacci(n):\n", "max_tokens": n, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
@@ -132,6 +156,10 @@ def main() -> None:
         ms = per_slot_step(model, args.threads, fa, chunks)
         print(f"per-slot step, 12 decoding + prompt chunks {chunks}, flash attention "
               f"{'on' if fa else 'off'}: {ms:6.1f} ms")
+    for tokens in (200, 1500):
+        save, load, size = state_copy(model, args.threads, tokens)
+        print(f"KV state of {tokens} tokens ({size / 1e6:.1f} MB): save {save:5.1f} ms, "
+              f"restore {load:5.1f} ms")
     backend = single_stream_backend(model, args.threads)
     model.close()
     print(f"single stream, backend only: {backend:6.1f} tok/s")

@@ -94,10 +94,10 @@ class FakeBackend:
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
         self.lengths[dst] = n
 
-    def seq_save(self, seq: int) -> bytes:
-        return self.lengths.get(seq, 0).to_bytes(4, "little")
+    def seq_save(self, seq: int) -> bytearray:
+        return bytearray(self.lengths.get(seq, 0).to_bytes(4, "little"))
 
-    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
         if int.from_bytes(state, "little") != n_tokens:
             return False
         self.lengths[seq] = n_tokens

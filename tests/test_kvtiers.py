@@ -8,12 +8,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from forged.engine import frames as fr
 from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
-from forged.engine.kvdisk import DiskStore
+from forged.engine.kvdisk import MAGIC, DiskStore
 from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tier, Tiers
 from forged.engine.scheduler import SeqLoad, SeqRm, SeqSave
 from tests.test_core import EOS, Clock, FakeBackend, assert_nothing_left, of, run, submit
@@ -211,7 +212,7 @@ def test_a_corrupt_or_stale_file_is_dropped_and_never_restored(tmp_path: Path,
                                                                damage: str) -> None:
     store = DiskStore(tmp_path, "m")
     entry = Entry(1, [5, 6, 7], "", "chat", Tier.DISK)
-    assert store.write(entry, b"state-bytes" * 10)
+    assert store.write(entry, bytearray(b"state-bytes" * 10))
     path = tmp_path / (entry.key + ".kv")
     data = path.read_bytes()
     if damage == "garbage":
@@ -230,10 +231,20 @@ def test_a_corrupt_or_stale_file_is_dropped_and_never_restored(tmp_path: Path,
     assert not path.exists()
 
 
+def test_a_header_claiming_a_huge_state_is_refused_without_allocating_it(
+        tmp_path: Path) -> None:
+    header = msgspec.msgpack.encode({"model": "m", "tenant": "", "session": "chat",
+                                     "tokens": [5, 6, 7], "nbytes": 1 << 62, "sha256": ""})
+    path = tmp_path / "huge.kv"
+    path.write_bytes(MAGIC + len(header).to_bytes(4, "little") + header + b"x" * 40)
+    (found,) = DiskStore(tmp_path, "m").scan()
+    assert DiskStore(tmp_path, "m").read(found) is None and not path.exists()
+
+
 def test_a_file_whose_tokens_differ_from_the_index_is_refused(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, "m")
     entry = Entry(1, [5, 6, 7], "", "chat", Tier.DISK)
-    assert store.write(entry, b"x" * 40)
+    assert store.write(entry, bytearray(b"x" * 40))
     assert store.read(Entry(2, [5, 6, 8], "", "chat", Tier.DISK, key=entry.key)) is None
 
 

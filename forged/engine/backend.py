@@ -447,14 +447,17 @@ class Context(_Closing):
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         self.seq_rm(dst, n)
 
-    def seq_save(self, seq: int) -> bytes:
-        size = ll.llama_state_seq_get_size(self._ptr, seq)
-        buf = (ctypes.c_uint8 * size)()
-        got = ll.llama_state_seq_get_data(self._ptr, buf, size, seq)
-        return bytes(buf)[:got]
+    def seq_save(self, seq: int) -> bytearray:
+        # llama.cpp writes straight into the Python buffer that is kept: no copy.
+        state = bytearray(ll.llama_state_seq_get_size(self._ptr, seq))
+        dst = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        got = ll.llama_state_seq_get_data(self._ptr, dst, len(state), seq)
+        del dst  # a buffer export: the bytearray cannot be resized while it lives
+        del state[got:]
+        return state
 
-    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
-        src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
+        src = (ctypes.c_uint8 * len(state)).from_buffer(state)  # read in place
         if ll.llama_state_seq_set_data(self._ptr, src, len(state), seq) == len(state) and (
                 ll.llama_memory_seq_pos_max(self._mem, seq) == n_tokens - 1):
             return True
@@ -564,10 +567,10 @@ class Llama(_Closing):
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
         self.ctx.seq_cp_stream(src, dst, n)
 
-    def seq_save(self, seq: int) -> bytes:
+    def seq_save(self, seq: int) -> bytearray:
         return self.ctx.seq_save(seq)
 
-    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
         return self.ctx.seq_load(seq, state, n_tokens)
 
     def close(self) -> None:

@@ -111,10 +111,10 @@ class Backend(Protocol):
 
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None: ...
 
-    def seq_save(self, seq: int) -> bytes:
+    def seq_save(self, seq: int) -> bytearray:
         """``seq``'s KV state (``llama_state_seq_get_data``)."""
 
-    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
         """Write a saved state into the empty ``seq``; False (and ``seq`` left empty)
         when llama.cpp refuses it or it does not hold ``n_tokens`` positions."""
 
@@ -122,10 +122,10 @@ class Backend(Protocol):
 class DiskTier(Protocol):
     """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
 
-    def write(self, entry: Entry, state: bytes) -> bool:
+    def write(self, entry: Entry, state: bytearray) -> bool:
         """Store ``state``, naming the file in ``entry.key``; False if it failed."""
 
-    def read(self, entry: Entry) -> bytes | None:
+    def read(self, entry: Entry) -> bytearray | None:
         """``entry``'s state, checked against its model and tokens; None (the file
         dropped, with a log line) when it is missing, corrupt or stale."""
 
@@ -171,7 +171,7 @@ class WorkerCore:
         self.backend = backend
         self.sched = Scheduler(limits, cost)
         # The RAM tier's bytes, by entry id; the scheduler's Tiers says what they hold.
-        self.ram: dict[int, bytes] = {}
+        self.ram: dict[int, bytearray] = {}
         self.disk = disk
         if disk is None:
             self.sched.tiers.disk_bytes = 0

@@ -19,6 +19,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -75,7 +76,7 @@ class DiskStore:
             tmp.unlink(missing_ok=True)  # a write the last run did not finish
         return [e for _, e in sorted(found, key=lambda f: f[0])]
 
-    def write(self, entry: Entry, state: bytes) -> bool:
+    def write(self, entry: Entry, state: bytearray) -> bool:
         header = msgspec.msgpack.encode(_Header(
             self.model, entry.tenant, entry.session, entry.tokens, len(state),
             hashlib.sha256(state).hexdigest()))
@@ -95,16 +96,22 @@ class DiskStore:
         entry.key, entry.nbytes = key, len(state) + len(header) + len(MAGIC) + _HEADER_LEN
         return True
 
-    def read(self, entry: Entry) -> bytes | None:
+    def read(self, entry: Entry) -> bytearray | None:
         path = self._path(entry.key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                header = self._parse(f.read(len(MAGIC) + _HEADER_LEN), f, path)
+                # One past what the header says (a longer file is damaged too), never
+                # more than the file holds (a damaged header may say anything).
+                size = min(header.nbytes + 1, os.fstat(f.fileno()).st_size) if header else 0
+                state = bytearray(max(0, size))
+                got = f.readinto(state)
         except OSError as exc:
             _log(f"{path.name}: cannot read: {exc}")
             return None
-        header, state = self._parse(data, path)
         if header is None:
             return None
+        del state[got:]
         if header.tokens != entry.tokens or header.tenant != entry.tenant:
             self._reject(path, "its tokens are not what was indexed")
             return None
@@ -123,29 +130,26 @@ class DiskStore:
     def _header(self, path: Path) -> _Header | None:
         try:
             with open(path, "rb") as f:
-                head = f.read(len(MAGIC) + _HEADER_LEN)
-                size = int.from_bytes(head[len(MAGIC):], "little")
-                data = head + f.read(size)
+                return self._parse(f.read(len(MAGIC) + _HEADER_LEN), f, path)
         except OSError as exc:
             _log(f"{path.name}: cannot read: {exc}")
             return None
-        return self._parse(data, path)[0]
 
-    def _parse(self, data: bytes, path: Path) -> tuple[_Header | None, bytes]:
-        start = len(MAGIC) + _HEADER_LEN
-        if not data.startswith(MAGIC) or len(data) < start:
+    def _parse(self, head: bytes, f: BinaryIO, path: Path) -> _Header | None:
+        """The header of the file ``f``, read past ``head`` (its magic and length)."""
+        if not head.startswith(MAGIC) or len(head) < len(MAGIC) + _HEADER_LEN:
             self._reject(path, "not a forged KV file")
-            return None, b""
-        end = start + int.from_bytes(data[len(MAGIC):start], "little")
+            return None
         try:
-            header = msgspec.msgpack.decode(data[start:end], type=_Header)
+            header = msgspec.msgpack.decode(
+                f.read(int.from_bytes(head[len(MAGIC):], "little")), type=_Header)
         except msgspec.DecodeError:
             self._reject(path, "its header is damaged")
-            return None, b""
+            return None
         if header.model != self.model:
             self._reject(path, "saved by another model or llama.cpp version")
-            return None, b""
-        return header, data[end:]
+            return None
+        return header
 
     def _reject(self, path: Path, why: str) -> None:
         _log(f"{path.name} dropped: {why}")

@@ -100,8 +100,8 @@ class HookedBackend:
     def seq_cp_stream(self, src: int, dst: int, n: int) -> None:
         self.inner.seq_cp_stream(src, dst, n)
 
-    def seq_save(self, seq: int) -> bytes:
+    def seq_save(self, seq: int) -> bytearray:
         return self.inner.seq_save(seq)
 
-    def seq_load(self, seq: int, state: bytes, n_tokens: int) -> bool:
+    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
         return self.inner.seq_load(seq, state, n_tokens)
