@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +87,13 @@ def test_pool_status_sums_nodes_and_names_the_unreachable() -> None:
     assert "unreachable" in rows["?"] and "connection refused" in text
 
 
+def status(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "forged", "status", *args], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def ask_agent(bind: str) -> str:
     host, _, port = bind.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -98,19 +107,24 @@ def test_stop_tells_the_balancer_first_then_drains(tmp_path: Path, tiny_model: P
     """SIGTERM: the agent says drain and /health 503 at once, while requests that still
     arrive are served for server.drain_grace; only then does the drain begin."""
     port, agent = free_port(), f"127.0.0.1:{free_port()}"
+    admin = f"http://127.0.0.1:{free_port()}"
     cfg = write_config(tmp_path / "forged.toml", tiny_model, port,
                        server={"agent_listen": agent, "drain_grace": 3.0,
-                               "node_name": "node-a"},
+                               "node_name": "node-a", "admin_listen": admin[7:]},
                        engine={"kv_layout": "unified", "kv_cells": 4096, "step_tokens": 64})
     d = DaemonProcess(cfg, port)
     try:
         d.wait_ready()
         assert ask_agent(agent) == "up ready 100%\n"
-        metrics = httpx.Client(transport=httpx.HTTPTransport(uds=str(tmp_path / "admin.sock")),
-                               base_url="http://admin", timeout=10)
-        with metrics:
-            assert 'forged_build_info{model="tiny",node="node-a"' in \
-                metrics.get("/metrics").text.replace(',version="0.1.0"', "")
+        assert 'forged_build_info{model="tiny",node="node-a"' in \
+            httpx.get(admin + "/metrics").text.replace(',version="0.1.0"', "")
+        # forged status reads a remote admin listener; twice, as a pool of two lines.
+        one = status("--url", admin)
+        assert one.startswith("forged 0.1.0  node node-a  model tiny  ready"), one
+        assert "agent       up ready 100%" in one
+        two = status("--url", admin, "--url", admin).splitlines()
+        assert two[1].split()[:4] == ["node-a", "ready", "up", "ready"] and \
+            two[-1].startswith("pool"), two
         with httpx.Client(base_url=d.url, timeout=30) as c:
             t0 = time.monotonic()
             d.proc.send_signal(signal.SIGTERM)

@@ -40,8 +40,10 @@ pytestmark = pytest.mark.skipif(HAPROXY is None and os.geteuid() != 0,
                                 "cannot install it (sudo scripts/system-deps.sh)")
 
 GRACE = 2.0  # server.drain_grace: above the shipped agent-inter (1 s)
+# One thread each: three nodes' llama.cpp threads spinning on 2 shared cores would
+# slow every step many times over.
 ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 1024, "slots": 16,
-          "max_running": 16, "step_tokens": 64, "restart_backoff": 0.1}
+          "max_running": 16, "step_tokens": 64, "restart_backoff": 0.1, "threads": 1}
 # Shipped check timings, read back from the file: the node-failure test's bound.
 INTER, FALL, CHECK_TIMEOUT = 1.0, 2, 2.0
 PROMPT = "def fibonacci(n):\n    " + "# compute the numbers one by one\n    " * 12
@@ -293,7 +295,7 @@ def test_a_dead_node_costs_only_its_streams(pool: Pool) -> None:
     victim = pool.nodes[1]
     assert victim.proc is not None
     try:
-        with ClosedLoop(pool, max_tokens=48) as loop:
+        with ClosedLoop(pool, max_tokens=32) as loop:
             # Killed while it carries a stream.
             pool.haproxy.wait("node2 serving", lambda rows: any(
                 int(rows[(b, "node2")]["scur"]) for b in BACKENDS))
@@ -302,8 +304,8 @@ def test_a_dead_node_costs_only_its_streams(pool: Pool) -> None:
             took = pool.haproxy.wait("node2 down", lambda rows: all(
                 rows[(b, "node2")]["status"].startswith("DOWN") for b in BACKENDS))
             down = killed + took
-            deadline = time.monotonic() + 60
-            while sum(o.started > down for o in loop.outcomes) < 8:
+            deadline = time.monotonic() + 90
+            while sum(o.started > down for o in loop.outcomes) < 6:
                 assert time.monotonic() < deadline, "the pool stopped serving"
                 time.sleep(0.1)
         # Within the configured checks: fall failures, inter apart, each bounded by
