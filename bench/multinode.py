@@ -13,12 +13,14 @@ this machine's cores, so only ratios between runs of the same command mean anyth
    hashing on the key, bounded load), once with its keyed backend's balancing replaced
    by ``balance roundrobin``. Each node has 8 slots: the users' contexts fit in the
    pool's cache when each node holds a third of them, not when each holds all.
-2. **Agent weights with one slow node.** node3's every step is made ``--slow-ms`` (150)
+2. **Agent weights with one slow node.** node3's every step is made ``--slow-ms`` (100)
    longer (a test hook, standing for a node with fewer or slower cores); ``--callers``
-   (12) callers in a closed loop send ``--requests`` (240) short streamed completions,
-   half with keys (``--keys``, 24 of them) and half anonymous. TTFT p95 with the
-   shipped configuration, and with the agent check switched off (``agent-check``
-   removed from its server lines; the health checks stay).
+   (24) callers in a closed loop send ``--requests`` (360) streamed completions of
+   ``--max-tokens`` (48), half with keys (``--keys``, 96 of them) and half anonymous.
+   TTFT p95 with the shipped configuration, and with the agent check switched off
+   (``agent-check`` removed from its server lines; the health checks stay).
+
+``--only affinity`` or ``--only slow`` runs one part.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def run_slow_node(ha: HAProxy, nodes: list[Node], args: argparse.Namespace
         with httpx.Client(base_url=ha.front, timeout=120) as c:
             for n in left:
                 headers = {"Authorization": f"Bearer k{n % args.keys}"} if n % 2 else {}
-                ttft = first_token(c, headers)
+                ttft = first_token(c, headers, args.max_tokens)
                 with lock:
                     if ttft is None:
                         errors += 1
@@ -133,9 +135,9 @@ def run_slow_node(ha: HAProxy, nodes: list[Node], args: argparse.Namespace
             "keyed_share": share}
 
 
-def first_token(c: httpx.Client, headers: dict[str, str]) -> float | None:
+def first_token(c: httpx.Client, headers: dict[str, str], max_tokens: int) -> float | None:
     t0 = time.monotonic()
-    body = {"prompt": "Write a haiku about load balancers.", "max_tokens": 16,
+    body = {"prompt": "Write a haiku about load balancers.", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True}
     ttft = None
     with c.stream("POST", "/v1/completions", headers=headers, json=body) as r:
@@ -161,37 +163,42 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--users", type=int, default=24)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--callers", type=int, default=12)
-    p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--keys", type=int, default=24)
-    p.add_argument("--slow-ms", type=float, default=150.0)
+    p.add_argument("--callers", type=int, default=24)
+    p.add_argument("--requests", type=int, default=360)
+    p.add_argument("--keys", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--slow-ms", type=float, default=100.0)
+    p.add_argument("--only", choices=["affinity", "slow"])
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = write_tiny_llama(tmp / "tiny.gguf")
-        roundrobin = variant(HASHING, "    balance roundrobin\n")
-        affinity = {name: in_pool(tmp, model, name, config,
-                                  lambda ha, _: run_affinity(ha, args.users, args.turns))
-                    for name, config in [("consistent", SHIPPED.read_text()),
-                                         ("roundrobin", roundrobin)]}
-        slow = {name: in_pool(tmp, model, name, config,
+        result: dict[str, Any] = {"commit": commit, "args": vars(args)}
+        if args.only in (None, "affinity"):
+            roundrobin = variant(HASHING, "    balance roundrobin\n")
+            aff = result["affinity"] = {
+                name: in_pool(tmp, model, name, config,
+                              lambda ha, _: run_affinity(ha, args.users, args.turns))
+                for name, config in [("consistent", SHIPPED.read_text()),
+                                     ("roundrobin", roundrobin)]}
+            result["hit_rate_ratio"] = aff["consistent"]["hit_rate"] \
+                / max(1e-9, aff["roundrobin"]["hit_rate"])
+        if args.only in (None, "slow"):
+            slow = result["slow_node"] = {
+                name: in_pool(tmp, model, name, config,
                               lambda ha, nodes: run_slow_node(ha, nodes, args))
                 for name, config in [("agent", SHIPPED.read_text()),
                                      ("no_agent", variant(AGENT, " agent-port"))]}
-    result = {
-        "commit": commit, "args": vars(args), "affinity": affinity, "slow_node": slow,
-        "hit_rate_ratio": affinity["consistent"]["hit_rate"]
-        / max(1e-9, affinity["roundrobin"]["hit_rate"]),
-        "ttft_p95_ratio_no_agent_over_agent": (slow["no_agent"]["ttft_p95"] or 0)
-        / max(1e-9, slow["agent"]["ttft_p95"] or 0),
-    }
+            result["ttft_p95_ratio_no_agent_over_agent"] = \
+                (slow["no_agent"]["ttft_p95"] or 0) / max(1e-9, slow["agent"]["ttft_p95"] or 0)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "multinode.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k.endswith("ratio")
-                      or k.endswith("agent")}, indent=2))
-    print(f"written to {RESULTS / 'multinode.json'}")
+    out = RESULTS / f"multinode-{args.only or 'all'}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k.endswith(("ratio", "agent"))},
+                     indent=2))
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":
