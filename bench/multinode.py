@@ -18,7 +18,9 @@ this machine's cores, so only ratios between runs of the same command mean anyth
    (24) callers in a closed loop send ``--requests`` (360) streamed completions of
    ``--max-tokens`` (48), half with keys (``--keys``, 96 of them) and half anonymous.
    TTFT p95 with the shipped configuration, and with the agent check switched off
-   (``agent-check`` removed from its server lines; the health checks stay).
+   (``agent-check`` removed from its server lines; the health checks stay). With
+   ``--background N``, node3 also carries N long streams sent to it directly (a batch
+   job on its own port, say): load HAProxy does not count, and only the agent reports.
 
 ``--only affinity`` or ``--only slow`` runs one part.
 """
@@ -38,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from bench.pool import SHIPPED, HAProxy, Node, running_pool
+from bench.pool import SHIPPED, HAProxy, Node, held_streams, running_pool
 from bench.run import RESULTS
 from bench.tinymodel import write_tiny_llama
 from forged.observe.stats import percentile
@@ -104,6 +106,15 @@ def run_slow_node(ha: HAProxy, nodes: list[Node], args: argparse.Namespace
     """A closed loop of streamed requests while node3 is slowed; TTFT percentiles."""
     with nodes[2].admin() as admin:
         admin.post("/debug/slow-steps", params={"seconds": str(args.slow_ms / 1000)})
+    with held_streams((nodes[2].api_host, nodes[2].port), [None] * args.background):
+        if args.background:
+            time.sleep(3)  # a few agent checks: HAProxy sees the node's weight first
+        return closed_loop(ha, args)
+
+
+def closed_loop(ha: HAProxy, args: argparse.Namespace) -> dict[str, Any]:
+    """``--callers`` callers through HAProxy until ``--requests`` are done: TTFT
+    percentiles, and how many keyed requests each node served."""
     ttfts: list[float] = []
     errors = 0
     lock = threading.Lock()
@@ -168,6 +179,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--slow-ms", type=float, default=100.0)
+    p.add_argument("--background", type=int, default=0)
     p.add_argument("--only", choices=["affinity", "slow"])
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

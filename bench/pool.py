@@ -150,6 +150,34 @@ def loopback_ok() -> bool:
         return False
 
 
+class held_streams:
+    """Streamed completions to ``addr``, one per key (None: anonymous), sent one at a
+    time over raw sockets and never read: each stays in flight (running or queued) until
+    the block ends and closes it."""
+
+    def __init__(self, addr: tuple[str, int], keys: list[str | None]) -> None:
+        self.addr = addr
+        self.keys = keys
+        self.socks: list[socket.socket] = []
+
+    def __enter__(self) -> held_streams:
+        body = (b'{"prompt": "' + b"tell me more " * 8 + b'", "max_tokens": 600,'
+                b' "ignore_eos": true, "stream": true}')
+        for key in self.keys:
+            auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
+            s = socket.create_connection(self.addr, timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: forged\r\n" + auth
+                      + b"Content-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.socks.append(s)
+            time.sleep(0.1)  # in order: each is routed knowing the ones before
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.socks:
+            s.close()
+
+
 @contextlib.contextmanager
 def running_pool(tmp: Path, model: Path, *, engine: dict[str, Any],
                  server: dict[str, Any], config: str | None = None,

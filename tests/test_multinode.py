@@ -30,6 +30,7 @@ from bench.pool import (
     HAProxy,
     Node,
     all_up,
+    held_streams,
     in_rotation,
     running_pool,
 )
@@ -145,34 +146,11 @@ def slowed(nodes: list[Node], seconds: float = 0.3) -> Iterator[None]:
             a.close()
 
 
-class held_requests:
-    """Streamed completions, one per key (None: anonymous), sent one at a time over raw
-    sockets and never read: each stays in flight (running or queued) until the block
-    ends and closes it. Sent to HAProxy, or straight ``to`` a node."""
-
-    def __init__(self, pool: Pool, keys: list[str | None],
-                 to: tuple[str, int] | None = None) -> None:
-        host, port = to or pool.haproxy.front.removeprefix("http://").split(":")
-        self.addr = (str(host), int(port))
-        self.keys = keys
-        self.socks: list[socket.socket] = []
-
-    def __enter__(self) -> held_requests:
-        body = (b'{"prompt": "' + b"tell me more " * 8 + b'", "max_tokens": 600,'
-                b' "ignore_eos": true, "stream": true}')
-        for key in self.keys:
-            auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
-            s = socket.create_connection(self.addr, timeout=10)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: forged\r\n" + auth
-                      + b"Content-Type: application/json\r\nContent-Length: "
-                      + str(len(body)).encode() + b"\r\n\r\n" + body)
-            self.socks.append(s)
-            time.sleep(0.1)  # in order: each is routed knowing the ones before
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s in self.socks:
-            s.close()
+def held_requests(pool: Pool, keys: list[str | None],
+                  to: tuple[str, int] | None = None) -> held_streams:
+    """:class:`bench.pool.held_streams` sent to HAProxy, or straight ``to`` a node."""
+    host, port = to or pool.haproxy.front.removeprefix("http://").split(":")
+    return held_streams((str(host), int(port)), keys)
 
 
 def test_a_node_with_a_long_queue_gets_fewer_new_requests(pool: Pool) -> None:
