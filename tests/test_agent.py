@@ -142,3 +142,25 @@ def test_stop_tells_the_balancer_first_then_drains(tmp_path: Path, tiny_model: P
         assert log.index("leaving the pool") < log.index("draining:")
     finally:
         d.stop()
+
+
+def test_a_second_sigterm_in_the_grace_stops_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    port, agent = free_port(), f"127.0.0.1:{free_port()}"
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, port,
+                       server={"agent_listen": agent, "drain_grace": 60.0},
+                       engine={"kv_layout": "unified", "kv_cells": 4096, "step_tokens": 64})
+    d = DaemonProcess(cfg, port)
+    try:
+        d.wait_ready()
+        d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "leaving the pool" not in d.log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(20)
+        assert time.monotonic() - t0 < 20  # not the 60 s grace
+        assert "second stop signal: stopping now" in d.log.read_text()
+    finally:
+        d.stop()
