@@ -3,6 +3,7 @@ and a stop that tells the balancer before it drains."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
 from forged import config as fc
 from forged.agent.weight import NodeLoad, agent_reply, node_load, weight_percent
 from forged.observe.status import render_pool
+from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
 IDLE = NodeLoad(kv_free=1.0, running_free=1.0, queue_seconds=0.0)
@@ -164,3 +167,25 @@ def test_a_second_sigterm_in_the_grace_stops_at_once(tmp_path: Path, tiny_model:
         assert "second stop signal: stopping now" in d.log.read_text()
     finally:
         d.stop()
+
+
+@pytest.mark.trio
+async def test_the_agent_says_down_while_no_worker_is_ready(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A worker that dies: "down" until its replacement is ready, then "up" again (only
+    the agent can undo its own "down" in HAProxy)."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server={"agent_listen": "127.0.0.1:0"}) as d:
+            bind = d.daemon.agent_bind
+            assert bind is not None
+            assert await trio.to_thread.run_sync(ask_agent, bind) == "up ready 100%\n"
+            worker = d.daemon.pool.workers[0]
+            assert worker.pid is not None
+            os.kill(worker.pid, signal.SIGKILL)
+            # Polled, as HAProxy does: the answer follows another process's life.
+            while (line := await trio.to_thread.run_sync(ask_agent, bind)).startswith("up"):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert line == "down #no model worker ready\n"
+            while not (line := await trio.to_thread.run_sync(ask_agent, bind)).startswith("up"):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            assert line == "up ready 100%\n"
