@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -48,10 +48,10 @@ def health_ok(url: str, timeout: float = 1.0) -> bool:
 
 class DaemonProcess:
     def __init__(self, config: Path, port: int, env: dict[str, str] | None = None,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, host: str = "127.0.0.1") -> None:
         self.config = config
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.log = config.with_suffix(".log")
         self._log_f = open(self.log, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(

@@ -122,7 +122,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from forged.errors import ForgedError
     from forged.observe.status import fetch_stats, render
 
-    admin = args.admin or fc.load(Path(args.config)).server.admin_listen
+    if args.url and len(args.url) > 1:
+        return _status_pool(args.url, as_json=args.json)
+    admin = (args.url or [args.admin])[0] or fc.load(Path(args.config)).server.admin_listen
     try:
         stats = fetch_stats(admin)
     except ForgedError as exc:
@@ -130,6 +132,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(stats, indent=2) if args.json else render(stats))
     return 0
+
+
+def _status_pool(urls: list[str], *, as_json: bool) -> int:
+    """Several nodes' admin listeners: a line each and the pool's sums; 1 if any node
+    could not be read."""
+    from forged.errors import ForgedError
+    from forged.observe.status import fetch_stats, render_pool
+
+    nodes: list[tuple[str, dict[str, object] | str]] = []
+    for url in urls:
+        try:
+            nodes.append((url, fetch_stats(url)))
+        except ForgedError as exc:
+            nodes.append((url, str(exc)))
+    print(json.dumps(dict(nodes), indent=2) if as_json else render_pool(nodes))
+    return 1 if any(isinstance(s, str) for _, s in nodes) else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -187,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     status.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "
                         "(default: server.admin_listen from the config)")
+    status.add_argument("--url", action="append", help="a node's admin listener, "
+                        "http://HOST:PORT, where the admin exposes it; repeat it for a "
+                        "line per node of a pool and the pool's sums")
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
     from forged.observe.loadtest import add_arguments

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -33,6 +34,17 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
+    # HAProxy's agent check (HOST:PORT, never the API's): one line per connection, the
+    # node's weight or its state (docs/operations.md). Empty: no agent.
+    agent_listen: str = ""
+    # The node's name in metrics labels and `forged status`; empty: the host name.
+    node_name: str = ""
+    # Seconds between the agent reporting "drain" (and /health 503) on a stop and the
+    # drain itself, so that the balancer stops sending first. Only with agent_listen.
+    drain_grace: Annotated[float, msgspec.Meta(ge=0, le=600)] = 5.0
+    # Seconds of queued prompt work (by the workers' cost model) at which the agent's
+    # weight is halved.
+    agent_queue_half: Seconds = 2.0
     drain_timeout: Seconds = 30.0
     # Seconds an idle connection, or one still sending its request headers, stays open.
     keep_alive_timeout: Seconds = 30.0
@@ -169,6 +181,11 @@ class Config(_Section, frozen=True):
     def model_id(self) -> str:
         return self.model.name or Path(self.model.path).name.removesuffix(".gguf")
 
+    @property
+    def node_name(self) -> str:
+        """This node's name in a pool: ``server.node_name``, or the host name."""
+        return self.server.node_name or socket.gethostname()
+
 
 class ConfigError(Exception):
     """A config that must not be used. ``str()`` is one line for the operator."""
@@ -216,6 +233,20 @@ def _check(path: Path, cfg: Config) -> None:
             "(3 x heartbeat_interval, and 10 x target_step_ms)")
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
+    _check_agent_listen(path, cfg.server)
+
+
+def _check_agent_listen(path: Path, server: ServerConfig) -> None:
+    agent = server.agent_listen
+    if not agent:
+        return
+    if agent.startswith(("unix:", "fd://")):
+        raise ConfigError(f"{path}: server.agent_listen: HAProxy's agent speaks TCP: "
+                          f"expected HOST:PORT, got {agent!r}")
+    _parse_listen(path, "server.agent_listen", agent)
+    if agent in (server.listen, server.admin_listen):
+        raise ConfigError(f"{path}: server.agent_listen: must differ from server.listen "
+                          "and server.admin_listen")
 
 
 def _parse_listen(path: Path | str, key: str, value: str) -> None:
@@ -270,7 +301,7 @@ def with_overrides(
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
     "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
-    "server.state_dir",
+    "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
     "engine.flash_attn", "engine.max_running",

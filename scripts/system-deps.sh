@@ -1,7 +1,8 @@
 #!/bin/sh
 # Debian packages the build and the tests need. Installs only what is missing.
 set -eu
-needed="build-essential cmake git python3-venv python3-dev curl systemd procps"
+# haproxy: the multi-node test runs the shipped configuration in front of three nodes.
+needed="build-essential cmake git python3-venv python3-dev curl systemd procps haproxy"
 if [ "${1:-}" = deb ]; then
     # Building the .deb, booting it in a container, and running it on an emulated older
     # CPU (qemu-user).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,10 @@ def scrape(d: DaemonProcess) -> dict[str, dict[tuple[tuple[str, str], ...], floa
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            # Every sample names its node (server.node_name, by default the host name),
+            # so that Prometheus can sum a pool whatever its scrape configuration calls
+            # the targets; the tests index by the other labels.
+            assert s.labels.pop("node") == socket.gethostname(), s
             out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return out
 

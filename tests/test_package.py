@@ -100,6 +100,8 @@ def test_1_install(box: BootedContainer) -> None:
     assert box.run("systemctl is-active forged", check=False).stdout.strip() == "inactive"
     stat = box.run("stat -c '%U:%G %a' /etc/forged/forged.toml").stdout.strip()
     assert stat == "root:forged 640"
+    # The HAProxy configuration for a pool (README, "More than one node").
+    box.run("grep -q 'agent-check' /usr/share/forged/haproxy/forged.cfg")
 
 
 def test_2_first_connection_starts_the_service(box: BootedContainer) -> None:

@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 40
 SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
            "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
            "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py",
-           "forged/engine/logprobs.py"]
+           "forged/engine/logprobs.py", "forged/agent/weight.py"]
 # (modules, what they must never import)
 NEVER = [
     (SANS_IO, ("trio", "llama_cpp", "forged.engine.backend", "forged.engine.worker",
@@ -25,6 +25,8 @@ NEVER = [
     (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
     (["forged/config.py"], ("forged",)),
     (["bench/*.py"], ("tests",)),
+    # the agent reports on the node; it does not reach into requests or the engine
+    (["forged/agent/*.py"], ("forged.http", "forged.engine", "forged.daemon", "llama_cpp")),
     # retrieval and decoding meet only in http, which builds the prompt
     (["forged/retrieval/*.py"], ("forged.engine", "forged.http", "forged.daemon", "trio",
                                  "llama_cpp")),

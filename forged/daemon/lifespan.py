@@ -22,6 +22,7 @@ from hypercorn.trio import serve as hyper_serve
 from quart_trio import QuartTrio
 
 from forged import config as fc
+from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
 from forged.daemon.notify import Notifier, watchdog_interval
 from forged.daemon.startup import open_prompter
@@ -103,6 +104,7 @@ class Daemon:
         # Kept for reloads, which change some of their settings live.
         self._api_app: QuartTrio | None = None
         self._hyper_configs: list[HyperConfig] = []
+        self.agent_bind: str | None = None  # the agent check's address, once listening
         self.keys = KeyStore.load(Path(cfg.auth.keys_file))
         if not self.keys.enabled:
             log.warning("no API keys in %s: the API is open to anyone who can reach it",
@@ -114,7 +116,8 @@ class Daemon:
         prompter = await trio.to_thread.run_sync(open_prompter, self.config_path, self.cfg)
         self.pool = EnginePool(self.cfg, prompter.n_ctx_train, test_hooks=self.test_hooks)
         try:
-            metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts)
+            metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts,
+                              node=self.cfg.node_name)
             state = self.state = AppState(self.cfg, self.pool, prompter, metrics,
                                           keys=self.keys,
                                           holds=Holds() if self.test_hooks else None)
@@ -123,7 +126,12 @@ class Daemon:
                 async with trio.open_nursery() as aux:
                     async with trio.open_nursery() as listeners:
                         binds = await self._start_listeners(listeners, state)
-                        aux.start_soon(self._signals, listeners)
+                        if self.cfg.server.agent_listen:
+                            # In aux, not listeners: it answers "drain" until the
+                            # drain is over, and must not hold the listeners open.
+                            self.agent_bind = await aux.start(
+                                serve_agent, self.cfg.server.agent_listen, state.agent_reply)
+                        aux.start_soon(self._signals, listeners, aux)
                         aux.start_soon(self._status_loop, state)
                         if (interval := watchdog_interval()) is not None:
                             aux.start_soon(self._watchdog_loop, interval)
@@ -164,22 +172,37 @@ class Daemon:
             raise RuntimeError(f"cannot listen on {bind}: {fault}") from exc
         return binds
 
-    async def _signals(self, http: trio.Nursery) -> None:
+    async def _signals(self, http: trio.Nursery, aux: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for sig in sigs:
                 if sig == signal.SIGHUP:
                     self.reload()
-                elif self.state is not None and self.state.draining:
+                elif self.state is not None and (self.state.leaving or self.state.draining):
                     log.warning("second stop signal: stopping now")
                     http.cancel_scope.cancel()
                     return
+                elif self.agent_bind is not None and self.cfg.server.drain_grace > 0:
+                    aux.start_soon(self.leave_pool)
                 else:
                     self.begin_drain()
+
+    async def leave_pool(self) -> None:
+        """Tell the balancer first (agent "drain", /health 503) while still serving what
+        it sends meanwhile; after ``server.drain_grace`` it has stopped sending, and the
+        drain proper begins."""
+        assert self.state is not None
+        grace = self.cfg.server.drain_grace
+        self.notifier.stopping()
+        self.state.leaving = True
+        log.info("leaving the pool: the agent says drain; draining in %gs", grace)
+        await trio.sleep(grace)
+        self.begin_drain()
 
     def begin_drain(self) -> None:
         """Stop taking work; streams get until ``drain_timeout`` to finish."""
         assert self.state is not None
-        self.notifier.stopping()
+        if not self.state.leaving:
+            self.notifier.stopping()
         log.info("draining: %d streams open, %ds deadline", len(self.state.drain),
                  self.cfg.server.drain_timeout)
         self.state.draining = True

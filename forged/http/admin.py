@@ -28,10 +28,12 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
     def _status() -> dict[str, object]:
         return {
             "version": __version__,
+            "node": state.cfg.node_name,
             "model": state.cfg.model_id,
             "model_path": state.cfg.model.path,
-            "ready": state.pool.ready and not state.draining,
-            "draining": state.draining,
+            "ready": state.pool.ready and not (state.leaving or state.draining),
+            "draining": state.leaving or state.draining,
+            "agent": state.agent_reply().strip(),
             "open_streams": len(state.drain),
             "limits": msgspec.to_builtins(state.cfg.limits),
             "last_minute": state.metrics.last_minute(),
@@ -44,7 +46,8 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.metrics.exposed),
+                        content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

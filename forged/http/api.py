@@ -152,7 +152,7 @@ def _add_error_handlers(app: QuartTrio) -> None:
 def _add_info_routes(app: QuartTrio, state: AppState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if state.draining:
+        if state.leaving or state.draining:
             return json_response({"status": "draining"}, 503)
         if not state.pool.ready:
             return json_response({"status": "unavailable"}, 503)

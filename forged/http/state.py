@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from forged.agent.weight import agent_reply, node_load
 from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.pool import EnginePool
@@ -101,6 +102,9 @@ class AppState:
     prompter: Prompter
     metrics: Metrics
     started: float = field(default_factory=time.time)
+    # A stop has begun and the balancer is being told (agent "drain", /health 503);
+    # requests are still served until `draining`, when the drain proper starts.
+    leaving: bool = False
     draining: bool = False
     drain: DrainDeadlines = field(default_factory=DrainDeadlines)
     keys: KeyStore = field(default_factory=KeyStore)
@@ -114,3 +118,12 @@ class AppState:
     @property
     def max_context(self) -> int:
         return self.pool.limits.max_context
+
+    def agent_reply(self) -> str:
+        """The line HAProxy's agent check gets now (forged.agent.weight)."""
+        lim = self.pool.limits
+        load = node_load([w.stats for w in self.pool.workers if w.ready],
+                         workers=len(self.pool.workers), kv_cells=lim.kv_cells,
+                         max_running=lim.max_running)
+        return agent_reply(leaving=self.leaving or self.draining, load=load,
+                           queue_half=self.cfg.server.agent_queue_half)

@@ -117,10 +117,29 @@ class _Window:
         return [v for _, v in self.samples]
 
 
+class _NodeLabelled(Collector):
+    """Every sample of ``registry`` with a ``node`` label added, so that the metrics of
+    a pool's nodes can be told apart and summed in Prometheus whatever its scrape
+    configuration calls its targets."""
+
+    def __init__(self, registry: CollectorRegistry, node: str) -> None:
+        self._registry = registry
+        self._node = node
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = [s._replace(labels={**s.labels, "node": self._node})
+                              for s in metric.samples]
+            yield metric
+
+
 class Metrics:
     def __init__(self, model: str, totals: Callable[[], dict[str, float]],
-                 restarts: Callable[[], int]) -> None:
+                 restarts: Callable[[], int], node: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # What /metrics exposes: the registry, each sample labelled with the node.
+        self.exposed = CollectorRegistry(auto_describe=False)
+        self.exposed.register(_NodeLabelled(self.registry, node))
         r = self.registry
         self.requests = Counter("forged_requests", "Requests answered.",
                                 ["endpoint", "status", "priority"], registry=r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import urllib.parse
 from typing import Any
 
 from forged.errors import ForgedError
@@ -21,13 +22,20 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self._path)
 
 
-def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
-    """GET /stats from ``admin`` (``unix:PATH`` or ``HOST:PORT``)."""
+def _connect(admin: str, timeout: float) -> http.client.HTTPConnection:
     if admin.startswith("unix:"):
-        conn: http.client.HTTPConnection = _UnixHTTPConnection(admin[5:], timeout)
-    else:
-        host, _, port = admin.rpartition(":")
-        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+        return _UnixHTTPConnection(admin[5:], timeout)
+    url = urllib.parse.urlsplit(admin if "://" in admin else f"http://{admin}")
+    if url.scheme != "http" or url.hostname is None or url.port is None:
+        raise ForgedError(f"not an admin listener address: {admin!r} "
+                          "(unix:PATH, HOST:PORT or http://HOST:PORT)")
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+
+
+def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET /stats from ``admin`` (``unix:PATH``, ``HOST:PORT`` or ``http://HOST:PORT``,
+    a node's admin listener where the admin exposes it on the network)."""
+    conn = _connect(admin, timeout)
     try:
         conn.request("GET", "/stats")
         resp = conn.getresponse()
@@ -56,9 +64,9 @@ def render(stats: dict[str, Any]) -> str:
     lm = stats["last_minute"]
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
     queued = int(t.get("queued_interactive", 0) + t.get("queued_batch", 0))
-    state = "draining" if stats["draining"] else ("ready" if stats["ready"] else "not ready")
+    node = f"  node {stats['node']}" if "node" in stats else ""
     lines = [
-        f"forged {stats['version']}  model {stats['model']}  {state}, "
+        f"forged {stats['version']}{node}  model {stats['model']}  {_state(stats)}, "
         f"up {_uptime(eng['uptime'])}",
         f"streams     {stats['open_streams']} open; {int(t.get('running', 0))} running, "
         f"{queued} queued ({int(t.get('queued_tokens', 0))} prompt tokens)",
@@ -74,11 +82,42 @@ def render(stats: dict[str, Any]) -> str:
         f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",
         f"ITL         p50 {_seconds(lm['itl_p50'])}   p99 {_seconds(lm['itl_p99'])}",
     ]
+    if "agent" in stats:
+        lines.append(f"agent       {stats['agent']}")
     for w in eng["workers"]:
         ready = "ready" if w["ready"] else "starting"
         lines.append(f"worker {w['index']}    pid {w['pid']} {ready}, {w['pending']} requests, "
                      f"{w['restarts']} restarts")
         lines += _steps(w["stats"])
+    return "\n".join(lines)
+
+
+def _state(stats: dict[str, Any]) -> str:
+    return "draining" if stats["draining"] else ("ready" if stats["ready"] else "not ready")
+
+
+def render_pool(nodes: list[tuple[str, dict[str, Any] | str]]) -> str:
+    """One line per node of a pool (its admin URL and its /stats, or why it could not
+    be read), then the pool's sums."""
+    lines = [f"{'node':<16} {'state':<10} {'agent':<16} {'open':>5} {'run':>4} "
+             f"{'queued':>6} {'KV':>4} {'tok/s':>7}  admin"]
+    sums = [0.0, 0.0, 0.0, 0.0]
+    for url, stats in nodes:
+        if isinstance(stats, str):
+            lines.append(f"{'?':<16} {'unreachable':<10} {'':<16} {'':>5} {'':>4} {'':>6} "
+                         f"{'':>4} {'':>7}  {url}: {stats}")
+            continue
+        t = stats["engine"]["totals"]
+        row = [float(stats["open_streams"]), t.get("running", 0.0),
+               t.get("queued_interactive", 0.0) + t.get("queued_batch", 0.0),
+               stats["last_minute"]["tokens_per_second"]]
+        sums = [a + b for a, b in zip(sums, row, strict=True)]
+        kv = 100 * t.get("kv_cells_used", 0) / (t.get("kv_cells_total", 0) or 1)
+        lines.append(f"{stats.get('node', '?'):<16} {_state(stats):<10} "
+                     f"{stats.get('agent', '-'):<16} {int(row[0]):>5} {int(row[1]):>4} "
+                     f"{int(row[2]):>6} {kv:>3.0f}% {row[3]:>7.1f}  {url}")
+    lines.append(f"{'pool':<16} {'':<10} {'':<16} {int(sums[0]):>5} {int(sums[1]):>4} "
+                 f"{int(sums[2]):>6} {'':>4} {sums[3]:>7.1f}")
     return "\n".join(lines)
 
 

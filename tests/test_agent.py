@@ -1,0 +1,191 @@
+"""HAProxy's agent check: the weight formula (plain arithmetic), the listener's answers,
+and a stop that tells the balancer before it drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from forged import config as fc
+from forged.agent.weight import NodeLoad, agent_reply, node_load, weight_percent
+from forged.observe.status import render_pool
+from tests.conftest import DaemonFactory
+from tests.daemonproc import DaemonProcess, free_port, write_config
+
+IDLE = NodeLoad(kv_free=1.0, running_free=1.0, queue_seconds=0.0)
+
+
+def load(kv: float = 1.0, running: float = 1.0, queue: float = 0.0) -> NodeLoad:
+    return NodeLoad(kv_free=kv, running_free=running, queue_seconds=queue)
+
+
+@pytest.mark.parametrize(("node", "weight"), [
+    (IDLE, 100),
+    (load(running=0.0), 50),  # every running place taken: new work queues
+    (load(kv=0.0), 50),  # every cell held or promised
+    (load(kv=0.5, running=0.9), 80),  # the scarcer of the two counts: 0.75
+    (load(queue=2.0), 50),  # a queue of agent_queue_half seconds halves it
+    (load(queue=8.0), 20),  # ... of four times that, a fifth
+    (load(running=0.0, queue=2.0), 20),  # both: 0.5 * 0.5 = 25, in steps of 10
+    (load(running=0.0, queue=1000.0), 1),  # never 0 while serving: that is drain's
+    (load(running=15 / 16), 100),  # one busy place of 16 moves nothing on the ring
+])
+def test_weight_formula(node: NodeLoad, weight: int) -> None:
+    assert weight_percent(node, queue_half=2.0) == weight
+
+
+def test_node_load_from_worker_statistics() -> None:
+    busy = {"kv_cells_total": 1000.0, "kv_cells_active": 300.0, "kv_cells_reserved": 100.0,
+            "kv_cells_cached": 500.0, "running": 4.0, "queued_tokens": 1500.0,
+            "cost_prompt_token_ms": 2.0}
+    one = node_load([busy], workers=1, kv_cells=1000, max_running=8)
+    # Cached cells are free for the taking: only what running sequences hold counts.
+    assert one == NodeLoad(kv_free=0.6, running_free=0.5, queue_seconds=3.0)
+    # Of two workers, one restarting: its capacity counts as taken.
+    two = node_load([busy], workers=2, kv_cells=1000, max_running=8)
+    assert two == NodeLoad(kv_free=0.3, running_free=0.25, queue_seconds=3.0)
+    assert node_load([], workers=2, kv_cells=1000, max_running=8) is None
+
+
+def test_replies() -> None:
+    assert agent_reply(leaving=False, load=IDLE, queue_half=2.0) == "up ready 100%\n"
+    assert agent_reply(leaving=False, load=None, queue_half=2.0).startswith("down #")
+    # A stop wins over everything: the balancer must stop sending, ready or not.
+    assert agent_reply(leaving=True, load=IDLE, queue_half=2.0) == "drain\n"
+    assert agent_reply(leaving=True, load=None, queue_half=2.0) == "drain\n"
+
+
+def test_agent_listen_must_be_tcp_and_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "forged.toml"
+    for value, why in [("unix:/run/a.sock", "HAProxy's agent speaks TCP"),
+                       ("127.0.0.1:8080", "must differ from server.listen"),
+                       ("nohost", "expected HOST:PORT")]:
+        path.write_text(f'[server]\nlisten = "127.0.0.1:8080"\nagent_listen = "{value}"\n')
+        with pytest.raises(fc.ConfigError, match=why):
+            fc.load(path)
+    path.write_text('[server]\nagent_listen = "10.1.0.11:8082"\n')
+    assert fc.load(path).server.agent_listen == "10.1.0.11:8082"
+
+
+def test_pool_status_sums_nodes_and_names_the_unreachable() -> None:
+    def node(name: str, running: float) -> dict[str, object]:
+        return {"node": name, "ready": True, "draining": False, "agent": "up ready 90%",
+                "open_streams": int(running), "last_minute": {"tokens_per_second": 10.0},
+                "engine": {"totals": {"running": running, "queued_interactive": 1.0,
+                                      "kv_cells_used": 10.0, "kv_cells_total": 100.0}}}
+    text = render_pool([("http://a:8081", node("a", 3.0)), ("http://b:8081", node("b", 2.0)),
+                        ("http://c:8081", "connection refused")])
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
+    assert rows["a"][1:5] == ["ready", "up", "ready", "90%"]
+    assert rows["pool"][1:5] == ["5", "5", "2", "20.0"]  # open, running, queued, tok/s
+    assert "unreachable" in rows["?"] and "connection refused" in text
+
+
+def status(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "forged", "status", *args], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def ask_agent(bind: str) -> str:
+    host, _, port = bind.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        data = b""
+        while chunk := s.recv(256):
+            data += chunk
+    return data.decode()
+
+
+def test_stop_tells_the_balancer_first_then_drains(tmp_path: Path, tiny_model: Path) -> None:
+    """SIGTERM: the agent says drain and /health 503 at once, while requests that still
+    arrive are served for server.drain_grace; only then does the drain begin."""
+    port, agent = free_port(), f"127.0.0.1:{free_port()}"
+    admin = f"http://127.0.0.1:{free_port()}"
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, port,
+                       server={"agent_listen": agent, "drain_grace": 3.0,
+                               "node_name": "node-a", "admin_listen": admin[7:]},
+                       engine={"kv_layout": "unified", "kv_cells": 4096, "step_tokens": 64})
+    d = DaemonProcess(cfg, port)
+    try:
+        d.wait_ready()
+        assert ask_agent(agent) == "up ready 100%\n"
+        assert 'forged_build_info{model="tiny",node="node-a"' in \
+            httpx.get(admin + "/metrics").text.replace(',version="0.1.0"', "")
+        # forged status reads a remote admin listener; twice, as a pool of two lines.
+        one = status("--url", admin)
+        assert one.startswith("forged 0.1.0  node node-a  model tiny  ready"), one
+        assert "agent       up ready 100%" in one
+        two = status("--url", admin, "--url", admin).splitlines()
+        assert two[1].split()[:4] == ["node-a", "ready", "up", "ready"] and \
+            two[-1].startswith("pool"), two
+        with httpx.Client(base_url=d.url, timeout=30) as c:
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 2
+            while ask_agent(agent) != "drain\n":
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert c.get("/health").status_code == 503
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200, r.text  # still served: the balancer may lag
+            assert time.monotonic() - t0 < 3.0  # (all of this within the grace)
+        assert d.proc.wait(30) == 0
+        assert time.monotonic() - t0 >= 3.0
+        log = d.log.read_text()
+        assert log.index("leaving the pool") < log.index("draining:")
+    finally:
+        d.stop()
+
+
+def test_a_second_sigterm_in_the_grace_stops_at_once(tmp_path: Path, tiny_model: Path) -> None:
+    port, agent = free_port(), f"127.0.0.1:{free_port()}"
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, port,
+                       server={"agent_listen": agent, "drain_grace": 60.0},
+                       engine={"kv_layout": "unified", "kv_cells": 4096, "step_tokens": 64})
+    d = DaemonProcess(cfg, port)
+    try:
+        d.wait_ready()
+        d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "leaving the pool" not in d.log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(20)
+        assert time.monotonic() - t0 < 20  # not the 60 s grace
+        assert "second stop signal: stopping now" in d.log.read_text()
+    finally:
+        d.stop()
+
+
+@pytest.mark.trio
+async def test_the_agent_says_down_while_no_worker_is_ready(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A worker that dies: "down" until its replacement is ready, then "up" again (only
+    the agent can undo its own "down" in HAProxy)."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server={"agent_listen": "127.0.0.1:0"}) as d:
+            bind = d.daemon.agent_bind
+            assert bind is not None
+            assert await trio.to_thread.run_sync(ask_agent, bind) == "up ready 100%\n"
+            worker = d.daemon.pool.workers[0]
+            assert worker.pid is not None
+            os.kill(worker.pid, signal.SIGKILL)
+            # Polled, as HAProxy does: the answer follows another process's life.
+            while (line := await trio.to_thread.run_sync(ask_agent, bind)).startswith("up"):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert line == "down #no model worker ready\n"
+            while not (line := await trio.to_thread.run_sync(ask_agent, bind)).startswith("up"):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            assert line == "up ready 100%\n"
