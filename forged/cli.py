@@ -143,7 +143,8 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
     path = Path(args.keys_file or fc.load(Path(args.config)).auth.keys_file)
     key = add_key(path, args.name, max_streams=args.max_streams, max_queued=args.max_queued,
-                  priority=args.priority, tenant=args.tenant)
+                  priority=args.priority, tenant=args.tenant, repos=args.repo,
+                  default_repo=args.default_repo)
     print(key)
     print(f"forged: added key {args.name!r} to {path}; it is shown only this once. "
           "Run `systemctl reload forged` to apply it.", file=sys.stderr)
@@ -162,6 +163,10 @@ def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
     add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
                      "cache; of different tenants never (default: the one shared tenant)")
+    add.add_argument("--repo", action="append", help="an index this key may search "
+                     "(repeatable; default: every index)")
+    add.add_argument("--default-repo", default="", help="the index its generations "
+                     "draw on when they name no `repo`")
     add.set_defaults(func=cmd_keys_add)
 
 

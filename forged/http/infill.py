@@ -23,10 +23,12 @@ import trio
 from msgspec import Meta
 
 from forged import errors as e
+from forged.auth import KeyEntry
 from forged.config import Priority
 from forged.engine import frames as fr
 from forged.engine.fim import ExtraFile
 from forged.http import sse
+from forged.http.retrieve import Retrieved, code_text, context, query_around
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
 
@@ -78,11 +80,29 @@ async def fim_prompt(state: AppState, prefix: Code, suffix: Code, extra: list[Ex
         n_predict=-1 if wanted is None else wanted))
 
 
-async def infill_tokens(state: AppState, req: InfillRequest) -> list[int]:
+async def infill_tokens(state: AppState, req: InfillRequest,
+                        found: Retrieved | None = None) -> list[int]:
+    """The prompt, with the chunks ``found`` in the repository after the editor's own
+    extra files: llama.cpp clips the extra context from its front, so the best chunk
+    goes last, nearest the cursor, and is the last to be cut."""
     check_ids(state, req.input_prefix, "input_prefix")
     check_ids(state, req.input_suffix, "input_suffix")
-    return await fim_prompt(state, req.input_prefix, req.input_suffix, req.input_extra,
+    extra = req.input_extra + (extra_files(found) if found else [])
+    return await fim_prompt(state, req.input_prefix, req.input_suffix, extra,
                             req.prompt, requested_tokens(req))
+
+
+def extra_files(found: Retrieved) -> list[ExtraFile]:
+    return [ExtraFile(text=h.text, filename=h.path) for h in reversed(found.hits)]
+
+
+async def infill_context(state: AppState, req: InfillRequest,
+                         key: KeyEntry | None) -> Retrieved | None:
+    """The repository chunks for the code around the cursor."""
+    lines = state.cfg.retrieval.query_lines
+    prefix = code_text(req.input_prefix) + req.prompt
+    return await context(state, req.repo, key,
+                         query_around(prefix, code_text(req.input_suffix), lines))
 
 
 def timings(done: fr.Done) -> dict[str, float]:
@@ -140,6 +160,8 @@ class InfillFormat(sse.Format):
             "tokens_cached": done.prompt_tokens + done.completion_tokens,
             "timings": timings(done),
         }
+        if self.retrieved is not None:
+            body["retrieved"] = self.retrieved
         return body if self.fields is None else select(body, self.fields)
 
 

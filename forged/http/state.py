@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -15,6 +16,7 @@ from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
 from forged.observe.metrics import Metrics
+from forged.retrieval.query import Searcher
 
 
 @dataclass
@@ -106,6 +108,14 @@ class AppState:
     keys: KeyStore = field(default_factory=KeyStore)
     key_usage: dict[str, KeyUsage] = field(default_factory=dict)
     holds: Holds | None = None  # test hooks only
+    # The repository indexes, searched in threads, at most retrieval.search_threads at
+    # once (forged.http.retrieve).
+    searcher: Searcher = field(init=False)
+    search_limiter: trio.CapacityLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.searcher = Searcher(Path(self.cfg.server.state_dir) / "index")
+        self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
 
     @property
     def model_ids(self) -> list[str]:

@@ -156,15 +156,7 @@ class Index:
                         (path, version, len(chunks), skipped, time.time()))
 
     def search(self, query: str, limit: int = 10) -> list[Hit]:
-        match = fts_query(query)
-        if not match:
-            return []
-        weights = ", ".join(str(w) for w in WEIGHTS)
-        rows = self.db.execute(
-            f"SELECT path, start_line, end_line, bm25(chunks, {weights}) AS r, text "
-            "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
-        # bm25() is lower-is-better and negative; report higher-is-better.
-        return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
+        return search_db(self.db, query, limit)
 
     def info(self) -> IndexInfo:
         files, chunks = self.db.execute(
@@ -175,6 +167,19 @@ class Index:
                    if p)
         return IndexInfo(self.name, str(self.source), files, chunks, size,
                          float(row[0]) if row else None)
+
+
+def search_db(db: sqlite3.Connection, query: str, limit: int) -> list[Hit]:
+    """The ``limit`` best chunks of an index's database for ``query``, best first."""
+    match = fts_query(query)
+    if not match:
+        return []
+    weights = ", ".join(str(w) for w in WEIGHTS)
+    rows = db.execute(
+        f"SELECT path, start_line, end_line, bm25(chunks, {weights}) AS r, text "
+        "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
+    # bm25() is lower-is-better and negative; report higher-is-better.
+    return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
 
 
 def fts_query(query: str) -> str:
