@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime as dt
 import json
 import logging
 import os
@@ -132,6 +134,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from forged.observe.telemetry import read_report, render_report
+
+    path = Path(fc.load(Path(args.config)).server.state_dir)
+    try:
+        since = (dt.datetime.strptime(args.since, "%Y-%m-%d").replace(tzinfo=dt.UTC)
+                 .timestamp() if args.since else 0.0)
+    except ValueError:
+        print(f"forged: --since {args.since!r}: expected YYYY-MM-DD (UTC)", file=sys.stderr)
+        return 2
+    rows = read_report(path, since)
+    if args.json:
+        print(json.dumps([{**dataclasses.asdict(r), "acceptance": r.acceptance}
+                          for r in rows], indent=2))
+    else:
+        print(render_report(rows))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from forged.observe.loadtest import main as bench_main
 
@@ -194,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: server.admin_listen from the config)")
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
+    report = sub.add_parser("report", help="completions shown, accepted, acceptance rate "
+                            "and infill latency, per API key name and day")
+    report.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    report.add_argument("--since", help="from this UTC day on (YYYY-MM-DD)")
+    report.add_argument("--json", action="store_true", help="print the rows as JSON")
+    report.set_defaults(func=cmd_report)
     from forged.observe.loadtest import add_arguments
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server")

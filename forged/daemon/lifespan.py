@@ -125,6 +125,7 @@ class Daemon:
                         binds = await self._start_listeners(listeners, state)
                         aux.start_soon(self._signals, listeners)
                         aux.start_soon(self._status_loop, state)
+                        aux.start_soon(state.telemetry.serve)
                         if (interval := watchdog_interval()) is not None:
                             aux.start_soon(self._watchdog_loop, interval)
                         self.notifier.ready(_status_line(state))

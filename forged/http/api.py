@@ -1,6 +1,6 @@
 """The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/infill``, ``/tokenize``, ``/detokenize`` and a minimal ``/health``. Nothing else is
-served on this port.
+``/infill``, ``/v1/retrieve``, ``/v1/events``, ``/tokenize``, ``/detokenize`` and a
+minimal ``/health``. Nothing else is served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -31,6 +31,7 @@ from forged.config import Config
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import refused, sse
 from forged.http.chat import chat_prompt
+from forged.http.events import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
     check_ids,
@@ -189,6 +190,11 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
     async def retrieve_route() -> Response:
         req = await _decoded(state, retrieve_decoder, engine=False)
         return json_response(await retrieve(state, req, g.get("key")))
+
+    @app.post("/v1/events")
+    async def events_route() -> Response:
+        record_event(state, await _decoded(state, event_decoder, engine=False), g.get("key"))
+        return json_response({})
 
     @app.post("/detokenize")
     async def detokenize_route() -> Response:

@@ -149,7 +149,8 @@ class InfillFormat(sse.Format):
 
     def _choice(self, text: str, done: fr.Done, scores: sse.Scores) -> dict[str, Any]:
         body = {
-            "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
+            # not llama.cpp's: the id editors name in /v1/events
+            "id": self.id, "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": done.completion_tokens,
             "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in text,
             # forged refuses a prompt that does not fit rather than cutting it

@@ -16,6 +16,7 @@ from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
 from forged.observe.metrics import Metrics
+from forged.observe.telemetry import Recorder, telemetry_path
 from forged.retrieval.query import Searcher
 
 
@@ -112,8 +113,11 @@ class AppState:
     # once (forged.http.retrieve).
     searcher: Searcher = field(init=False)
     search_limiter: trio.CapacityLimiter = field(init=False)
+    # Completion telemetry; its writer task runs in the daemon's nursery.
+    telemetry: Recorder = field(init=False)
 
     def __post_init__(self) -> None:
+        self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
         self.searcher = Searcher(Path(self.cfg.server.state_dir) / "index")
         self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
 
