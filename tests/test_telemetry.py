@@ -13,16 +13,10 @@ import trio
 
 from forged.auth import add_key
 from forged.cli import main
-from forged.observe.telemetry import percentile, telemetry_path
+from forged.observe.telemetry import telemetry_path
 from tests.conftest import DaemonFactory
 
 MARKER = "zebra_quokka_marker"  # in every prompt; must never reach the database
-
-
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([5.0], 50) == 5.0
-    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.0
-    assert percentile([float(i) for i in range(1, 101)], 95) == 95.0
 
 
 async def test_events_round_trip_into_the_report_without_text(

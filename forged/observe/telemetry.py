@@ -29,6 +29,7 @@ from typing import Literal
 import trio
 
 from forged.observe.metrics import Metrics
+from forged.observe.stats import percentile
 
 log = logging.getLogger("forged")
 QUEUE = 4096  # records waiting for the writer; more are dropped and counted
@@ -166,13 +167,6 @@ class ReportRow:
 
 def _day(at: float) -> str:
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank percentile of ``values`` (not empty)."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
-    return ordered[int(rank) - 1]
 
 
 def report(db: sqlite3.Connection, since: float = 0.0) -> list[ReportRow]:
