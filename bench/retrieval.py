@@ -247,26 +247,33 @@ def main() -> int:
     out: dict[str, Any] = {"commit": _commit(), "package": f"{PACKAGE[0]}=={version}"}
     with tempfile.TemporaryDirectory(prefix="forged-bench-rag-") as tmp:
         work = Path(tmp)
-        out["tree_files"] = assemble(work / "tree", args.files)
+        step(out, "tree_files", assemble(work / "tree", args.files))
         index_dir = work / "state" / "index"
-        out["build"] = timed_update(index_dir, "tree", work / "tree")
-        out["reindex"] = timed_update(index_dir, "tree", None)
+        step(out, "build", timed_update(index_dir, "tree", work / "tree"))
+        step(out, "reindex", timed_update(index_dir, "tree", None))
         spec = importlib.util.find_spec(PACKAGE[0])
         assert spec is not None and spec.origin is not None
-        pkg = Path(spec.origin).resolve().parent
+        # The package's copy in the tree: the installed one sits in a virtualenv that
+        # a git work tree ignores (an index of it would be empty).
+        under = "src0/" + Path(spec.origin).resolve().parent.relative_to(
+            SOURCES[0].resolve()).as_posix() + "/"
+        pkg = work / "tree" / under
         cases = call_sites(pkg, args.cases)
         timed_update(index_dir, "pkg", pkg)
-        out["recall_package_index"] = recall(index_dir, "pkg", cases)
-        under = "src0/" + pkg.relative_to(SOURCES[0].resolve()).as_posix() + "/"
-        out["recall_tree_index"] = recall(index_dir, "tree", cases, under)
+        step(out, "recall_package_index", recall(index_dir, "pkg", cases))
+        step(out, "recall_tree_index", recall(index_dir, "tree", cases, under))
         if not args.no_latency:
-            out["latency"] = latency(work, [c.query for c in cases], args)
-    print(json.dumps(out, indent=2))
+            step(out, "latency", latency(work, [c.query for c in cases], args))
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
     (results / f"retrieval-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
         json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def step(out: dict[str, Any], name: str, value: Any) -> None:
+    out[name] = value
+    print(f"{name}: {json.dumps(value)}", flush=True)
 
 
 def _commit() -> str:

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from forged.cli import main
-from forged.retrieval.chunking import chunk_file, line_windows, split_identifier
-from forged.retrieval.store import Index, IndexError_, list_source
+from forged.retrieval.chunking import chunk_file, line_windows, split_identifier, split_words
+from forged.retrieval.store import (
+    MAX_QUERY_TERMS,
+    Index,
+    IndexError_,
+    list_source,
+    query_words,
+    rarest,
+)
 
 PY = '''"""A module."""
 
@@ -176,3 +183,27 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["index", "add", "../x", str(tmp_path), *c]) == 1
     main(["index", "list", *c])
     assert capsys.readouterr().out.count("\n") == 1  # the header only
+
+
+def test_keywords_are_neither_indexed_nor_searched() -> None:
+    assert split_words(("self", "return_value", "None", "x", "isNull", "openNursery")) == \
+        "value open nursery"
+    assert query_words("def f(self):\n    return self.open_nursery(None)") == \
+        ["open", "nursery"]
+
+
+def test_a_long_query_keeps_its_rarest_words(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    common = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "iota",
+              "kappa", "omega", "sigma", "omicron"][:MAX_QUERY_TERMS]
+    for i in range(5):  # every common word in every file
+        (src / f"f{i}.py").write_text(f"def f{i}():\n    return {' + '.join(common)}\n")
+    (src / "target.py").write_text("def zanzibar_helper():\n    return alpha\n")
+    with Index.create(tmp_path / "index", "t", src) as idx:
+        idx.update()
+        query = " ".join([*common, "zanzibar_helper", "missing_word"])
+        kept = rarest(idx.db, query_words(query))
+        assert len(kept) == MAX_QUERY_TERMS and kept[:2] == ["zanzibar", "helper"]
+        assert "missing" not in kept  # in no chunk: it would match nothing
+        assert idx.search(query, 1)[0].path == "target.py"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import keyword
 import re
 from dataclasses import dataclass, field
 
@@ -44,6 +45,21 @@ class _Span:
     defines: list[str] = field(default_factory=list)
 
 
+# Words every chunk has: keywords of the common languages and the receiver names.
+# Indexed, they made a third of the index and matched most chunks for every query (an
+# OR over "def", "self" and "return" scored 50,000-75,000 chunks each: 0.4 s a search
+# on a 20,000-file index) while telling nothing apart. Single letters go too.
+_OTHER_KEYWORDS = """
+    self cls this none null nil true false undefined void var let const func fn pub
+    mut impl struct enum trait match int str bool float char long short unsigned
+    signed static final public private protected new delete function begin end then
+    do done fi esac switch case default break continue goto typeof instanceof extends
+    implements package import export require include define ifdef ifndef endif
+    """
+STOP_WORDS = frozenset(w.lower() for w in [*keyword.kwlist, *keyword.softkwlist,
+                                            *_OTHER_KEYWORDS.split()])
+
+
 def split_identifier(name: str) -> list[str]:
     """``open_nursery``, ``openNursery``, ``OpenNursery`` -> ``["open", "nursery"]``."""
     return [p.lower() for p in _PARTS.findall(name)]
@@ -51,14 +67,19 @@ def split_identifier(name: str) -> list[str]:
 
 def split_words(names: list[str] | tuple[str, ...]) -> str:
     """The identifiers' parts as one space-separated string, for full-text indexing."""
-    return " ".join(_words(n) for n in names)
+    return " ".join(w for w in map(_words, names) if w)
+
+
+def search_words(name: str) -> list[str]:
+    """The words of ``name`` worth indexing and searching: no stop words."""
+    return [w for w in split_identifier(name) if len(w) > 1 and w not in STOP_WORDS]
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _words(name: str) -> str:
     # A codebase repeats its identifiers endlessly: splitting each once saved about a
     # fifth of a build's time.
-    return " ".join(split_identifier(name))
+    return " ".join(search_words(name))
 
 
 def identifiers(text: str) -> list[str]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from forged.retrieval.chunking import chunk_file, identifiers, split_identifier, split_words
+from forged.retrieval.chunking import chunk_file, identifiers, search_words, split_words
 
 MAX_FILE_BYTES = 1 << 20
 BINARY_PROBE = 8192
@@ -45,7 +45,16 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks USING fts5(
     path UNINDEXED, start_line UNINDEXED, end_line UNINDEXED, text UNINDEXED,
     defines, path_words, uses, tokenize = 'unicode61');
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_vocab USING fts5vocab(chunks, 'row');
+-- How many chunks hold each word, refreshed by every update that changed something:
+-- a search keeps its rarest words (fts5vocab counts by reading a word's whole list).
+CREATE TABLE IF NOT EXISTS terms (term TEXT PRIMARY KEY, docs INTEGER NOT NULL)
+    WITHOUT ROWID;
 """
+# A search scores every chunk that holds any of its words: only the rarest few are kept
+# (the code around a cursor has dozens of identifiers, and the common ones weigh ~0 in
+# BM25 while costing the most).
+MAX_QUERY_TERMS = 12
 
 
 class IndexError_(Exception):
@@ -94,6 +103,7 @@ class Index:
 
     def __init__(self, db: sqlite3.Connection, name: str, source: Path) -> None:
         self.db, self.name, self.source = db, name, source
+        db.executescript(SCHEMA)  # what an older index lacks (IF NOT EXISTS throughout)
         # FTS merges of a large build touch many pages: a cache of 64 MiB, not 2.
         db.execute("PRAGMA cache_size = -65536")
         columns = [row[1] for row in db.execute("PRAGMA table_info(files)")]
@@ -142,9 +152,15 @@ class Index:
             for path in changed:
                 self._forget(path)
                 self._add(path, listed[path], max_bytes)
+            if gone or changed or not self._has_terms():
+                self.db.execute("DELETE FROM terms")
+                self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
                             (repr(time.time()),))
         return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0)
+
+    def _has_terms(self) -> bool:
+        return self.db.execute("SELECT 1 FROM terms LIMIT 1").fetchone() is not None
 
     def _forget(self, path: str) -> None:
         # A file's chunks have consecutive rowids from its first_row: deleting that range
@@ -193,7 +209,7 @@ class Index:
 
 def search_db(db: sqlite3.Connection, query: str, limit: int) -> list[Hit]:
     """The ``limit`` best chunks of an index's database for ``query``, best first."""
-    match = fts_query(query)
+    match = fts_query(rarest(db, query_words(query)))
     if not match:
         return []
     weights = ", ".join(str(w) for w in WEIGHTS)
@@ -204,9 +220,27 @@ def search_db(db: sqlite3.Connection, query: str, limit: int) -> list[Hit]:
     return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
 
 
-def fts_query(query: str) -> str:
-    """Any of the query's identifier words, each quoted so FTS5 syntax cannot leak in."""
-    words = dict.fromkeys(w for name in identifiers(query) for w in split_identifier(name))
+def query_words(query: str) -> list[str]:
+    """The query's identifiers' words, once each, in order, stop words left out."""
+    return list(dict.fromkeys(w for name in identifiers(query) for w in search_words(name)))
+
+
+def rarest(db: sqlite3.Connection, words: list[str]) -> list[str]:
+    """The ``MAX_QUERY_TERMS`` words in the fewest chunks; words in none are dropped."""
+    if len(words) <= MAX_QUERY_TERMS:
+        return words
+    marks = ", ".join("?" * len(words))
+    try:
+        docs = dict(db.execute(f"SELECT term, docs FROM terms WHERE term IN ({marks})",
+                               words))
+    except sqlite3.OperationalError:  # an index from before `terms`: until its update
+        return words[:MAX_QUERY_TERMS]
+    kept = sorted((w for w in words if w in docs), key=lambda w: docs[w])
+    return kept[:MAX_QUERY_TERMS]
+
+
+def fts_query(words: list[str]) -> str:
+    """Any of ``words``, each quoted so FTS5 syntax cannot leak in."""
     return " OR ".join(f'"{w}"' for w in words)
 
 
