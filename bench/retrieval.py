@@ -52,7 +52,7 @@ from bench.daemonproc import DaemonProcess, free_port, write_config
 from forged.config import RetrievalConfig
 from forged.http.retrieve import query_around
 from forged.observe.stats import percentile
-from forged.retrieval.store import SKIP_DIRS, Index
+from forged.retrieval.store import SKIP_DIRS, Index, cursor_names
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +67,7 @@ class Case:
     """One call site: the query, and where the called name is defined."""
 
     query: str
+    focus: list[str]  # the names at the cursor, as the daemon takes them
     path: str  # relative to the package's folder
     line: int
 
@@ -152,18 +153,20 @@ def call_sites(pkg: Path, limit: int) -> list[Case]:
             prefix = "\n".join([*lines[max(0, row - QUERY_LINES):row],
                                 lines[row][:func.end_col_offset] + "("])
             suffix = "\n".join(lines[row + 1:row + 1 + QUERY_LINES])
-            cases.append(Case(query_around(prefix, suffix, QUERY_LINES), path, line))
+            cases.append(Case(query_around(prefix, suffix, QUERY_LINES),
+                              cursor_names(prefix), path, line))
     random.Random(0).shuffle(cases)
     return cases[:limit]
 
 
-def recall(directory: Path, name: str, cases: list[Case], under: str = "") -> dict[str, Any]:
+def recall(directory: Path, name: str, cases: list[Case], under: str = "",
+           focus: bool = True) -> dict[str, Any]:
     """Recall@1 and @5: the share of cases whose definition's line is in a top chunk."""
     ranks = []
     t0 = time.monotonic()
     with Index.open(directory, name) as idx:
         for case in cases:
-            hits = idx.search(case.query, 5)
+            hits = idx.search(case.query, 5, case.focus if focus else ())
             found = [i for i, h in enumerate(hits) if h.path == under + case.path
                      and h.start_line <= case.line <= h.end_line]
             ranks.append(found[0] if found else None)
@@ -261,6 +264,8 @@ def main() -> int:
         cases = call_sites(pkg, args.cases)
         timed_update(index_dir, "pkg", pkg)
         step(out, "recall_package_index", recall(index_dir, "pkg", cases))
+        step(out, "recall_package_index_without_focus",
+             recall(index_dir, "pkg", cases, focus=False))
         step(out, "recall_tree_index", recall(index_dir, "tree", cases, under))
         if not args.no_latency:
             step(out, "latency", latency(work, [c.query for c in cases], args))

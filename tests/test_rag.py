@@ -18,7 +18,7 @@ from forged.auth import add_key
 from forged.http import retrieve as rt
 from forged.http.infill import InfillRequest, infill_context, infill_tokens
 from forged.http.state import AppState
-from forged.retrieval.store import Index
+from forged.retrieval.store import Index, cursor_names
 from tests.conftest import DaemonFactory
 
 NURSERY = '''"""Nurseries."""
@@ -150,7 +150,10 @@ async def test_a_rag_infill_prompt_holds_the_chunk_within_budget(
             query = "def run():\n    n = open_nursery(\n\n    return n"
             assert rt.query_around(req.input_prefix + req.prompt,  # type: ignore[operator]
                                    req.input_suffix, 8) == query  # type: ignore[arg-type]
-            ranked = await rt.search(state, "demo", query, 4)
+            # The name at the cursor, whose definition comes first.
+            focus = ["open_nursery", "n"]
+            assert cursor_names("def run():\n    n = open_nursery(") == focus
+            ranked = await rt.search(state, "demo", query, 4, focus)
             assert [h.path for h in ranked][:2] == ["nursery.py", "caller.py"]
             sizes = [rt.chunk_tokens(state, h) for h in ranked]
             assert sizes[0] <= budget < sizes[0] + sizes[1], sizes  # the premise

@@ -15,6 +15,7 @@ from forged.retrieval.store import (
     MAX_QUERY_TERMS,
     Index,
     IndexError_,
+    cursor_names,
     list_source,
     query_words,
     rarest,
@@ -207,3 +208,19 @@ def test_a_long_query_keeps_its_rarest_words(tmp_path: Path) -> None:
         assert len(kept) == MAX_QUERY_TERMS and kept[:2] == ["zanzibar", "helper"]
         assert "missing" not in kept  # in no chunk: it would match nothing
         assert idx.search(query, 1)[0].path == "target.py"
+
+
+def test_the_name_at_the_cursor_has_its_definition_first(tmp_path: Path) -> None:
+    make_repo(tmp_path / "r")
+    with Index.create(tmp_path / "index", "r", tmp_path / "r") as idx:
+        idx.update()
+        query = "class Pool:\n    size = 4\n    def spawn(self):\n        open_nursery("
+        plain = idx.search(query, 3)
+        assert "def open_nursery" not in plain[0].text  # Pool's own chunk wins
+        focused = idx.search(query, 3, cursor_names(query))
+        assert focused[0].text.lstrip().startswith("# Opens the nursery")
+        assert focused[0].path == "nursery.py"
+        # the rest follow as before, without repeating the definition
+        rest = [(h.path, h.start_line) for h in focused[1:]]
+        assert len(set(rest)) == len(rest) and (focused[0].path, focused[0].start_line) \
+            not in rest

@@ -75,6 +75,7 @@ from forged.http.state import AppState, KeyUsage
 from forged.http.structured import request_grammar
 from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 from forged.http.tools import ToolPlan
+from forged.retrieval.store import cursor_names
 
 access_log = logging.getLogger("forged.access")
 # llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
@@ -371,7 +372,8 @@ async def _completion_prompt(state: AppState, req: CompletionRequest
                                    param="repo")
             return list(given), None  # type: ignore[arg-type]
     found = await context(state, req.repo, g.get("key"), query_around(
-        code_text(given), req.suffix or "", state.cfg.retrieval.query_lines))
+        code_text(given), req.suffix or "", state.cfg.retrieval.query_lines),
+        cursor_names(code_text(given)))
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
         extra = extra_files(found) if found else []
         return await fim_prompt(state, given, req.suffix, extra, "", req.max_tokens), found

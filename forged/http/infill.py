@@ -31,6 +31,7 @@ from forged.http import sse
 from forged.http.retrieve import Retrieved, code_text, context, query_around
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
+from forged.retrieval.store import cursor_names
 
 # A piece of code: text, or llama.cpp's mix of text and token ids.
 Code = str | list[str | int]
@@ -102,7 +103,8 @@ async def infill_context(state: AppState, req: InfillRequest,
     lines = state.cfg.retrieval.query_lines
     prefix = code_text(req.input_prefix) + req.prompt
     return await context(state, req.repo, key,
-                         query_around(prefix, code_text(req.input_suffix), lines))
+                         query_around(prefix, code_text(req.input_suffix), lines),
+                         cursor_names(prefix))
 
 
 def timings(done: fr.Done) -> dict[str, float]:

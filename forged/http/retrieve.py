@@ -18,6 +18,7 @@ a smaller one after it may still fit. The response names them under ``retrieved`
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -75,11 +76,13 @@ def resolve_repo(state: AppState, repo: str | None, key: KeyEntry | None) -> str
     return name
 
 
-async def search(state: AppState, repo: str, query: str, k: int) -> list[Hit]:
-    """The ``k`` best chunks of ``repo`` for ``query``, searched in a thread."""
+async def search(state: AppState, repo: str, query: str, k: int,
+                 focus: Sequence[str] = ()) -> list[Hit]:
+    """The ``k`` best chunks of ``repo`` for ``query`` (definitions of ``focus``
+    first), searched in a thread."""
     try:
         return await trio.to_thread.run_sync(
-            state.searcher.search, repo, query, k, limiter=state.search_limiter)
+            state.searcher.search, repo, query, k, focus, limiter=state.search_limiter)
     except IndexError_ as exc:  # removed between the check and the search
         raise e.NotFound(str(exc), param="repo", code="repo_not_found") from exc
 
@@ -102,7 +105,7 @@ async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
 
 
 async def context(state: AppState, repo: str | None, key: KeyEntry | None,
-                  query: str) -> Retrieved | None:
+                  query: str, focus: Sequence[str] = ()) -> Retrieved | None:
     """The chunks a generation draws on: None when it names no index (nor its key)."""
     name = resolve_repo(state, repo, key)
     if name is None:
@@ -110,7 +113,7 @@ async def context(state: AppState, repo: str | None, key: KeyEntry | None,
     cfg = state.cfg.retrieval
     if cfg.context_chunks == 0 or cfg.context_tokens == 0:
         return Retrieved(name, [])
-    hits = await search(state, name, query, cfg.context_chunks)
+    hits = await search(state, name, query, cfg.context_chunks, focus)
     kept = await trio.to_thread.run_sync(functools.partial(
         within_budget, state, hits, cfg.context_tokens))
     return Retrieved(name, kept)

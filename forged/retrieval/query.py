@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from forged.retrieval.store import Hit, IndexError_, index_path, search_db
@@ -35,8 +36,8 @@ class Searcher:
         self.directory = directory
         self._local = threading.local()
 
-    def search(self, name: str, query: str, k: int) -> list[Hit]:
-        return search_db(self._connection(name), query, k)
+    def search(self, name: str, query: str, k: int, focus: Sequence[str] = ()) -> list[Hit]:
+        return search_db(self._connection(name), query, k, focus)
 
     def exists(self, name: str) -> bool:
         return index_path(self.directory, name).is_file()

@@ -23,7 +23,7 @@ import re
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,8 +193,8 @@ class Index:
                         "first_row) VALUES (?, ?, ?, ?, ?, ?)",
                         (path, version, len(chunks), skipped, time.time(), first))
 
-    def search(self, query: str, limit: int = 10) -> list[Hit]:
-        return search_db(self.db, query, limit)
+    def search(self, query: str, limit: int = 10, focus: Sequence[str] = ()) -> list[Hit]:
+        return search_db(self.db, query, limit, focus)
 
     def info(self) -> IndexInfo:
         files, chunks = self.db.execute(
@@ -207,9 +207,21 @@ class Index:
                          float(row[0]) if row else None)
 
 
-def search_db(db: sqlite3.Connection, query: str, limit: int) -> list[Hit]:
-    """The ``limit`` best chunks of an index's database for ``query``, best first."""
-    match = fts_query(rarest(db, query_words(query)))
+def search_db(db: sqlite3.Connection, query: str, limit: int,
+              focus: Sequence[str] = ()) -> list[Hit]:
+    """The ``limit`` best chunks of an index's database for ``query``, best first.
+
+    ``focus``: names whose definitions come first (the name being called at a cursor:
+    what a completion most needs to see), up to ``limit // 2 + 1`` of them, then the
+    rest by BM25 over the whole query."""
+    first = _ranked(db, _defining(focus), limit // 2 + 1) if focus else []
+    seen = {(h.path, h.start_line) for h in first}
+    rest = [h for h in _ranked(db, fts_query(rarest(db, query_words(query))), limit)
+            if (h.path, h.start_line) not in seen]
+    return (first + rest)[:limit]
+
+
+def _ranked(db: sqlite3.Connection, match: str, limit: int) -> list[Hit]:
     if not match:
         return []
     weights = ", ".join(str(w) for w in WEIGHTS)
@@ -218,6 +230,20 @@ def search_db(db: sqlite3.Connection, query: str, limit: int) -> list[Hit]:
         "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
     # bm25() is lower-is-better and negative; report higher-is-better.
     return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
+
+
+def _defining(names: Sequence[str]) -> str:
+    """An FTS5 query for chunks defining any of ``names``: each name's words as a
+    phrase in the ``defines`` column."""
+    phrases = dict.fromkeys(" ".join(search_words(n)) for n in names)
+    return " OR ".join(f'defines : "{p}"' for p in phrases if p)
+
+
+def cursor_names(prefix: str, n: int = 2) -> list[str]:
+    """The last ``n`` identifiers on the cursor's line, the nearest first: after
+    ``x = open_nursery(``, the name whose definition the completion wants."""
+    lines = prefix.splitlines() or [""]
+    return identifiers(lines[-1])[-n:][::-1]
 
 
 def query_words(query: str) -> list[str]:
