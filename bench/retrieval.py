@@ -20,8 +20,10 @@ nobody here wrote:
   package is in it, among everything else).
 * **Query latency.** ``forged serve`` (the default model, SmolLM2-135M) on that index;
   ``--streams`` (4) chat streams decode all along while ``--callers`` (100) callers each
-  send ``--queries`` (10) ``/v1/retrieve`` calls (k = 5) at once, the recall queries
-  in turn. Latency is the client's, request to full response; target p99 at most 50 ms.
+  send ``--queries`` (10) ``/v1/retrieve`` calls (k = 5) at once: once with the recall
+  queries (the code around a cursor), once with the called names alone (an engineer's
+  "where is X handled?"), a fresh daemon each. Latency is the client's, request to full
+  response; target p99 at most 50 ms.
 
 Results: printed, and written to ``bench/results/retrieval-<time>.json``.
 """
@@ -268,7 +270,12 @@ def main() -> int:
              recall(index_dir, "pkg", cases, focus=False))
         step(out, "recall_tree_index", recall(index_dir, "tree", cases, under))
         if not args.no_latency:
-            step(out, "latency", latency(work, [c.query for c in cases], args))
+            # Two shapes: the code around a cursor (what a completion sends), and a
+            # name alone (an engineer's "where is X handled?").
+            step(out, "latency_code_queries",
+                 latency(work, [c.query for c in cases], args))
+            step(out, "latency_name_queries",
+                 latency(work, [c.focus[0] for c in cases if c.focus], args))
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
     (results / f"retrieval-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(

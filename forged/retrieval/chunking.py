@@ -43,6 +43,15 @@ class _Span:
     start: int
     end: int
     defines: list[str] = field(default_factory=list)
+    # A class's members and their lines: a window of a long class defines only the
+    # members it holds (with the class's name), so that a method's own window ranks
+    # first for it, not every window of its class alike.
+    member_lines: dict[str, int] = field(default_factory=dict)
+
+    def defines_in(self, start: int, end: int) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(
+            d for d in self.defines
+            if d not in self.member_lines or start <= self.member_lines[d] <= end))
 
 
 # Words every chunk has: keywords of the common languages and the receiver names.
@@ -99,7 +108,7 @@ def chunk_file(path: str, text: str, *, window: int = WINDOW,
     for span in spans:
         for start, end in line_windows(span.start, span.end, window, overlap):
             body = "\n".join(lines[start - 1:end])
-            defines = tuple(dict.fromkeys(span.defines))
+            defines = span.defines_in(start, end)
             uses = tuple(n for n in identifiers(body) if n not in defines)
             out.append(Chunk(path, start, end, body, defines, uses))
     return out
@@ -133,7 +142,7 @@ def _python_spans(text: str, lines: list[str]) -> list[_Span] | None:
         end = node.end_lineno or node.lineno
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             loose = None
-            spans.append(_Span(start, end, _defined_by(node)))
+            spans.append(_Span(start, end, _defined_by(node), _member_lines(node)))
             continue
         if loose is None:
             loose = _Span(start, end)
@@ -166,6 +175,15 @@ def _defined_by(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> 
             else:
                 names += _assigned_names(item)
     return names
+
+
+def _member_lines(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+                  ) -> dict[str, int]:
+    if not isinstance(node, ast.ClassDef):
+        return {}
+    return {item.name: item.lineno for item in node.body
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and item.name != node.name}
 
 
 def _assigned_names(node: ast.stmt) -> list[str]:

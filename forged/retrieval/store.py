@@ -55,6 +55,7 @@ CREATE TABLE IF NOT EXISTS terms (term TEXT PRIMARY KEY, docs INTEGER NOT NULL)
 # (the code around a cursor has dozens of identifiers, and the common ones weigh ~0 in
 # BM25 while costing the most).
 MAX_QUERY_TERMS = 12
+MAX_POSTINGS = 20_000
 
 
 class IndexError_(Exception):
@@ -252,17 +253,25 @@ def query_words(query: str) -> list[str]:
 
 
 def rarest(db: sqlite3.Connection, words: list[str]) -> list[str]:
-    """The ``MAX_QUERY_TERMS`` words in the fewest chunks; words in none are dropped."""
-    if len(words) <= MAX_QUERY_TERMS:
-        return words
+    """The words in fewest chunks, at most ``MAX_QUERY_TERMS``, while the chunks they
+    are in stay under ``MAX_POSTINGS`` together (the rarest one always); words in no
+    chunk are dropped. A search's cost is the chunks it scores: this bounds it."""
+    if not words:
+        return []
     marks = ", ".join("?" * len(words))
     try:
         docs = dict(db.execute(f"SELECT term, docs FROM terms WHERE term IN ({marks})",
                                words))
     except sqlite3.OperationalError:  # an index from before `terms`: until its update
         return words[:MAX_QUERY_TERMS]
-    kept = sorted((w for w in words if w in docs), key=lambda w: docs[w])
-    return kept[:MAX_QUERY_TERMS]
+    kept: list[str] = []
+    total = 0
+    for w in sorted((w for w in words if w in docs), key=lambda w: docs[w]):
+        if kept and (len(kept) == MAX_QUERY_TERMS or total + docs[w] > MAX_POSTINGS):
+            break
+        kept.append(w)
+        total += docs[w]
+    return kept
 
 
 def fts_query(words: list[str]) -> str:
