@@ -224,3 +224,15 @@ def test_the_name_at_the_cursor_has_its_definition_first(tmp_path: Path) -> None
         rest = [(h.path, h.start_line) for h in focused[1:]]
         assert len(set(rest)) == len(rest) and (focused[0].path, focused[0].start_line) \
             not in rest
+
+
+def test_a_window_of_a_long_class_defines_only_the_members_it_holds() -> None:
+    methods = "".join(f"    def method_{i}(self):\n" + "        pass\n" * 8
+                      for i in range(12))  # 108 lines: three windows
+    chunks = chunk_file("k.py", "class Keeper:\n    size = 1\n" + methods)
+    assert len(chunks) == 3
+    assert chunks[0].defines[:3] == ("Keeper", "size", "method_0")
+    for c in chunks:
+        held = [f"method_{i}" for i in range(12) if c.start_line <= 3 + 9 * i <= c.end_line]
+        assert [d for d in c.defines if d.startswith("method_")] == held
+        assert "Keeper" in c.defines and "size" in c.defines
