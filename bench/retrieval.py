@@ -243,6 +243,7 @@ def main() -> int:
     p.add_argument("--queries", type=int, default=10, help="per caller")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--no-latency", action="store_true")
+    p.add_argument("--keep", help="work in this (new) folder and keep it")
     args = p.parse_args()
     version = importlib.metadata.version(PACKAGE[0])
     if version != PACKAGE[1]:
@@ -251,7 +252,8 @@ def main() -> int:
         return 1
     out: dict[str, Any] = {"commit": _commit(), "package": f"{PACKAGE[0]}=={version}"}
     with tempfile.TemporaryDirectory(prefix="forged-bench-rag-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         step(out, "tree_files", assemble(work / "tree", args.files))
         index_dir = work / "state" / "index"
         step(out, "build", timed_update(index_dir, "tree", work / "tree"))
