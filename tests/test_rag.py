@@ -4,6 +4,7 @@ search kept off the event loop while streams decode, and an index across a resta
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -288,3 +289,30 @@ async def test_an_index_survives_a_daemon_restart(
                 assert r.status_code == 200, r.text
                 answers.append(r.json()["data"])
     assert answers[0] == answers[1] and answers[0][0]["path"] == "nursery.py"
+
+
+async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
+        fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large first build spills its cache into the file and locks readers out until
+    it commits: a search then fails with a retry, and a completion goes on without
+    context (it was an unhandled sqlite3 error: a 500)."""
+    index(tmp_path)
+    monkeypatch.setattr("forged.retrieval.query.BUSY_TIMEOUT", 0.05)
+    writer = sqlite3.connect(tmp_path / "state" / "index" / "demo.sqlite3")
+    with trio.fail_after(60):
+        async with start_daemon(fim_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            writer.execute("BEGIN EXCLUSIVE")
+            try:
+                r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "nursery"})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "unavailable"
+                assert "Retry-After" in r.headers
+                r = await c.post("/infill", json=infill_body(repo="demo"))
+                assert r.status_code == 200 and r.json()["retrieved"] == []
+            finally:
+                writer.rollback()
+            r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "open_nursery"})
+            assert r.status_code == 200 and r.json()["data"]
+    writer.close()

@@ -18,6 +18,8 @@ a smaller one after it may still fit. The response names them under ``retrieved`
 from __future__ import annotations
 
 import functools
+import logging
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -33,6 +35,8 @@ from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
 from forged.retrieval.store import Hit, IndexError_
+
+log = logging.getLogger("forged")
 
 
 class RetrieveRequest(msgspec.Struct, kw_only=True):
@@ -85,6 +89,12 @@ async def search(state: AppState, repo: str, query: str, k: int,
             state.searcher.search, repo, query, k, focus, limiter=state.search_limiter)
     except IndexError_ as exc:  # removed between the check and the search
         raise e.NotFound(str(exc), param="repo", code="repo_not_found") from exc
+    except sqlite3.OperationalError as exc:
+        # `forged index update` holds the file for longer than the search waits (a
+        # large first build spilling its cache): try again shortly.
+        log.warning("index %r unreadable: %s", repo, exc)
+        raise e.Unavailable(f"the repository index {repo!r} is being updated; retry",
+                            state.cfg.limits.retry_after) from exc
 
 
 async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
@@ -113,7 +123,10 @@ async def context(state: AppState, repo: str | None, key: KeyEntry | None,
     cfg = state.cfg.retrieval
     if cfg.context_chunks == 0 or cfg.context_tokens == 0:
         return Retrieved(name, [])
-    hits = await search(state, name, query, cfg.context_chunks, focus)
+    try:
+        hits = await search(state, name, query, cfg.context_chunks, focus)
+    except e.Unavailable:  # the completion goes on without context, and says so
+        return Retrieved(name, [])
     kept = await trio.to_thread.run_sync(functools.partial(
         within_budget, state, hits, cfg.context_tokens))
     return Retrieved(name, kept)
