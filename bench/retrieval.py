@@ -18,6 +18,8 @@ nobody here wrote:
   holding the definition's first line. Calls inside their own definition are left
   out. Measured on an index of the package alone, and on the 20,000-file index (the
   package is in it, among everything else).
+* **The door** (``--door``, alone): a search in-process, one caller's ``/health`` and
+  ``/v1/retrieve``, and the 100 callers, on the pinned package's small index.
 * **Query latency.** ``forged serve`` (the default model, SmolLM2-135M) on that index;
   ``--streams`` (4) chat streams decode all along while ``--callers`` (100) callers each
   send ``--queries`` (10) ``/v1/retrieve`` calls (k = 5) at once: once with the recall
@@ -223,16 +225,61 @@ async def _callers(url: str, repo: str, queries: list[str], args: argparse.Names
             "max_ms": round(max(ms), 1)}
 
 
-def latency(work: Path, queries: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def latency(work: Path, queries: list[str], args: argparse.Namespace,
+            repo: str = "tree") -> dict[str, Any]:
     port = free_port()
     config = write_config(work / "forged.toml", MODEL, port,
                           server={"state_dir": str(work / "state")})
     d = DaemonProcess(config, port)
     try:
         d.wait_ready(180)
-        return trio.run(_callers, d.url, "tree", queries, args)
+        return trio.run(_callers, d.url, repo, queries, args)
     finally:
         d.stop()
+
+
+async def _sequential(url: str, repo: str, query: str, n: int = 100) -> dict[str, float]:
+    """One caller: p50 ms of ``GET /health`` and of one ``/v1/retrieve``, in turn."""
+    out = {}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        for name, send in [
+                ("health_p50_ms", lambda: c.get("/health")),
+                ("retrieve_p50_ms", lambda: c.post("/v1/retrieve", json={
+                    "repo": repo, "query": query, "k": 5}))]:
+            ms = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await send()
+                ms.append(1000 * (time.perf_counter() - t0))
+            out[name] = round(percentile(ms, 50) or 0, 2)
+    return out
+
+
+def door(work: Path, args: argparse.Namespace) -> None:
+    """``--door``: what the HTTP path costs beside the search, on a small index (the
+    pinned package alone, a plain folder): a search in-process, one caller's
+    ``/health`` and ``/v1/retrieve``, then the 100 callers with nothing decoding."""
+    spec = importlib.util.find_spec(PACKAGE[0])
+    assert spec is not None and spec.origin is not None
+    src = work / "pkg-src"
+    shutil.copytree(Path(spec.origin).resolve().parent, src)
+    directory = work / "state" / "index"
+    timed_update(directory, "pkg", src)
+    with Index.open(directory, "pkg") as idx:
+        t0 = time.perf_counter()
+        for _ in range(200):
+            idx.search("checkpoint", 5)
+        step({}, "search_in_process_ms", round((time.perf_counter() - t0) / 0.2, 3))
+    port = free_port()
+    d = DaemonProcess(write_config(work / "forged.toml", MODEL, port,
+                                   server={"state_dir": str(work / "state")}), port)
+    try:
+        d.wait_ready(180)
+        step({}, "one_caller", trio.run(_sequential, d.url, "pkg", "checkpoint"))
+    finally:
+        d.stop()
+    args.streams = 0
+    step({}, "callers_nothing_decoding", latency(work, ["checkpoint"], args, "pkg"))
 
 
 def main() -> int:
@@ -244,6 +291,8 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--keep", help="work in this (new) folder and keep it")
+    p.add_argument("--door", action="store_true", help="only what the HTTP path costs "
+                   "beside the search, on the pinned package's index (2 minutes)")
     args = p.parse_args()
     version = importlib.metadata.version(PACKAGE[0])
     if version != PACKAGE[1]:
@@ -254,6 +303,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="forged-bench-rag-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        if args.door:
+            door(work, args)
+            return 0
         step(out, "tree_files", assemble(work / "tree", args.files))
         index_dir = work / "state" / "index"
         step(out, "build", timed_update(index_dir, "tree", work / "tree"))
