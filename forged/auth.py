@@ -25,6 +25,8 @@ import msgspec
 from forged.config import ConfigError, Priority
 
 KEY_PREFIX = "fgd-"
+# An index's name, as `forged index add` accepts it.
+RepoName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
 
 class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -39,6 +41,14 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     # cached_tokens); keys of different tenants never do. By default all keys are one
     # tenant, as one organisation is.
     tenant: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9_.@-]*$")] = ""
+    # The repository indexes this key may search (/v1/retrieve, `repo`); absent: all.
+    repos: list[RepoName] | None = None
+    # The index a generation of this key draws on when it names no `repo`; "": none.
+    default_repo: Annotated[str, msgspec.Meta(
+        pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$")] = ""
+
+    def may_read(self, repo: str) -> bool:
+        return self.repos is None or repo in self.repos
 
 
 class KeysFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -82,18 +92,24 @@ class KeyStore:
 
 
 def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
-            priority: Priority, tenant: str = "") -> str:
+            priority: Priority, tenant: str = "", repos: list[str] | None = None,
+            default_repo: str = "") -> str:
     """Append a new key to ``path`` and return it; it is never written in clear."""
     store = KeyStore.load(path)
     if any(e.name == name for e in store.by_hash.values()):
         raise ConfigError(f"{path}: a key named {name!r} exists already")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     entry = KeyEntry(name=name, sha256=hash_key(key), max_streams=max_streams,
-                     max_queued=max_queued, priority=priority, tenant=tenant)
+                     max_queued=max_queued, priority=priority, tenant=tenant, repos=repos,
+                     default_repo=default_repo)
     msgspec.convert(msgspec.to_builtins(entry), KeyEntry)  # validates the name
     block = (f'\n[[key]]\nname = "{name}"\nsha256 = "{entry.sha256}"\n'
              f"max_streams = {max_streams}\nmax_queued = {max_queued}\n"
-             f'priority = "{priority}"\n' + (f'tenant = "{tenant}"\n' if tenant else ""))
+             f'priority = "{priority}"\n' + (f'tenant = "{tenant}"\n' if tenant else "")
+             + (f"repos = {msgspec.json.encode(repos).decode()}\n" if repos is not None
+                else "")
+             + (f"default_repo = {msgspec.json.encode(default_repo).decode()}\n"
+                if default_repo else ""))
     new = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     with os.fdopen(fd, "a") as f:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime as dt
 import json
 import logging
 import os
@@ -150,6 +152,25 @@ def _status_pool(urls: list[str], *, as_json: bool) -> int:
     return 1 if any(isinstance(s, str) for _, s in nodes) else 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from forged.observe.telemetry import read_report, render_report
+
+    path = Path(fc.load(Path(args.config)).server.state_dir)
+    try:
+        since = (dt.datetime.strptime(args.since, "%Y-%m-%d").replace(tzinfo=dt.UTC)
+                 .timestamp() if args.since else 0.0)
+    except ValueError:
+        print(f"forged: --since {args.since!r}: expected YYYY-MM-DD (UTC)", file=sys.stderr)
+        return 2
+    rows = read_report(path, since)
+    if args.json:
+        print(json.dumps([{**dataclasses.asdict(r), "acceptance": r.acceptance}
+                          for r in rows], indent=2))
+    else:
+        print(render_report(rows))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from forged.observe.loadtest import main as bench_main
 
@@ -161,7 +182,8 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
     path = Path(args.keys_file or fc.load(Path(args.config)).auth.keys_file)
     key = add_key(path, args.name, max_streams=args.max_streams, max_queued=args.max_queued,
-                  priority=args.priority, tenant=args.tenant)
+                  priority=args.priority, tenant=args.tenant, repos=args.repo,
+                  default_repo=args.default_repo)
     print(key)
     print(f"forged: added key {args.name!r} to {path}; it is shown only this once. "
           "Run `systemctl reload forged` to apply it.", file=sys.stderr)
@@ -180,6 +202,10 @@ def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
     add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
                      "cache; of different tenants never (default: the one shared tenant)")
+    add.add_argument("--repo", action="append", help="an index this key may search "
+                     "(repeatable; default: every index)")
+    add.add_argument("--default-repo", default="", help="the index its generations "
+                     "draw on when they name no `repo`")
     add.set_defaults(func=cmd_keys_add)
 
 
@@ -210,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "line per node of a pool and the pool's sums")
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
+    report = sub.add_parser("report", help="completions shown, accepted, acceptance rate "
+                            "and infill latency, per API key name and day")
+    report.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    report.add_argument("--since", help="from this UTC day on (YYYY-MM-DD)")
+    report.add_argument("--json", action="store_true", help="print the rows as JSON")
+    report.set_defaults(func=cmd_report)
     from forged.observe.loadtest import add_arguments
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server")

@@ -169,6 +169,20 @@ class LogConfig(_Section, frozen=True):
     log_content: bool = False
 
 
+class RetrievalConfig(_Section, frozen=True):
+    # Index searches running at once (in threads, never on the event loop nor in the
+    # decode worker); more wait for a place.
+    search_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    # The most chunks one /v1/retrieve call may ask for.
+    max_k: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50
+    # A generation with `repo`: the most chunks inserted, and the most prompt tokens
+    # they may take together (a chunk that would pass it is left out whole).
+    context_chunks: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    context_tokens: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 512
+    # Lines of code before the cursor (and after it) whose identifiers make the query.
+    query_lines: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
@@ -176,6 +190,7 @@ class Config(_Section, frozen=True):
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()
     log: LogConfig = LogConfig()
+    retrieval: RetrievalConfig = RetrievalConfig()
 
     @property
     def model_id(self) -> str:
@@ -307,6 +322,7 @@ RESTART_KEYS = (
     "engine.flash_attn", "engine.max_running",
     "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
     "engine.cache_disk_mib",
+    "retrieval.search_threads",
 )
 
 

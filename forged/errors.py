@@ -45,6 +45,14 @@ class Unauthorized(ForgedError):
     pass
 
 
+class Forbidden(ForgedError):
+    """This API key may not use what it asked for (a repository index it is not given)."""
+
+
+class NotFound(BadRequest):
+    """A named thing (a repository index) that does not exist: 404, not 400."""
+
+
 class Unavailable(ForgedError):
     """No worker can take the request now (loading, restarting or draining)."""
 

@@ -38,6 +38,10 @@ mkdir -p "$src" "$out"
 git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - | tar -xf - -C "$src"
 cp -r packaging/debian "$src/debian"
 cp systemd/forged.service systemd/forged.socket systemd/forged.sysusers "$src/debian/"
+# dh_installsystemd --name=forged-index finds the index units as debian/forged.forged-index.*
+for unit in service timer; do
+    cp "systemd/forged-index.$unit" "$src/debian/forged.forged-index.$unit"
+done
 mkdir -p "$src/models"
 cp models/SmolLM2-135M-Instruct.Q4_1.gguf "$src/models/"
 (cd "$src" && FORGED_WHEELHOUSE="$wheelhouse" dpkg-buildpackage -us -uc -b >../build.log 2>&1) || {

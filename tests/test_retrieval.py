@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 
 from forged.cli import main
-from forged.retrieval.chunking import chunk_file, line_windows, split_identifier
-from forged.retrieval.store import Index, IndexError_, list_source
+from forged.retrieval.chunking import chunk_file, line_windows, split_identifier, split_words
+from forged.retrieval.store import (
+    MAX_QUERY_TERMS,
+    Index,
+    IndexError_,
+    cursor_names,
+    list_source,
+    query_words,
+    rarest,
+)
 
 PY = '''"""A module."""
 
@@ -176,3 +184,55 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["index", "add", "../x", str(tmp_path), *c]) == 1
     main(["index", "list", *c])
     assert capsys.readouterr().out.count("\n") == 1  # the header only
+
+
+def test_keywords_are_neither_indexed_nor_searched() -> None:
+    assert split_words(("self", "return_value", "None", "x", "isNull", "openNursery")) == \
+        "value open nursery"
+    assert query_words("def f(self):\n    return self.open_nursery(None)") == \
+        ["open", "nursery"]
+
+
+def test_a_long_query_keeps_its_rarest_words(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    common = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "iota",
+              "kappa", "omega", "sigma", "omicron"][:MAX_QUERY_TERMS]
+    for i in range(5):  # every common word in every file
+        (src / f"f{i}.py").write_text(f"def f{i}():\n    return {' + '.join(common)}\n")
+    (src / "target.py").write_text("def zanzibar_helper():\n    return alpha\n")
+    with Index.create(tmp_path / "index", "t", src) as idx:
+        idx.update()
+        query = " ".join([*common, "zanzibar_helper", "missing_word"])
+        kept = rarest(idx.db, query_words(query))
+        assert len(kept) == MAX_QUERY_TERMS and kept[:2] == ["zanzibar", "helper"]
+        assert "missing" not in kept  # in no chunk: it would match nothing
+        assert idx.search(query, 1)[0].path == "target.py"
+
+
+def test_the_name_at_the_cursor_has_its_definition_first(tmp_path: Path) -> None:
+    make_repo(tmp_path / "r")
+    with Index.create(tmp_path / "index", "r", tmp_path / "r") as idx:
+        idx.update()
+        query = "class Pool:\n    size = 4\n    def spawn(self):\n        open_nursery("
+        plain = idx.search(query, 3)
+        assert "def open_nursery" not in plain[0].text  # Pool's own chunk wins
+        focused = idx.search(query, 3, cursor_names(query))
+        assert focused[0].text.lstrip().startswith("# Opens the nursery")
+        assert focused[0].path == "nursery.py"
+        # the rest follow as before, without repeating the definition
+        rest = [(h.path, h.start_line) for h in focused[1:]]
+        assert len(set(rest)) == len(rest) and (focused[0].path, focused[0].start_line) \
+            not in rest
+
+
+def test_a_window_of_a_long_class_defines_only_the_members_it_holds() -> None:
+    methods = "".join(f"    def method_{i}(self):\n" + "        pass\n" * 8
+                      for i in range(12))  # 108 lines: three windows
+    chunks = chunk_file("k.py", "class Keeper:\n    size = 1\n" + methods)
+    assert len(chunks) == 3
+    assert chunks[0].defines[:3] == ("Keeper", "size", "method_0")
+    for c in chunks:
+        held = [f"method_{i}" for i in range(12) if c.start_line <= 3 + 9 * i <= c.end_line]
+        assert [d for d in c.defines if d.startswith("method_")] == held
+        assert "Keeper" in c.defines and "size" in c.defines

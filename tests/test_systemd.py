@@ -122,6 +122,26 @@ def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
     assert float(m.group(1)) < 2.0
 
 
+def test_the_index_timer_and_its_service_verify_and_score_as_hardened(tmp_path: Path) -> None:
+    forged = shutil.which("forged", path=str(Path(sys.executable).parent))
+    assert forged
+    for unit in ("forged-index.service", "forged-index.timer"):
+        text = (ROOT / "systemd" / unit).read_text().replace("/usr/bin/forged", forged)
+        (tmp_path / unit).write_text(text)
+    units = [str(tmp_path / "forged-index.timer"), str(tmp_path / "forged-index.service")]
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "forged" not in r.stderr, r.stderr
+    service = (tmp_path / "forged-index.service").read_text()
+    # As the daemon's user, updating every index (the daemon only reads them).
+    assert "User=forged\n" in service and f"ExecStart={forged} index update " in service
+    assert "OnCalendar=hourly\n" in (tmp_path / "forged-index.timer").read_text()
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", units[1]],
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for forged-index.service: ([0-9.]+)", r.stdout)
+    assert m and float(m.group(1)) < 2.0, r.stdout
+
+
 # --- sd_notify ----------------------------------------------------------------------------
 
 

@@ -133,6 +133,7 @@ class Daemon:
                                 serve_agent, self.cfg.server.agent_listen, state.agent_reply)
                         aux.start_soon(self._signals, listeners, aux)
                         aux.start_soon(self._status_loop, state)
+                        aux.start_soon(state.telemetry.serve)
                         if (interval := watchdog_interval()) is not None:
                             aux.start_soon(self._watchdog_loop, interval)
                         self.notifier.ready(_status_line(state))

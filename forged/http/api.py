@@ -1,6 +1,6 @@
 """The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/infill``, ``/tokenize``, ``/detokenize`` and a minimal ``/health``. Nothing else is
-served on this port.
+``/infill``, ``/v1/retrieve``, ``/v1/events``, ``/tokenize``, ``/detokenize`` and a
+minimal ``/health``. Nothing else is served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -31,10 +31,13 @@ from forged.config import Config
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import refused, sse
 from forged.http.chat import chat_prompt
+from forged.http.events import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
     check_ids,
+    extra_files,
     fim_prompt,
+    infill_context,
     infill_decoder,
     infill_format,
     infill_tokens,
@@ -49,6 +52,18 @@ from forged.http.responses import (
     http_error,
     json_response,
 )
+from forged.http.retrieve import (
+    Retrieved,
+    as_snippets,
+    chat_with_context,
+    code_text,
+    context,
+    last_user_text,
+    query_around,
+    retrieve,
+    retrieve_decoder,
+    with_retrieved,
+)
 from forged.http.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -60,6 +75,7 @@ from forged.http.state import AppState, KeyUsage
 from forged.http.structured import request_grammar
 from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 from forged.http.tools import ToolPlan
+from forged.retrieval.store import cursor_names
 
 access_log = logging.getLogger("forged.access")
 # llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
@@ -171,6 +187,16 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
         return json_response(await tokenize(state, await _decoded(
             state, tokenize_decoder, engine=False)))
 
+    @app.post("/v1/retrieve")
+    async def retrieve_route() -> Response:
+        req = await _decoded(state, retrieve_decoder, engine=False)
+        return json_response(await retrieve(state, req, g.get("key")))
+
+    @app.post("/v1/events")
+    async def events_route() -> Response:
+        record_event(state, await _decoded(state, event_decoder, engine=False), g.get("key"))
+        return json_response({})
+
     @app.post("/detokenize")
     async def detokenize_route() -> Response:
         return json_response(await detokenize(state, await _decoded(
@@ -182,8 +208,8 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     async def completions() -> Response:
         req = await _decoded(state, completion_decoder, refuse=True)
         asked = completion_asked(req)
-        prompt = await _completion_prompt(state, req)
-        fmt = _completion_format(state, req, prompt, asked)
+        prompt, found = await _completion_prompt(state, req)
+        fmt = with_retrieved(_completion_format(state, req, prompt, asked), found)
         try:
             return await _run(state, req, prompt, req.max_tokens, fmt, asked=asked)
         except e.ContextTooLong as exc:
@@ -194,20 +220,24 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     async def chat_completions() -> Response:
         req = await _decoded(state, chat_decoder, refuse=True)
         _check_model(state, req.model)
+        found = await context(state, req.repo, g.get("key"), last_user_text(req))
+        req = chat_with_context(req, found)
         prompt = await chat_prompt(state, req)
         plan, asked = prompt.tools, chat_asked(req)
         return await _run(state, req, prompt.tokens,
                           req.max_completion_tokens or req.max_tokens,
-                          _chat_format(state, req, plan, asked),
+                          with_retrieved(_chat_format(state, req, plan, asked), found),
                           grammar=plan.grammar if plan else None, asked=asked)
 
     @app.post("/infill")
     async def infill() -> Response:
         req = await _decoded(state, infill_decoder)
         _check_model(state, req.model)
-        prompt = await infill_tokens(state, req)
+        found = await infill_context(state, req, g.get("key"))
+        prompt = await infill_tokens(state, req, found)
         try:
-            return await _run(state, req, prompt, requested_tokens(req), infill_format(req))
+            return await _run(state, req, prompt, requested_tokens(req),
+                              with_retrieved(infill_format(req), found))
         except e.ContextTooLong as exc:
             exc.param = "input_prefix"
             raise
@@ -327,21 +357,33 @@ def _chat_format(state: AppState, req: ChatRequest, plan: ToolPlan | None,
                              vocab=None if asked.top is None else state.prompter)
 
 
-async def _completion_prompt(state: AppState, req: CompletionRequest) -> list[int]:
+async def _completion_prompt(state: AppState, req: CompletionRequest
+                             ) -> tuple[list[int], Retrieved | None]:
+    """The prompt's tokens, and the repository chunks it draws on (with ``repo``, or
+    the key's default): as extra files before a fill-in-the-middle prompt, as
+    snippets before a plain one."""
     _check_model(state, req.model)
     given: str | list[str | int] = _one_prompt(req.prompt)  # type: ignore[assignment]
     if not isinstance(given, str):
         check_ids(state, given, "prompt")
         if req.suffix is None:
-            return list(given)  # type: ignore[arg-type]
+            if req.repo is not None:
+                raise e.BadRequest("repo needs the prompt as text, or a suffix",
+                                   param="repo")
+            return list(given), None  # type: ignore[arg-type]
+    found = await context(state, req.repo, g.get("key"), query_around(
+        code_text(given), req.suffix or "", state.cfg.retrieval.query_lines),
+        cursor_names(code_text(given)))
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
-        return await fim_prompt(state, given, req.suffix, [], "", req.max_tokens)
+        extra = extra_files(found) if found else []
+        return await fim_prompt(state, given, req.suffix, extra, "", req.max_tokens), found
     assert isinstance(given, str)
     _refuse_raw_fim(state, given)
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion, given)
+    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion,
+                                           as_snippets(found) + given)
     if not tokens:
         raise e.BadRequest("the prompt is empty", param="prompt")
-    return tokens
+    return tokens, found
 
 
 # How FIM-trained models write their tokens (StarCoder, Qwen-Coder, CodeLlama, DeepSeek).

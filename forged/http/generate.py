@@ -29,6 +29,7 @@ from forged.http import sse
 from forged.http.lifetime import resources
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.state import AppState, KeyUsage
+from forged.observe.telemetry import Completion
 
 access_log = logging.getLogger("forged.access")
 
@@ -59,6 +60,16 @@ class Outcome:
     # by choice.
     prompt: str | None = None
     completion: dict[int, list[str]] | None = None
+    completion_id: str = ""  # the response's id, which editors' events name
+
+    def _telemetry(self, state: AppState, duration: float) -> None:
+        """A generation that answered in full, for ``forged report``: id, key name,
+        route and latency; never its text."""
+        if self.end != "ok" or not self.completion_id:
+            return
+        state.metrics.completions.labels(self.key, self.endpoint).inc()
+        state.telemetry.record(Completion(self.completion_id, self.key, self.endpoint,
+                                          time.time(), duration * 1000))
 
     def mark_admitted(self) -> None:
         if not self.admitted and self.usage is not None:
@@ -93,6 +104,7 @@ class Outcome:
             times = rs.delta_times
             m.observe_itl([b - a for a, b in itertools.pairwise(times)])
         m.e2e.observe(duration)
+        self._telemetry(state, duration)
         if self.queue_time is not None:
             m.queue_time.labels(self.priority).observe(self.queue_time)
         m.prompt_tokens.inc(self.prompt_tokens)
@@ -132,6 +144,7 @@ async def generate(state: AppState, req: Any, request: Request, fmt: sse.MakeFor
                    outcome: Outcome) -> Response:
     out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)
+    outcome.completion_id = out.id
     held = resources()
     try:
         held.enter_context(state.drain.generation())

@@ -23,12 +23,15 @@ import trio
 from msgspec import Meta
 
 from forged import errors as e
+from forged.auth import KeyEntry
 from forged.config import Priority
 from forged.engine import frames as fr
 from forged.engine.fim import ExtraFile
 from forged.http import sse
+from forged.http.retrieve import Retrieved, code_text, context, query_around
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
+from forged.retrieval.store import cursor_names
 
 # A piece of code: text, or llama.cpp's mix of text and token ids.
 Code = str | list[str | int]
@@ -78,11 +81,30 @@ async def fim_prompt(state: AppState, prefix: Code, suffix: Code, extra: list[Ex
         n_predict=-1 if wanted is None else wanted))
 
 
-async def infill_tokens(state: AppState, req: InfillRequest) -> list[int]:
+async def infill_tokens(state: AppState, req: InfillRequest,
+                        found: Retrieved | None = None) -> list[int]:
+    """The prompt, with the chunks ``found`` in the repository after the editor's own
+    extra files: llama.cpp clips the extra context from its front, so the best chunk
+    goes last, nearest the cursor, and is the last to be cut."""
     check_ids(state, req.input_prefix, "input_prefix")
     check_ids(state, req.input_suffix, "input_suffix")
-    return await fim_prompt(state, req.input_prefix, req.input_suffix, req.input_extra,
+    extra = req.input_extra + (extra_files(found) if found else [])
+    return await fim_prompt(state, req.input_prefix, req.input_suffix, extra,
                             req.prompt, requested_tokens(req))
+
+
+def extra_files(found: Retrieved) -> list[ExtraFile]:
+    return [ExtraFile(text=h.text, filename=h.path) for h in reversed(found.hits)]
+
+
+async def infill_context(state: AppState, req: InfillRequest,
+                         key: KeyEntry | None) -> Retrieved | None:
+    """The repository chunks for the code around the cursor."""
+    lines = state.cfg.retrieval.query_lines
+    prefix = code_text(req.input_prefix) + req.prompt
+    return await context(state, req.repo, key,
+                         query_around(prefix, code_text(req.input_suffix), lines),
+                         cursor_names(prefix))
 
 
 def timings(done: fr.Done) -> dict[str, float]:
@@ -129,7 +151,8 @@ class InfillFormat(sse.Format):
 
     def _choice(self, text: str, done: fr.Done, scores: sse.Scores) -> dict[str, Any]:
         body = {
-            "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
+            # not llama.cpp's: the id editors name in /v1/events
+            "id": self.id, "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": done.completion_tokens,
             "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in text,
             # forged refuses a prompt that does not fit rather than cutting it
@@ -140,6 +163,8 @@ class InfillFormat(sse.Format):
             "tokens_cached": done.prompt_tokens + done.completion_tokens,
             "timings": timings(done),
         }
+        if self.retrieved is not None:
+            body["retrieved"] = self.retrieved
         return body if self.fields is None else select(body, self.fields)
 
 

@@ -48,6 +48,7 @@ def http_error(status: int, message: str, type_: str, param: str | None = None,
 # The first class that matches wins, so subclasses come before their bases.
 _MAPPING: tuple[tuple[type[e.ForgedError], int, str, str], ...] = (
     (e.Unauthorized, 401, "invalid_request_error", "invalid_api_key"),
+    (e.Forbidden, 403, "invalid_request_error", "permission_denied"),
     (e.RateLimited, 429, "requests", "rate_limit_exceeded"),
     (e.QueueTimeout, 503, "server_error", "queue_timeout"),
     (e.Overloaded, 503, "server_error", "overloaded"),
@@ -57,6 +58,8 @@ _MAPPING: tuple[tuple[type[e.ForgedError], int, str, str], ...] = (
 
 def from_exception(exc: e.ForgedError) -> HTTPError:
     """Map a domain error to what the caller sees."""
+    if isinstance(exc, e.NotFound):
+        return http_error(404, str(exc), "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, e.BadRequest):
         return http_error(400, str(exc), "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, e.ModelNotFound):

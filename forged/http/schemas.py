@@ -68,6 +68,9 @@ class GenerationFields(Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     include_stop_str_in_output: bool = False
     stop_token_ids: Annotated[list[int], Meta(max_length=256)] | None = None
+    # A repository index the prompt draws on (forged.http.retrieve); absent: the API
+    # key's default_repo, if it has one.
+    repo: str | None = None
 
 
 # OpenAI's bound on the alternatives per token (vLLM's default max_logprobs too).

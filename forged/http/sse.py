@@ -48,6 +48,9 @@ class Format:
     object_whole: ClassVar[str]
     object_chunk: ClassVar[str]
     id_prefix: ClassVar[str]
+    # The repository chunks the prompt drew on (forged.http.retrieve), when it did:
+    # named in the whole response, and in a chunk of their own before [DONE].
+    retrieved: list[dict[str, Any]] | None = None
 
     def __init__(self, model: str, created: int, n: int = 1, *,
                  fingerprint: str | None = None) -> None:
@@ -89,11 +92,16 @@ class Format:
 
     def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
         """After the last choice: the usage chunk, when asked for, and ``[DONE]``."""
+        named = b""
+        if self.retrieved is not None:
+            r = self._envelope(self.object_chunk, [])
+            r["retrieved"] = self.retrieved
+            named = event(r)
         if not include_usage:
-            return DONE
+            return named + DONE
         u = self._envelope(self.object_chunk, [])
         u["usage"] = usage(dones)
-        return event(u) + DONE
+        return named + event(u) + DONE
 
     def _tail(self, index: int) -> bytes:
         """Frames for what a subclass still holds when a choice ends."""
@@ -114,6 +122,8 @@ class Format:
             self._choice(text, done, score)
             for text, done, score in zip(texts, dones, scores, strict=True)])
         out["usage"] = usage(dones)
+        if self.retrieved is not None:
+            out["retrieved"] = self.retrieved
         return out
 
     def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -16,6 +17,8 @@ from forged.config import Config
 from forged.engine.pool import EnginePool
 from forged.engine.prompts import Prompter
 from forged.observe.metrics import Metrics
+from forged.observe.telemetry import Recorder, telemetry_path
+from forged.retrieval.query import Searcher
 
 
 @dataclass
@@ -110,6 +113,17 @@ class AppState:
     keys: KeyStore = field(default_factory=KeyStore)
     key_usage: dict[str, KeyUsage] = field(default_factory=dict)
     holds: Holds | None = None  # test hooks only
+    # The repository indexes, searched in threads, at most retrieval.search_threads at
+    # once (forged.http.retrieve).
+    searcher: Searcher = field(init=False)
+    search_limiter: trio.CapacityLimiter = field(init=False)
+    # Completion telemetry; its writer task runs in the daemon's nursery.
+    telemetry: Recorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
+        self.searcher = Searcher(Path(self.cfg.server.state_dir) / "index")
+        self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
 
     @property
     def model_ids(self) -> list[str]:

@@ -161,6 +161,15 @@ class Metrics:
                                          registry=r)
         self.cancellations = Counter("forged_cancellations", "Requests ended early.",
                                      ["reason"], registry=r)
+        # Telemetry (forged.observe.telemetry): by API key name, never by content.
+        self.completions = Counter("forged_completions", "Generations answered, by API "
+                                   "key name and route.", ["key", "route"], registry=r)
+        self.completion_events = Counter(
+            "forged_completion_events", "Editors' events on completions (view: shown, "
+            "select: accepted, dismiss), by API key name.", ["key", "type"], registry=r)
+        self.telemetry_dropped = Counter(
+            "forged_telemetry_dropped", "Telemetry records dropped: the writer's queue was "
+            "full.", registry=r)
         info = Gauge("forged_build_info", "Version and model (always 1).",
                      ["version", "model"], registry=r)
         info.labels(__version__, model).set(1)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import pwd
 import sys
 import time
 from pathlib import Path
@@ -11,13 +13,30 @@ from typing import Any
 from forged import config as fc
 from forged.retrieval.store import Index, IndexError_, index_path, list_indexes
 
+DAEMON_USER = "forged"  # systemd/forged.sysusers
+
 
 def index_dir(args: argparse.Namespace) -> Path:
     return Path(fc.load(Path(args.config)).server.state_dir) / "index"
 
 
+def give_to_daemon(directory: Path, name: str) -> None:
+    """Run as root (``sudo forged index add``), leave the index the daemon's user's, as
+    if that user had made it: the hourly timer updates it as that user."""
+    if os.geteuid() != 0:
+        return
+    try:
+        user = pwd.getpwnam(DAEMON_USER)
+    except KeyError:
+        return  # a development machine without the forged user
+    for path in (directory, index_path(directory, name)):
+        os.chown(path, user.pw_uid, user.pw_gid)
+
+
 def cmd_add(args: argparse.Namespace) -> int:
-    with Index.create(index_dir(args), args.name, Path(args.path)) as idx:
+    directory = index_dir(args)
+    with Index.create(directory, args.name, Path(args.path)) as idx:
+        give_to_daemon(directory, args.name)
         stats = idx.update()
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
           f"{stats.rechunked} chunked, in {stats.seconds:.1f} s", file=sys.stderr)

@@ -23,11 +23,11 @@ import re
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from forged.retrieval.chunking import chunk_file, identifiers, split_identifier, split_words
+from forged.retrieval.chunking import chunk_file, identifiers, search_words, split_words
 
 MAX_FILE_BYTES = 1 << 20
 BINARY_PROBE = 8192
@@ -41,11 +41,21 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS files (
     path TEXT PRIMARY KEY, version TEXT NOT NULL, chunks INTEGER NOT NULL,
-    skipped TEXT, indexed_at REAL NOT NULL);
+    skipped TEXT, indexed_at REAL NOT NULL, first_row INTEGER);
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks USING fts5(
     path UNINDEXED, start_line UNINDEXED, end_line UNINDEXED, text UNINDEXED,
     defines, path_words, uses, tokenize = 'unicode61');
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_vocab USING fts5vocab(chunks, 'row');
+-- How many chunks hold each word, refreshed by every update that changed something:
+-- a search keeps its rarest words (fts5vocab counts by reading a word's whole list).
+CREATE TABLE IF NOT EXISTS terms (term TEXT PRIMARY KEY, docs INTEGER NOT NULL)
+    WITHOUT ROWID;
 """
+# A search scores every chunk that holds any of its words: only the rarest few are kept
+# (the code around a cursor has dozens of identifiers, and the common ones weigh ~0 in
+# BM25 while costing the most).
+MAX_QUERY_TERMS = 12
+MAX_POSTINGS = 20_000
 
 
 class IndexError_(Exception):
@@ -94,6 +104,13 @@ class Index:
 
     def __init__(self, db: sqlite3.Connection, name: str, source: Path) -> None:
         self.db, self.name, self.source = db, name, source
+        db.executescript(SCHEMA)  # what an older index lacks (IF NOT EXISTS throughout)
+        # FTS merges of a large build touch many pages: a cache of 64 MiB, not 2.
+        db.execute("PRAGMA cache_size = -65536")
+        columns = [row[1] for row in db.execute("PRAGMA table_info(files)")]
+        if "first_row" not in columns:  # an index made before first_row existed
+            with db:
+                db.execute("ALTER TABLE files ADD COLUMN first_row INTEGER")
 
     @classmethod
     def create(cls, directory: Path, name: str, source: Path) -> Index:
@@ -136,35 +153,49 @@ class Index:
             for path in changed:
                 self._forget(path)
                 self._add(path, listed[path], max_bytes)
+            if gone or changed or not self._has_terms():
+                self.db.execute("DELETE FROM terms")
+                self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
                             (repr(time.time()),))
         return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0)
 
+    def _has_terms(self) -> bool:
+        return self.db.execute("SELECT 1 FROM terms LIMIT 1").fetchone() is not None
+
     def _forget(self, path: str) -> None:
-        self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
+        # A file's chunks have consecutive rowids from its first_row: deleting that range
+        # is a lookup. By path it would scan the whole table (path is UNINDEXED), once
+        # per file: a 20,000-file build took more than 8 minutes that way.
+        row = self.db.execute("SELECT first_row, chunks FROM files WHERE path = ?",
+                              (path,)).fetchone()
+        if row is None:
+            return
+        first, n = row
+        if first is None:  # recorded before first_row existed
+            self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
+        elif n:
+            self.db.execute("DELETE FROM chunks WHERE rowid >= ? AND rowid < ?",
+                            (first, first + n))
         self.db.execute("DELETE FROM files WHERE path = ?", (path,))
 
     def _add(self, path: str, version: str, max_bytes: int) -> None:
         data, skipped = read_source_file(self.source / path, max_bytes)
         chunks = chunk_file(path, data.decode("utf-8", "replace")) if data is not None else []
         words = split_words(path.replace("/", " ").replace(".", " ").split())
+        first = self.db.execute("SELECT coalesce(max(rowid), 0) + 1 FROM chunks_content"
+                                ).fetchone()[0]
         self.db.executemany(
-            "INSERT INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(c.path, c.start_line, c.end_line, c.text, split_words(c.defines), words,
-              split_words(c.uses)) for c in chunks])
-        self.db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)",
-                        (path, version, len(chunks), skipped, time.time()))
+            "INSERT INTO chunks (rowid, path, start_line, end_line, text, defines, "
+            "path_words, uses) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(first + i, c.path, c.start_line, c.end_line, c.text, split_words(c.defines),
+              words, split_words(c.uses)) for i, c in enumerate(chunks)])
+        self.db.execute("INSERT INTO files (path, version, chunks, skipped, indexed_at, "
+                        "first_row) VALUES (?, ?, ?, ?, ?, ?)",
+                        (path, version, len(chunks), skipped, time.time(), first))
 
-    def search(self, query: str, limit: int = 10) -> list[Hit]:
-        match = fts_query(query)
-        if not match:
-            return []
-        weights = ", ".join(str(w) for w in WEIGHTS)
-        rows = self.db.execute(
-            f"SELECT path, start_line, end_line, bm25(chunks, {weights}) AS r, text "
-            "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
-        # bm25() is lower-is-better and negative; report higher-is-better.
-        return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
+    def search(self, query: str, limit: int = 10, focus: Sequence[str] = ()) -> list[Hit]:
+        return search_db(self.db, query, limit, focus)
 
     def info(self) -> IndexInfo:
         files, chunks = self.db.execute(
@@ -177,9 +208,74 @@ class Index:
                          float(row[0]) if row else None)
 
 
-def fts_query(query: str) -> str:
-    """Any of the query's identifier words, each quoted so FTS5 syntax cannot leak in."""
-    words = dict.fromkeys(w for name in identifiers(query) for w in split_identifier(name))
+def search_db(db: sqlite3.Connection, query: str, limit: int,
+              focus: Sequence[str] = ()) -> list[Hit]:
+    """The ``limit`` best chunks of an index's database for ``query``, best first.
+
+    ``focus``: names whose definitions come first (the name being called at a cursor:
+    what a completion most needs to see), up to ``limit // 2 + 1`` of them, then the
+    rest by BM25 over the whole query."""
+    first = _ranked(db, _defining(focus), limit // 2 + 1) if focus else []
+    seen = {(h.path, h.start_line) for h in first}
+    rest = [h for h in _ranked(db, fts_query(rarest(db, query_words(query))), limit)
+            if (h.path, h.start_line) not in seen]
+    return (first + rest)[:limit]
+
+
+def _ranked(db: sqlite3.Connection, match: str, limit: int) -> list[Hit]:
+    if not match:
+        return []
+    weights = ", ".join(str(w) for w in WEIGHTS)
+    rows = db.execute(
+        f"SELECT path, start_line, end_line, bm25(chunks, {weights}) AS r, text "
+        "FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, limit))
+    # bm25() is lower-is-better and negative; report higher-is-better.
+    return [Hit(p, int(s), int(e), -r, t) for p, s, e, r, t in rows]
+
+
+def _defining(names: Sequence[str]) -> str:
+    """An FTS5 query for chunks defining any of ``names``: each name's words as a
+    phrase in the ``defines`` column."""
+    phrases = dict.fromkeys(" ".join(search_words(n)) for n in names)
+    return " OR ".join(f'defines : "{p}"' for p in phrases if p)
+
+
+def cursor_names(prefix: str, n: int = 2) -> list[str]:
+    """The last ``n`` identifiers on the cursor's line, the nearest first: after
+    ``x = open_nursery(``, the name whose definition the completion wants."""
+    lines = prefix.splitlines() or [""]
+    return identifiers(lines[-1])[-n:][::-1]
+
+
+def query_words(query: str) -> list[str]:
+    """The query's identifiers' words, once each, in order, stop words left out."""
+    return list(dict.fromkeys(w for name in identifiers(query) for w in search_words(name)))
+
+
+def rarest(db: sqlite3.Connection, words: list[str]) -> list[str]:
+    """The words in fewest chunks, at most ``MAX_QUERY_TERMS``, while the chunks they
+    are in stay under ``MAX_POSTINGS`` together (the rarest one always); words in no
+    chunk are dropped. A search's cost is the chunks it scores: this bounds it."""
+    if not words:
+        return []
+    marks = ", ".join("?" * len(words))
+    try:
+        docs = dict(db.execute(f"SELECT term, docs FROM terms WHERE term IN ({marks})",
+                               words))
+    except sqlite3.OperationalError:  # an index from before `terms`: until its update
+        return words[:MAX_QUERY_TERMS]
+    kept: list[str] = []
+    total = 0
+    for w in sorted((w for w in words if w in docs), key=lambda w: docs[w]):
+        if kept and (len(kept) == MAX_QUERY_TERMS or total + docs[w] > MAX_POSTINGS):
+            break
+        kept.append(w)
+        total += docs[w]
+    return kept
+
+
+def fts_query(words: list[str]) -> str:
+    """Any of ``words``, each quoted so FTS5 syntax cannot leak in."""
     return " OR ".join(f'"{w}"' for w in words)
 
 

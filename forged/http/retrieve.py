@@ -1,0 +1,209 @@
+"""``POST /v1/retrieve``, and the chunks a generation with ``repo`` draws on.
+
+A repository's index (``forged index add``, :mod:`forged.retrieval`) is searched in a
+worker thread, at most ``retrieval.search_threads`` at once: never on the event loop
+(a search is milliseconds of CPU, and every stream's next frame would wait behind it)
+and never in the decode worker, which only ever sees the finished prompt.
+
+Access: an API key with ``repos`` in keys.toml may search only those indexes (403 for
+any other); a key without it, or an API with no keys, may search every index. A key's
+``default_repo`` is the index its generations draw on when they name none.
+
+A generation's chunks are chosen by :func:`context`: the best ``context_chunks`` hits
+for the code around the cursor, kept in rank order while their tokens (path line and
+text) fit ``context_tokens`` together; one that would pass the budget is left out whole,
+a smaller one after it may still fit. The response names them under ``retrieved``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+import trio
+from msgspec import Meta
+
+from forged import errors as e
+from forged.auth import KeyEntry
+from forged.engine.fim import SNIPPET_SEPARATOR
+from forged.http.schemas import ChatMessage, ChatRequest
+from forged.http.sse import Format, MakeFormat
+from forged.http.state import AppState
+from forged.retrieval.store import Hit, IndexError_
+
+log = logging.getLogger("forged")
+
+
+class RetrieveRequest(msgspec.Struct, kw_only=True):
+    # The index's name; absent: the API key's default_repo.
+    repo: str | None = None
+    query: Annotated[str, Meta(min_length=1, max_length=16384)]
+    k: Annotated[int, Meta(ge=1)] = 10
+
+
+retrieve_decoder = msgspec.json.Decoder(RetrieveRequest)
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """The chunks found for one request in ``repo``, best first."""
+
+    repo: str
+    hits: list[Hit]
+
+    def named(self) -> list[dict[str, Any]]:
+        """What a generation's response says it used: where each chunk is, not its text."""
+        return [{"repo": self.repo, "path": h.path, "start_line": h.start_line,
+                 "end_line": h.end_line, "score": h.score} for h in self.hits]
+
+
+def resolve_repo(state: AppState, repo: str | None, key: KeyEntry | None) -> str | None:
+    """The index a request names (or its key's default), checked: the key may read it
+    (403) and it exists (404). None when neither names one."""
+    name = repo or (key.default_repo if key else "") or None
+    if name is None:
+        return None
+    if key is not None and not key.may_read(name):
+        raise e.Forbidden(f"API key {key.name!r} may not read the repository index {name!r}")
+    try:
+        found = state.searcher.exists(name)
+    except IndexError_ as exc:
+        raise e.BadRequest(str(exc), param="repo") from exc
+    if not found:
+        raise e.NotFound(f"no repository index {name!r}: `forged index list` shows them",
+                         param="repo", code="repo_not_found")
+    return name
+
+
+async def search(state: AppState, repo: str, query: str, k: int,
+                 focus: Sequence[str] = ()) -> list[Hit]:
+    """The ``k`` best chunks of ``repo`` for ``query`` (definitions of ``focus``
+    first), searched in a thread."""
+    try:
+        return await trio.to_thread.run_sync(
+            state.searcher.search, repo, query, k, focus, limiter=state.search_limiter)
+    except IndexError_ as exc:  # removed between the check and the search
+        raise e.NotFound(str(exc), param="repo", code="repo_not_found") from exc
+    except sqlite3.OperationalError as exc:
+        # `forged index update` holds the file for longer than the search waits (a
+        # large first build spilling its cache): try again shortly.
+        log.warning("index %r unreadable: %s", repo, exc)
+        raise e.Unavailable(f"the repository index {repo!r} is being updated; retry",
+                            state.cfg.limits.retry_after) from exc
+
+
+async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
+                   ) -> dict[str, Any]:
+    """``/v1/retrieve``'s answer: ranked chunks with their text."""
+    limit = state.cfg.retrieval.max_k
+    if req.k > limit:
+        raise e.BadRequest(f"k is {req.k}; at most {limit} chunks may be asked for",
+                           param="k")
+    repo = resolve_repo(state, req.repo, key)
+    if repo is None:
+        raise e.BadRequest("name the repository index to search in `repo` (`forged index "
+                           "list` shows them)", param="repo")
+    hits = await search(state, repo, req.query, req.k)
+    return {"object": "list", "repo": repo, "data": [
+        {"repo": repo, "path": h.path, "start_line": h.start_line, "end_line": h.end_line,
+         "score": h.score, "text": h.text} for h in hits]}
+
+
+async def context(state: AppState, repo: str | None, key: KeyEntry | None,
+                  query: str, focus: Sequence[str] = ()) -> Retrieved | None:
+    """The chunks a generation draws on: None when it names no index (nor its key)."""
+    name = resolve_repo(state, repo, key)
+    if name is None:
+        return None
+    cfg = state.cfg.retrieval
+    if cfg.context_chunks == 0 or cfg.context_tokens == 0:
+        return Retrieved(name, [])
+    try:
+        hits = await search(state, name, query, cfg.context_chunks, focus)
+    except e.Unavailable:  # the completion goes on without context, and says so
+        return Retrieved(name, [])
+    kept = await trio.to_thread.run_sync(functools.partial(
+        within_budget, state, hits, cfg.context_tokens))
+    return Retrieved(name, kept)
+
+
+def chunk_tokens(state: AppState, hit: Hit) -> int:
+    """A chunk's share of the budget: its path line and its text, as the model reads them."""
+    tokenize = functools.partial(state.prompter.tokenize, add_special=False,
+                                 parse_special=False)
+    return len(tokenize(hit.path + "\n")) + len(tokenize(hit.text)) + 1
+
+
+def within_budget(state: AppState, hits: list[Hit], budget: int) -> list[Hit]:
+    kept, used = [], 0
+    for hit in hits:
+        n = chunk_tokens(state, hit)
+        if used + n <= budget:
+            kept.append(hit)
+            used += n
+    return kept
+
+
+def query_around(prefix: str, suffix: str, lines: int) -> str:
+    """An infill's query: the prefix's last ``lines`` lines and the suffix's first."""
+    return "\n".join([*prefix.splitlines()[-lines:], *suffix.splitlines()[:lines]])
+
+
+def code_text(code: str | list[str | int]) -> str:
+    """The text parts of llama.cpp's mixed text (token ids carry no identifiers here)."""
+    return code if isinstance(code, str) else "".join(p for p in code if isinstance(p, str))
+
+
+def with_retrieved(fmt: MakeFormat, found: Retrieved | None) -> MakeFormat:
+    """``fmt``, its responses naming the chunks ``found`` (when a repository was used)."""
+    if found is None:
+        return fmt
+
+    def make(*args: Any, **kwargs: Any) -> Format:
+        out = fmt(*args, **kwargs)
+        out.retrieved = found.named()
+        return out
+
+    return make
+
+
+def as_snippets(found: Retrieved | None) -> str:
+    """A plain completion's context before its prompt, as llama.cpp lays out extra files
+    for a model without a file-separator token: each chunk after the snippet separator,
+    under its path, the best last (nearest the prompt)."""
+    if not found or not found.hits:
+        return ""
+    return "".join(f"{SNIPPET_SEPARATOR}{h.path}\n{h.text}"
+                   for h in reversed(found.hits)) + SNIPPET_SEPARATOR
+
+
+def last_user_text(req: ChatRequest) -> str:
+    """A chat's query: its last user message's text."""
+    for m in reversed(req.messages):
+        if m.role == "user":
+            if isinstance(m.content, str):
+                return m.content
+            return "\n".join(p.text or "" for p in m.content or [])
+    return ""
+
+
+def chat_with_context(req: ChatRequest, found: Retrieved | None) -> ChatRequest:
+    """The chat with the chunks ``found`` as a system-context block: added to its leading
+    system message when that is text, else as a system message of its own in front."""
+    if not found or not found.hits:
+        return req
+    block = f"Code from the repository {found.repo} that may be relevant:\n\n" + "\n\n".join(
+        f"{h.path} (lines {h.start_line}-{h.end_line}):\n```\n{h.text}\n```"
+        for h in found.hits)
+    first, rest = req.messages[0], req.messages[1:]
+    if first.role in ("system", "developer") and isinstance(first.content, str):
+        messages = [msgspec.structs.replace(first, content=f"{first.content}\n\n{block}"),
+                    *rest]
+    else:
+        messages = [ChatMessage(role="system", content=block), *req.messages]
+    return msgspec.structs.replace(req, messages=messages)

@@ -1,0 +1,221 @@
+"""Completion telemetry, as Tabby's users know it: was a completion shown, taken, dropped?
+
+Editors send ``POST /v1/events`` with ``view``, ``select`` or ``dismiss`` and the
+completion's id; the daemon records, for each generation that answered, its id, route
+and latency. Both go to ``server.state_dir/telemetry.sqlite3`` under the API key's
+*name*. No prompt, completion or event text is ever written: ids, names, times and
+numbers only (``test_telemetry`` greps the file's bytes for the prompt).
+
+``forged report`` reads the file: completions shown (viewed), accepted (selected),
+the acceptance rate, and /infill latency p50/p95, per key name and per UTC day.
+
+Resource handling: records travel from request handlers to one writer task through a
+bounded channel (``QUEUE``). When it is full, a record is dropped and counted
+(``forged_telemetry_dropped_total``) rather than making a request wait on the disk.
+The writer batches what is queued into one transaction, in a thread; when cancelled
+(the daemon stopping) it writes what is left, shielded, for at most ``FLUSH_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+from forged.observe.metrics import Metrics
+from forged.observe.stats import percentile
+
+log = logging.getLogger("forged")
+QUEUE = 4096  # records waiting for the writer; more are dropped and counted
+BATCH = 512  # records per transaction at most
+FLUSH_TIMEOUT = 2.0  # seconds to write what is queued when the daemon stops
+EventType = Literal["view", "select", "dismiss"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS completions (
+    id TEXT PRIMARY KEY, key TEXT NOT NULL, route TEXT NOT NULL, at REAL NOT NULL,
+    latency_ms REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    completion_id TEXT NOT NULL, key TEXT NOT NULL, type TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS events_at ON events (at);
+CREATE INDEX IF NOT EXISTS completions_at ON completions (at);
+"""
+
+
+@dataclass(frozen=True)
+class Completion:
+    id: str
+    key: str
+    route: str
+    at: float  # Unix time
+    latency_ms: float
+
+
+@dataclass(frozen=True)
+class Event:
+    completion_id: str
+    key: str
+    type: EventType
+    at: float
+
+
+Record = Completion | Event
+
+
+def telemetry_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "telemetry.sqlite3"
+
+
+def open_db(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One writer task uses it, one batch at a time, from whichever worker thread trio
+    # hands that batch: never two threads at once.
+    db = sqlite3.connect(path, timeout=5.0, check_same_thread=False)
+    db.executescript(SCHEMA)
+    return db
+
+
+def write(db: sqlite3.Connection, records: list[Record]) -> None:
+    """One transaction for a batch; a completion id seen again keeps its first row."""
+    with db:
+        db.executemany("INSERT OR IGNORE INTO completions VALUES (?, ?, ?, ?, ?)",
+                       [(r.id, r.key, r.route, r.at, r.latency_ms)
+                        for r in records if isinstance(r, Completion)])
+        db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)",
+                       [(r.completion_id, r.key, r.type, r.at)
+                        for r in records if isinstance(r, Event)])
+
+
+class Recorder:
+    """The request handlers' side (``completion``, ``event``: never wait) and the
+    writer task (``serve``)."""
+
+    def __init__(self, path: Path, metrics: Metrics) -> None:
+        self.path = path
+        self.metrics = metrics
+        self._send, self._receive = trio.open_memory_channel[Record](QUEUE)
+
+    def record(self, rec: Record) -> None:
+        if isinstance(rec, Event):
+            self.metrics.completion_events.labels(rec.key, rec.type).inc()
+        try:
+            self._send.send_nowait(rec)
+        except trio.WouldBlock:
+            self.metrics.telemetry_dropped.inc()
+
+    async def serve(self) -> None:
+        """Write records as they come, until cancelled; then what is left."""
+        try:
+            db = await trio.to_thread.run_sync(open_db, self.path)
+        except sqlite3.Error as exc:  # the queue fills; further records are counted
+            log.error("telemetry: cannot open %s: %s; nothing is recorded", self.path, exc)
+            return
+        try:
+            while True:
+                batch = [await self._receive.receive()]
+                await self._write(db, self._take(batch))
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_TIMEOUT):
+                left = self._take([])
+                if left:
+                    await self._write(db, left)
+            db.close()
+
+    def _take(self, batch: list[Record]) -> list[Record]:
+        while len(batch) < BATCH:
+            try:
+                batch.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+        return batch
+
+    async def _write(self, db: sqlite3.Connection, batch: list[Record]) -> None:
+        """A batch that cannot be written (a full disk) is dropped and counted: telemetry
+        must never take the daemon down."""
+        try:
+            await trio.to_thread.run_sync(write, db, batch)
+        except sqlite3.Error as exc:
+            log.error("telemetry: %d records not written to %s: %s", len(batch), self.path,
+                      exc)
+            self.metrics.telemetry_dropped.inc(len(batch))
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+@dataclass
+class ReportRow:
+    key: str
+    day: str  # UTC, YYYY-MM-DD
+    completions: int = 0
+    shown: int = 0  # completions with a view event
+    accepted: int = 0  # completions with a select event
+    dismissed: int = 0
+    infill_p50_ms: float | None = None
+    infill_p95_ms: float | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.shown if self.shown else None
+
+
+def _day(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d")
+
+
+def report(db: sqlite3.Connection, since: float = 0.0) -> list[ReportRow]:
+    """Per key name and day: completions, shown, accepted, dismissed, infill latency."""
+    rows: dict[tuple[str, str], ReportRow] = {}
+
+    def row(key: str, at: float) -> ReportRow:
+        k = (key, _day(at))
+        return rows.setdefault(k, ReportRow(*k))
+
+    latencies: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for key, route, at, ms in db.execute(
+            "SELECT key, route, at, latency_ms FROM completions WHERE at >= ?", (since,)):
+        row(key, at).completions += 1
+        if route == "/infill":
+            latencies[key, _day(at)].append(ms)
+    for key, type_, at, n in db.execute(
+            "SELECT key, type, min(at), count(DISTINCT completion_id) FROM events "
+            "WHERE at >= ? GROUP BY key, type, date(at, 'unixepoch')", (since,)):
+        r = row(key, at)
+        setattr(r, {"view": "shown", "select": "accepted", "dismiss": "dismissed"}[type_],
+                n)
+    for k, values in latencies.items():
+        rows[k].infill_p50_ms = percentile(values, 50)
+        rows[k].infill_p95_ms = percentile(values, 95)
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[1], k[0]))]
+
+
+def read_report(state_dir: Path, since: float = 0.0) -> list[ReportRow]:
+    """``forged report``'s rows, read-only; none when nothing was recorded yet."""
+    path = telemetry_path(state_dir)
+    if not path.is_file():
+        return []
+    db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, timeout=5.0)
+    try:
+        return report(db, since)
+    finally:
+        db.close()
+
+
+def render_report(rows: list[ReportRow]) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    lines = [f"{'DAY':<10}  {'KEY':<20} {'COMPLETIONS':>11} {'SHOWN':>7} {'ACCEPTED':>8} "
+             f"{'RATE':>6} {'INFILL P50 MS':>13} {'P95 MS':>7}"]
+    for r in rows:
+        rate = "-" if r.acceptance is None else f"{r.acceptance:.0%}"
+        lines.append(f"{r.day:<10}  {r.key:<20} {r.completions:>11} {r.shown:>7} "
+                     f"{r.accepted:>8} {rate:>6} {ms(r.infill_p50_ms):>13} "
+                     f"{ms(r.infill_p95_ms):>7}")
+    return "\n".join(lines)

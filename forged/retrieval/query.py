@@ -1,0 +1,60 @@
+"""Searching the indexes from the daemon: read-only, one SQLite connection per thread.
+
+The daemon searches in worker threads (``trio.to_thread.run_sync`` under a bounded
+limiter, in :mod:`forged.http.retrieve`), never on the event loop: a search over a large
+index takes milliseconds of CPU, and a stream's next token must not wait behind it. An
+SQLite connection may not cross threads, so each thread keeps its own per index, opened
+read-only (``mode=ro``): the daemon never writes an index; ``forged index update`` does,
+in one transaction, and readers keep seeing the previous version until it commits.
+
+Resource handling: a thread's connections live as long as the thread (trio's thread
+cache keeps idle threads for a while, then they exit and the connections are closed
+by the garbage collector). An index deleted or re-created under an open connection is
+noticed by its file's inode, and the connection replaced.
+
+Error handling: an unknown or invalid name raises ``IndexError_``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from forged.retrieval.store import Hit, IndexError_, index_path, search_db
+
+# Seconds a search waits for ``forged index update`` to commit before it fails.
+BUSY_TIMEOUT = 5.0
+
+
+class Searcher:
+    """Searches the indexes in ``directory``; safe to call from many threads at once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._local = threading.local()
+
+    def search(self, name: str, query: str, k: int, focus: Sequence[str] = ()) -> list[Hit]:
+        return search_db(self._connection(name), query, k, focus)
+
+    def exists(self, name: str) -> bool:
+        return index_path(self.directory, name).is_file()
+
+    def _connection(self, name: str) -> sqlite3.Connection:
+        path = index_path(self.directory, name)
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            raise IndexError_(f"no index {name!r}") from None
+        held: dict[str, tuple[int, sqlite3.Connection]] = self._local.__dict__.setdefault(
+            "connections", {})
+        if name in held and held[name][0] == inode:
+            return held[name][1]
+        if name in held:
+            held.pop(name)[1].close()
+        db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True,
+                             timeout=BUSY_TIMEOUT, check_same_thread=True)
+        held[name] = (inode, db)
+        return db
