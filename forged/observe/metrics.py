@@ -161,7 +161,17 @@ class Metrics:
                                          registry=r)
         self.cancellations = Counter("forged_cancellations", "Requests ended early.",
                                      ["reason"], registry=r)
-        # Telemetry (forged.observe.telemetry): by API key name, never by content.
+        self._telemetry(r)
+        info = Gauge("forged_build_info", "Version and model (always 1).",
+                     ["version", "model"], registry=r)
+        info.labels(__version__, model).set(1)
+        r.register(_EngineCollector(totals, restarts))
+        self._ttft_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+        self._itl_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+        self._tokens_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
+
+    def _telemetry(self, r: CollectorRegistry) -> None:
+        """Telemetry (forged.observe.telemetry): by API key name, never by content."""
         self.completions = Counter("forged_completions", "Generations answered, by API "
                                    "key name and route.", ["key", "route"], registry=r)
         self.completion_events = Counter(
@@ -170,13 +180,6 @@ class Metrics:
         self.telemetry_dropped = Counter(
             "forged_telemetry_dropped", "Telemetry records dropped: the writer's queue was "
             "full.", registry=r)
-        info = Gauge("forged_build_info", "Version and model (always 1).",
-                     ["version", "model"], registry=r)
-        info.labels(__version__, model).set(1)
-        r.register(_EngineCollector(totals, restarts))
-        self._ttft_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
-        self._itl_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
-        self._tokens_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
