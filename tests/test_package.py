@@ -102,6 +102,13 @@ def test_1_install(box: BootedContainer) -> None:
     assert stat == "root:forged 640"
     # The HAProxy configuration for a pool (README, "More than one node").
     box.run("grep -q 'agent-check' /usr/share/forged/haproxy/forged.cfg")
+    # The hourly index update: the timer runs, and its service succeeds as the daemon's
+    # user in its sandbox (no index yet: nothing to do).
+    assert box.run("systemctl is-enabled forged-index.timer").stdout.strip() == "enabled"
+    assert box.run("systemctl is-active forged-index.timer").stdout.strip() == "active"
+    box.run("systemctl start forged-index.service", timeout=120)
+    assert box.run("systemctl show -p Result --value forged-index.service"
+                   ).stdout.strip() == "success"
 
 
 def test_2_first_connection_starts_the_service(box: BootedContainer) -> None:
@@ -158,6 +165,29 @@ def test_5_restart_refuses_no_connection(box: BootedContainer) -> None:
     assert not refused, results
     assert all(r.split()[0] == "0" for r in results), results
     assert {r.split()[1] for r in results} <= {"200", "503"}
+
+
+def test_5b_a_session_survives_a_restart(box: BootedContainer) -> None:
+    """The installed daemon writes a session's KV state under /var/lib/forged as its
+    own user, in its sandbox, when it stops; the next turn after the restart restores
+    it (issue 17)."""
+    def turn(messages: list[dict[str, str]]) -> dict[str, object]:
+        body = json.dumps({"messages": messages, "session": "pkg", "max_tokens": 8,
+                           "temperature": 0}).replace("'", "'\\''")  # in '...' below
+        r = box.run(f"curl -sf --max-time 60 {API}/v1/chat/completions "
+                    f"-H 'Content-Type: application/json' -d '{body}'", timeout=90)
+        return dict(json.loads(r.stdout))
+
+    first = [{"role": "user", "content": "Review this code: " + "def f(x): return x * 2; "
+              * 8}]
+    one = turn(first)
+    box.run("systemctl restart forged", timeout=120)
+    owner = box.run("stat -c '%U' /var/lib/forged/kvcache/worker-0/*.kv").stdout.split()
+    assert owner == ["forged"]
+    reply = one["choices"][0]["message"]["content"]  # type: ignore[index]
+    two = turn([*first, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Why?"}])
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] > 32  # type: ignore[index]
 
 
 def test_6_watchdog_restarts_a_stopped_daemon(box: BootedContainer) -> None:
