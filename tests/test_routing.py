@@ -99,6 +99,9 @@ def test_a_session_sticks_to_its_worker_while_that_worker_lives() -> None:
     r.lost(0)
     assert r.route("t", [*turn, 4, 5, 6], "chat", {0: 0, 1: 3}, now=2.0) == 0  # load
     assert r.routed["session"] == 1
+    r.policy = Policy(cache_aware=False)  # least loaded: no stickiness either
+    assert r.route("t", [*turn, 4, 5, 6, 7], "chat", {0: 1, 1: 0}, now=3.0) == 1
+    assert r.routed["session"] == 1
 
 
 def test_digests_are_sent_when_they_change_most_recent_first_and_bounded() -> None:

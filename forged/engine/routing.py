@@ -145,8 +145,10 @@ class Router:
         """The worker, of those in ``loads`` (index -> open requests), for a prompt;
         remembered as sent there."""
         # The scheduler reuses at most all but the last prompt token.
-        hashes = block_hashes(tenant, prompt[:-1]) if self.policy.cache_aware else []
-        sticky = self._sessions.get((tenant, session)) if session is not None else None
+        aware = self.policy.cache_aware
+        hashes = block_hashes(tenant, prompt[:-1]) if aware else []
+        sticky = (self._sessions.get((tenant, session))
+                  if aware and session is not None else None)
         cands = [Candidate(i, load, len(prompt) if i == sticky
                            else matched_tokens(hashes, self._holds(i, now)))
                  for i, load in loads.items()]
