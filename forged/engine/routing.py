@@ -154,10 +154,17 @@ class Router:
                  for i, load in loads.items()]
         index = choose(cands, len(prompt), self.policy)
         self._remember(index, hashes, tenant, session, now)
-        by_cache = next(c for c in cands if c.index == index).matched
-        self.routed["session" if by_cache and index == sticky
-                    else "cache" if by_cache else "load"] += 1
+        self.routed[self._why(next(c for c in cands if c.index == index), sticky,
+                              len(prompt))] += 1
         return index
+
+    def _why(self, chosen: Candidate, sticky: int | None, prompt_tokens: int) -> Why:
+        """What the chosen worker has for the request: its session, enough of its
+        prompt for the cache to decide, or neither (load decided)."""
+        if chosen.index == sticky:
+            return "session"
+        enough = chosen.matched and chosen.matched >= self.policy.min_match * prompt_tokens
+        return "cache" if enough else "load"
 
     def _holds(self, index: int, now: float) -> set[int] | frozenset[int]:
         recent = self._recent[index]
