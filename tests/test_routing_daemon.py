@@ -99,3 +99,30 @@ async def test_requests_a_killed_worker_had_not_admitted_are_answered(
             for i in (1, 2, 3):
                 assert results[i].status_code == 200, (i, results[i].text)
             assert pool.resubmitted == 1
+
+
+async def test_with_one_worker_the_restarted_process_answers_what_was_queued(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    engine = {"restart_backoff": 0.1, "max_running": 1}
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, engine=engine) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            pool = d.daemon.pool
+            testhooks.slow_steps(pool, 0, 0.01)
+            results: dict[int, httpx.Response] = {}
+
+            async def one(i: int, max_tokens: int) -> None:
+                body = {"prompt": [30 + i, 31], "max_tokens": max_tokens, "ignore_eos": True}
+                results[i] = await c.post("/v1/completions", json=body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, 300)
+                await until(lambda: d.stats().get("running", 0) == 1)
+                nursery.start_soon(one, 1, 5)
+                await until(lambda: d.stats().get("queued_interactive", 0) == 1)
+                old = pool.workers[0].pid
+                assert old is not None
+                os.kill(old, signal.SIGKILL)
+            assert results[0].json()["error"]["code"] == "worker_lost"
+            assert results[1].status_code == 200, results[1].text
+            assert pool.workers[0].pid != old and pool.resubmitted == 1
