@@ -266,9 +266,10 @@ class EnginePool:
 
     # --- requests --------------------------------------------------------------------
 
-    def check_capacity(self) -> None:
+    def check_capacity(self) -> list[WorkerSupervisor]:
         """Raise what a new request would get if there is no room for it now: called
-        before the request is tokenized too, so a full queue answers at once."""
+        before the request is tokenized too, so a full queue answers at once. Returns
+        the workers it may go to (computed once: a heartbeat may turn late meanwhile)."""
         lim = self.cfg.limits
         if self.draining:
             raise Unavailable("the server is shutting down", lim.retry_after)
@@ -286,6 +287,7 @@ class EnginePool:
             raise Overloaded(f"the server is at capacity: a request would wait about "
                              f"{wait:.0f} s for a slot and the prompts ahead",
                              retry_after_seconds(wait - lim.queue_timeout))
+        return routable
 
     def _routable(self) -> list[WorkerSupervisor]:
         now = time.monotonic()
@@ -312,9 +314,9 @@ class EnginePool:
             raise BadRequest("this prompt was running when the model worker crashed, "
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")
-        self.check_capacity()
+        routable = self.check_capacity()
         rs = RequestStream(next(self._rids), request, fingerprint)
-        self._submit(rs, self._route(request, self._routable()))
+        self._submit(rs, self._route(request, routable))
         try:
             yield rs
         finally:
