@@ -222,3 +222,13 @@ async def test_a_crash_suspect_is_not_resubmitted() -> None:
                 await rs.receive()
         assert other.worker == 1 and not other.finished
         assert pool._suspects == {culprit.fingerprint: 1}  # one count: one crash
+
+
+async def test_a_heartbeat_turning_late_during_the_door_check_changes_nothing() -> None:
+    """The door and the route see the same workers: before, the route looked again,
+    and a worker whose heartbeat turned late in between left it none (a 500)."""
+    pool = pool_of(1)
+    looks = [pool._routable(), []]
+    pool._routable = lambda: looks.pop(0)  # type: ignore[method-assign]
+    async with pool.open_request(request(1, 2)) as rs:
+        assert rs.worker == 0
