@@ -112,6 +112,14 @@ class EngineConfig(_Section, frozen=True):
     restart_backoff: Seconds = 0.5
     restart_backoff_max: Seconds = 30.0
     startup_timeout: Seconds = 300.0
+    # With several workers: "cache_aware" sends a request to the worker whose caches
+    # hold the longest prefix of its prompt, traded against load (forged.engine.routing);
+    # "least_loaded" to the worker with the fewest open requests.
+    routing: Literal["cache_aware", "least_loaded"] = "cache_aware"
+    # The share of a prompt a worker must hold for the cache to decide.
+    route_min_match: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    # Open requests the cache holder may carry beyond the least loaded worker.
+    route_imbalance: Annotated[int, msgspec.Meta(ge=0)] = 8
 
     @property
     def per_slot_cells(self) -> int:

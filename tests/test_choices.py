@@ -26,6 +26,7 @@ from forged.auth import add_key
 from forged.engine import frames as fr
 from forged.engine import testhooks
 from forged.engine.pool import RequestStream
+from forged.engine.request import Request
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, client, serve_model
 from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, open_raw_stream, until
@@ -62,7 +63,7 @@ async def test_n_computes_the_prompt_once_and_frees_every_sequence(
 def test_latency_is_timed_on_the_first_choice() -> None:
     """Before, every choice's pieces were timed: n choices in one step made n - 1 gaps
     of ~0 in the ITL histogram."""
-    rs = RequestStream(1, choices=3)
+    rs = RequestStream(1, Request(prompt=[1], max_tokens=3, n=3))
     for index in (0, 1, 2, 0, 1, 2):
         rs.push(fr.Delta(rid=1, text="a", index=index))
     rs.push(fr.Done(rid=1, text="b", stop_type="eos", prompt_tokens=1,

@@ -14,6 +14,7 @@ from forged.engine import frames as fr
 from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, WorkerCore
 from forged.engine.costmodel import CostModel
 from forged.engine.request import Request, Sampling
+from forged.engine.routing import BLOCK, block_hashes
 from tests.test_scheduler import limits
 
 EOS = 0
@@ -432,3 +433,34 @@ def test_a_grammar_refused_for_one_choice_closes_the_samplers_made() -> None:
     events = run(core)
     assert [e.code for e in events if isinstance(e, fr.Failed)] == ["bad_request"]
     assert_nothing_left(core, backend)
+
+
+def test_an_admission_is_sent_before_the_decode_that_computes_its_prompt() -> None:
+    """If that decode kills the process, the daemon knows the request was running (a
+    crash suspect, not resubmitted elsewhere)."""
+    core, backend = core_with({5: [1, 1]})
+    sent: list[tuple[list[type], int]] = []
+
+    def flush() -> None:
+        frame = core.frame(0.0)
+        assert frame is not None
+        sent.append(([type(e) for e in frame.events], len(backend.batches)))
+
+    submit(core, 1, [5, 6, 7])
+    core.step(0.0, flush=flush)
+    assert sent == [([fr.Admitted], 0)]  # before the first decode
+    core.step(0.0, flush=flush)
+    assert len(sent) == 1  # nothing newly admitted: no extra frame
+
+
+def test_digests_of_what_the_slots_hold_ride_with_the_statistics_when_changed() -> None:
+    core, _ = core_with({5: [1] * 3})
+    prompt = [5, *range(100, 100 + BLOCK)]
+    first = core.frame(0.0, force=True)
+    assert first is not None and first.digests == []  # an empty cache, said once
+    submit(core, 1, prompt, max_tokens=2)
+    run(core)
+    later = core.frame(1.0, force=True)
+    assert later is not None and later.digests == block_hashes("", prompt[:BLOCK])
+    again = core.frame(2.0, force=True)
+    assert again is not None and again.digests is None  # unchanged

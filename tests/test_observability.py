@@ -81,6 +81,7 @@ def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
         "forged_kv_saves": "counter", "forged_kv_restored_tokens": "counter",
         "forged_kv_restore_failures": "counter", "forged_kv_demotions": "counter",
         "forged_kv_drops": "counter", "forged_kv_swaps": "counter",
+        "forged_routed_requests": "counter", "forged_resubmitted_requests": "counter",
     }
     for name, kind in expected.items():
         assert t.get(name) == kind, (name, t.get(name))

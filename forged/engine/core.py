@@ -38,6 +38,7 @@ from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
+from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
 from forged.engine.scheduler import (
     Admitted,
     Chunk,
@@ -186,6 +187,8 @@ class WorkerCore:
         # the step ran, but they end here, by rid, with why.
         self._undrawn: dict[int, str] = {}
         self._last_stats = _NEVER
+        self._digests = DigestBuilder()
+        self._last_digests = _NEVER
         self._step_ms = 0.0
         self._steps = 0
         self._tokens_out = 0
@@ -236,7 +239,12 @@ class WorkerCore:
 
     # --- one step -------------------------------------------------------------------------
 
-    def step(self, now: float) -> None:
+    def step(self, now: float, flush: Callable[[], None] = lambda: None) -> None:
+        """One step. ``flush`` sends the events so far: it is called before a decode
+        that computes a newly admitted prompt, so that the daemon knows the request
+        was admitted even if that decode kills the process (llama.cpp aborts). A
+        request the daemon never saw admitted is resubmitted elsewhere after a crash;
+        one that may have caused it must not be."""
         self.sched.expire(now)
         plan = self.sched.plan(now)
         if plan is not None:
@@ -245,8 +253,10 @@ class WorkerCore:
             if recompute:
                 plan = StepPlan([], [c for c in plan.chunks if c.key not in recompute],
                                 plan.shape)
-        self._scheduler_events()
+        admitted = self._scheduler_events()
         if plan is not None and plan.chunks:
+            if admitted:
+                flush()
             self._decode(plan)
 
     def _apply_memory_ops(self, ops: list[MemOp]) -> set[Key]:
@@ -387,7 +397,9 @@ class WorkerCore:
         self._close(rid)
         self.events.append(fr.Failed(rid=rid, code=code, message=message))
 
-    def _scheduler_events(self) -> None:
+    def _scheduler_events(self) -> bool:
+        """Turn the scheduler's events into the daemon's; whether one was an admission."""
+        admitted = False
         for ev in self.sched.drain_events():
             match ev:
                 case Admitted(rid=rid, cached=cached, queue_time=qt):
@@ -396,11 +408,13 @@ class WorkerCore:
                         stream.admitted, stream.cached = True, cached
                         stream.admitted_at = (self.clock(), self._steps)
                         self.events.append(fr.Admitted(rid=rid, cached=cached, queue_time=qt))
+                        admitted = True
                 case Expired(rid=rid):
                     self.sched.drop(rid)  # its other choices may be running
                     self._close(rid)
                     self.events.append(fr.Failed(rid=rid, code="queue_timeout",
                                                  message="timed out waiting for a free slot"))
+        return admitted
 
     def _on_token(self, rid: int, index: int, tok: int) -> None:
         stream = self.streams[rid]
@@ -489,9 +503,20 @@ class WorkerCore:
                  or any(not isinstance(e, fr.Delta) for e in self.events))
         if fresh:
             self._last_stats = now
-        step = fr.Step(events=self.events, stats=self.statistics() if fresh else {})
+        step = fr.Step(events=self.events, stats=self.statistics() if fresh else {},
+                       digests=self._due_digests(now))
         self.events = []
         return step
+
+    def _due_digests(self, now: float) -> list[int] | None:
+        """What the caches hold, for the daemon's routing, when it changed and the last
+        report is DIGEST_INTERVAL old."""
+        if now - self._last_digests < DIGEST_INTERVAL:
+            return None
+        self._last_digests = now
+        return self._digests.build(
+            self.sched.cached_slots(),
+            [(e.eid, e.tenant, e.tokens) for e in self.sched.tiers.recent_first()])
 
     def close(self) -> None:
         for rid in list(self.streams):

@@ -75,8 +75,8 @@ class SlowSteps(_Frame, tag="slow"):
 
 
 class CrashOn(_Frame, tag="crash"):
-    """Test hook (only honoured with ``test_hooks``): abort the process when a request
-    whose prompt holds ``token`` decodes (it has been admitted, as a real culprit is)."""
+    """Test hook (only honoured with ``test_hooks``): abort the process in the decode of
+    a batch that holds ``token``."""
 
     token: int
 
@@ -176,6 +176,9 @@ class Step(_Frame, tag="step"):
 
     events: list[Event]
     stats: dict[str, float]
+    # What the worker's caches hold, as prefix digests (forged.engine.routing), when
+    # that changed since its last report; None: unchanged.
+    digests: list[int] | None = None
 
 
 FromWorker = Ready | Step

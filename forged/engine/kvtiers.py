@@ -107,6 +107,10 @@ class Tiers:
     def entries(self, tier: Tier) -> list[Entry]:
         return list(self._lru[tier].values())
 
+    def recent_first(self) -> list[Entry]:
+        """Every entry, most recently used first, RAM before disk."""
+        return [e for t in Tier for e in reversed(self._lru[t].values())]
+
     def used(self, tier: Tier) -> int:
         return sum(e.nbytes for e in self._lru[tier].values())
 

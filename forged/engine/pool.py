@@ -2,17 +2,24 @@
 
 The pool fills ``engine.workers`` worker slots, each a
 :class:`~forged.engine.supervisor.WorkerSupervisor` (which starts, watches and restarts
-the process), and routes every request to one of them.
+the process), and routes every request to one of them: to the worker whose caches hold
+the longest prefix of its prompt, traded against load (the sans-IO
+:class:`~forged.engine.routing.Router` decides; the pool feeds it the workers'
+prefix digests and their open requests).
 
 Resource handling: :meth:`EnginePool.run` owns every supervisor from its nursery. A
 request is open only inside :meth:`EnginePool.open_request`; leaving that block early
 (the client went away, a timeout, a drain) cancels the request in the worker without
 awaiting anything, so it is safe even in a cancelled scope.
 
-Error handling: when a worker process is lost, each of its requests raises
-:class:`~forged.errors.WorkerLost` from ``receive()``. No new request is routed to a
-worker whose heartbeat is late. A prompt that was running when a worker died twice is
-refused (400) instead of taking its co-batched streams down a third time.
+Error handling: when a worker process is lost, each of its admitted requests raises
+:class:`~forged.errors.WorkerLost` from ``receive()`` (its stream has begun). A request
+it had not admitted is submitted again, to another ready worker or, when there is none,
+to the next one that becomes ready (the restarted process), at most
+:data:`RESUBMITS` times and within the request's queue timeout; never a prompt that was
+running in a crash before. No new request is routed to a worker whose heartbeat is
+late. A prompt that was running when a worker died twice is refused (400) instead of
+taking its co-batched streams down a third time.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ import trio
 
 from forged.config import Config
 from forged.engine import frames as fr
+from forged.engine.channel import Outbox
 from forged.engine.limits import scheduler_limits
 from forged.engine.request import Request
+from forged.engine.routing import Policy, Router
 from forged.engine.supervisor import WorkerSupervisor
 from forged.errors import BadRequest, ForgedError, Overloaded, Unavailable, WorkerLost
 
@@ -44,9 +53,18 @@ _PER_WORKER = ("step_ms", "step_plan_ms", "step_prompt_room_ms", "wait_estimate_
 # A prompt that was running in two worker crashes is refused from then on.
 CRASHES_TO_REFUSE = 2
 _SUSPECTS_KEPT = 1024
+# Times a request a lost worker had not admitted is submitted again: a second crash
+# before its admission is bad luck, a third says something is wrong with the node.
+RESUBMITS = 2
 # Frames an outbox holds beyond two per open request before its worker counts as not
 # reading (control frames: limits, test hooks).
 _OUTBOX_SPARE = 64
+
+
+def routing_policy(cfg: Config) -> Policy:
+    e = cfg.engine
+    return Policy(cache_aware=e.routing == "cache_aware", min_match=e.route_min_match,
+                  imbalance=e.route_imbalance)
 
 
 def retry_after_seconds(seconds: float) -> int:
@@ -57,12 +75,18 @@ def retry_after_seconds(seconds: float) -> int:
 class RequestStream:
     """Events of one request, coalesced: ``receive()`` returns all that arrived."""
 
-    def __init__(self, rid: int, fingerprint: int = 0, choices: int = 1) -> None:
+    def __init__(self, rid: int, request: Request, fingerprint: int = 0) -> None:
         self.rid = rid
+        self.request = request  # kept to submit it again if its worker is lost
         self.fingerprint = fingerprint  # of the prompt, to recognise one that kills
+        # Where it was submitted: the worker and that process's outbox (None: parked,
+        # waiting for a worker after a loss).
+        self.worker: int | None = None
+        self.outbox: Outbox | None = None
+        self.resubmits = 0
         self.admitted = False
         self.finished = False
-        self._open = choices  # choices not yet Done: the request ends with the last
+        self._open = request.n  # choices not yet Done: the request ends with the last
         # When each piece of the first choice's text reached the daemon: TTFT and
         # inter-token latency (other choices' pieces would show as gaps of ~0).
         self.delta_times: list[float] = []
@@ -110,17 +134,26 @@ class EnginePool:
         # Each worker's open requests, by routing id.
         self.pending: list[dict[int, RequestStream]] = [{} for _ in range(cfg.engine.workers)]
         self.workers = [self._supervisor(i) for i in range(cfg.engine.workers)]
+        self.router = Router(cfg.engine.workers, routing_policy(cfg))
         self._rids = itertools.count(1)
         self._started_at = time.monotonic()
         # Prompt fingerprint -> worker crashes it was running in (bounded, LRU).
         self._suspects: OrderedDict[int, int] = OrderedDict()
+        # Requests whose worker was lost before admitting them, while no other worker
+        # is ready: routing id -> (stream, why it was lost, until when it may wait, on
+        # trio's clock).
+        # Bounded by the admission limits, as the requests are.
+        self._parked: dict[int, tuple[RequestStream, str, float]] = {}
+        self._parked_changed = trio.Event()
+        self.resubmitted = 0
 
     def _supervisor(self, index: int) -> WorkerSupervisor:
         return WorkerSupervisor(
             index, self.cfg.engine, self._outbox_limit(),
             make_init=functools.partial(self._init, index),
             on_step=lambda step: self._deliver(index, step),
-            on_lost=lambda why: self._lose(index, why))
+            on_lost=lambda why: self._lose(index, why),
+            on_ready=self._unpark)
 
     def _outbox_limit(self) -> int:
         return 2 * (self.limits.max_queued + self.limits.max_running) + _OUTBOX_SPARE
@@ -144,12 +177,14 @@ class EnginePool:
         async with trio.open_nursery() as nursery:
             for w in self.workers:
                 await nursery.start(w.run)
+            nursery.start_soon(self._expire_parked)
             task_status.started()
 
     def set_limits(self, cfg: Config) -> None:
         """Apply the live-reloadable settings of a new config to every worker."""
         self.cfg = cfg
         self.limits = scheduler_limits(cfg, self.n_ctx_train)
+        self.router.policy = routing_policy(cfg)
         frame = fr.SetLimits(limits=self.limits)
         for w in self.workers:
             w.engine, w.outbox_limit = cfg.engine, self._outbox_limit()
@@ -159,6 +194,8 @@ class EnginePool:
     # --- what workers say ----------------------------------------------------------------
 
     def _deliver(self, index: int, step: fr.Step) -> None:
+        if step.digests is not None:
+            self.router.reported(index, step.digests)
         pending = self.pending[index]
         for ev in step.events:
             rs = pending.get(ev.rid)
@@ -170,29 +207,77 @@ class EnginePool:
 
     def _lose(self, index: int, why: str) -> None:
         """Worker ``index``'s process is gone: count the crash against every prompt it
-        was running, and fail all its requests."""
-        pending = self.pending[index]
-        for rs in pending.values():
+        was running and fail those requests; submit the others again."""
+        self.router.lost(index)
+        lost = list(self.pending[index].values())
+        self.pending[index].clear()
+        for rs in lost:
             if rs.admitted:
                 self._suspects[rs.fingerprint] = self._suspects.get(rs.fingerprint, 0) + 1
                 self._suspects.move_to_end(rs.fingerprint)
-            rs.fail(WorkerLost(why))
-        pending.clear()
+                rs.fail(WorkerLost(why))
         while len(self._suspects) > _SUSPECTS_KEPT:
             self._suspects.popitem(last=False)
+        # After the count: a prompt beside which one ran is a suspect too.
+        for rs in lost:
+            if not rs.admitted:
+                self._resubmit(rs, why)
+
+    # --- resubmission --------------------------------------------------------------------
+
+    def _resubmit(self, rs: RequestStream, why: str) -> None:
+        """Submit again a request whose worker was lost before admitting it; with no
+        worker ready, park it until one is (or its wait runs out)."""
+        if rs.resubmits >= RESUBMITS or rs.fingerprint in self._suspects:
+            rs.fail(WorkerLost(why))
+            return
+        rs.resubmits += 1
+        self.resubmitted += 1
+        routable = self._routable()
+        if routable:
+            self._submit(rs, self._route(rs.request, routable))
+            return
+        rs.worker = rs.outbox = None
+        wait = min(rs.request.queue_timeout, self.cfg.limits.queue_timeout)
+        self._parked[rs.rid] = (rs, why, trio.current_time() + wait)
+        self._parked_changed.set()
+
+    def _unpark(self) -> None:
+        """A worker is ready: the parked requests go to it (or to another ready one)."""
+        routable = self._routable()
+        if not routable:
+            return  # it stopped answering already; the next one will do
+        parked, self._parked = self._parked, {}
+        for rs, _, _ in parked.values():
+            self._submit(rs, self._route(rs.request, routable))
+
+    async def _expire_parked(self) -> None:
+        """Fail parked requests whose wait for a worker ran out."""
+        while True:
+            deadline = min((d for _, _, d in self._parked.values()), default=math.inf)
+            with trio.move_on_at(deadline):
+                await self._parked_changed.wait()
+                self._parked_changed = trio.Event()
+            now = trio.current_time()
+            for rid, (rs, why, until) in list(self._parked.items()):
+                if until <= now:
+                    del self._parked[rid]
+                    rs.fail(WorkerLost(f"{why}; no worker was ready in time to run it"))
 
     # --- requests --------------------------------------------------------------------
 
-    def check_capacity(self) -> None:
+    def check_capacity(self) -> list[WorkerSupervisor]:
         """Raise what a new request would get if there is no room for it now: called
-        before the request is tokenized too, so a full queue answers at once."""
+        before the request is tokenized too, so a full queue answers at once. Returns
+        the workers it may go to (computed once: a heartbeat may turn late meanwhile)."""
         lim = self.cfg.limits
         if self.draining:
             raise Unavailable("the server is shutting down", lim.retry_after)
         routable = self._routable()
         if not routable:
             raise Unavailable("no model worker is ready; retry shortly", lim.retry_after)
-        queued = sum(1 for p in self.pending for r in p.values() if not r.admitted)
+        queued = len(self._parked) + sum(
+            1 for p in self.pending for r in p.values() if not r.admitted)
         if queued >= lim.max_queued:
             raise Overloaded("the server is at capacity; retry later", lim.retry_after)
         # Each worker estimates how long even the shortest new request would wait before
@@ -202,14 +287,23 @@ class EnginePool:
             raise Overloaded(f"the server is at capacity: a request would wait about "
                              f"{wait:.0f} s for a slot and the prompts ahead",
                              retry_after_seconds(wait - lim.queue_timeout))
+        return routable
 
     def _routable(self) -> list[WorkerSupervisor]:
         now = time.monotonic()
         return [w for w in self.workers if w.routable(now)]
 
-    def _pick(self) -> WorkerSupervisor:
-        self.check_capacity()
-        return min(self._routable(), key=lambda w: len(self.pending[w.index]))
+    def _route(self, request: Request, routable: list[WorkerSupervisor]) -> WorkerSupervisor:
+        loads = {w.index: len(self.pending[w.index]) for w in routable}
+        index = self.router.route(request.tenant, request.prompt, request.session, loads,
+                                  time.monotonic())
+        return self.workers[index]
+
+    def _submit(self, rs: RequestStream, w: WorkerSupervisor) -> None:
+        assert w.outbox is not None  # routable workers have a process
+        rs.worker, rs.outbox = w.index, w.outbox
+        self.pending[w.index][rs.rid] = rs
+        w.outbox.put(fr.Submit(rid=rs.rid, request=rs.request))
 
     @asynccontextmanager
     async def open_request(self, request: Request) -> AsyncIterator[RequestStream]:
@@ -220,19 +314,24 @@ class EnginePool:
             raise BadRequest("this prompt was running when the model worker crashed, "
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")
-        w = self._pick()
-        outbox, pending = w.outbox, self.pending[w.index]
-        assert outbox is not None  # routable workers have a process
-        rs = RequestStream(next(self._rids), fingerprint, request.n)
-        pending[rs.rid] = rs
-        outbox.put(fr.Submit(rid=rs.rid, request=request))
+        routable = self.check_capacity()
+        rs = RequestStream(next(self._rids), request, fingerprint)
+        self._submit(rs, self._route(request, routable))
         try:
             yield rs
         finally:
-            # Synchronous on purpose: this runs when the caller is being cancelled. Only
-            # the process that got the submit hears of the cancel.
-            if pending.pop(rs.rid, None) is not None and w.outbox is outbox:
-                outbox.put(fr.Cancel(rid=rs.rid))
+            self._close(rs)
+
+    def _close(self, rs: RequestStream) -> None:
+        # Synchronous on purpose: this runs when the caller is being cancelled. Only
+        # the process that got the submit hears of the cancel.
+        self._parked.pop(rs.rid, None)
+        if rs.worker is None:
+            return
+        outbox = rs.outbox
+        if self.pending[rs.worker].pop(rs.rid, None) is not None and outbox is not None \
+                and self.workers[rs.worker].outbox is outbox:
+            outbox.put(fr.Cancel(rid=rs.rid))
 
     # --- introspection ---------------------------------------------------------------
 
@@ -241,7 +340,7 @@ class EnginePool:
         return any(w.ready for w in self.workers)
 
     def in_flight(self) -> int:
-        return sum(len(p) for p in self.pending)
+        return sum(len(p) for p in self.pending) + len(self._parked)
 
     def totals(self) -> dict[str, float]:
         """Worker statistics summed over the ready workers."""
@@ -249,7 +348,11 @@ class EnginePool:
         for w in self.workers:
             keys.update(w.stats)
         keys = {k for k in keys if k not in _PER_WORKER and not k.startswith("cost_")}
-        return {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
+        out = {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
+        # The pool's own counters: how requests were routed, and saved from a crash.
+        out.update({f"routed_by_{why}": float(n) for why, n in self.router.routed.items()})
+        out["resubmitted"] = float(self.resubmitted)
+        return out
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)
@@ -259,12 +362,13 @@ class EnginePool:
         return {
             "workers": [
                 {"index": w.index, "pid": w.pid, "ready": w.ready, "restarts": w.restarts,
-                 "pending": len(self.pending[w.index]),
+                 "pending": len(self.pending[w.index]), "digests": self.router.held(w.index),
                  "heard_ago": now - w.last_heard if w.ready else None, "stats": w.stats}
                 for w in self.workers
             ],
             "totals": self.totals(),
             "in_flight": self.in_flight(),
+            "parked": len(self._parked),
             "draining": self.draining,
             "uptime": now - self._started_at,
             "pid": os.getpid(),

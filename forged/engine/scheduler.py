@@ -960,6 +960,12 @@ class Scheduler:
     def is_running(self, rid: int) -> bool:
         return any(key[0] == rid for key in self._running)
 
+    def cached_slots(self) -> list[tuple[str, list[int]]]:
+        """What each slot holds (tenant, tokens), most recently used first: the prefix
+        cache, and the running sequences' prompts so far."""
+        held = sorted((s for s in self._slots if s.tokens), key=lambda s: -s.last_used)
+        return [(s.tenant, s.tokens) for s in held]
+
     def statistics(self) -> dict[str, float]:
         active = self._active_cells()
         out: dict[str, float] = {

@@ -66,16 +66,19 @@ class WorkerSupervisor:
 
     ``make_init`` builds each new process's first frame (so a process started after a
     reload gets the new limits); ``on_step`` receives its every ``Step``; ``on_lost``
-    hears why a process is gone, after which none of its requests will be answered.
+    hears why a process is gone, after which none of its requests will be answered;
+    ``on_ready`` hears that a process is ready for requests.
     """
 
     def __init__(self, index: int, engine: EngineConfig, outbox_limit: int, *,
                  make_init: Callable[[], fr.Init], on_step: Callable[[fr.Step], None],
-                 on_lost: Callable[[str], None]) -> None:
+                 on_lost: Callable[[str], None],
+                 on_ready: Callable[[], None] = lambda: None) -> None:
         self.index = index
         self.engine = engine  # replaced by a reload
         self.outbox_limit = outbox_limit
         self._make_init, self._on_step, self._on_lost = make_init, on_step, on_lost
+        self._on_ready = on_ready
         self.pid: int | None = None
         self.ready = False
         self.restarts = 0
@@ -171,6 +174,7 @@ class WorkerSupervisor:
             self._heard(step)
         self.ready = True
         log.info("worker %d ready (pid %d)", self.index, ready.pid)
+        self._on_ready()
         return buf
 
     def _heard(self, step: fr.Step) -> None:

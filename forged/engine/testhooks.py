@@ -8,8 +8,8 @@ honour these frames:
   worker: its heartbeats stop);
 * :class:`~forged.engine.frames.SlowSteps`: every decode takes longer (a slow spell);
 * :class:`~forged.engine.frames.CrashOn`: the process aborts, as llama.cpp does on a
-  failed assertion, at the first step after a prompt holding a token was decoded (so
-  the request was admitted, as a real culprit is).
+  failed assertion, in the decode of a batch holding a token (for a short prompt,
+  the very step that admitted it, as a real culprit may).
 
 Daemon side: :func:`hang_worker`, :func:`slow_steps` and :func:`crash_on_token` send
 them. Worker side: the shell blocks on ``Hang`` itself and wraps its backend in
@@ -61,7 +61,6 @@ class HookedBackend:
         self.n_batch = inner.n_batch
         self.step_delay = 0.0
         self.crash_token: int | None = None
-        self._poisoned: set[int] = set()  # sequences that decoded the crash token
 
     def apply(self, frame: fr.SlowSteps | fr.CrashOn) -> None:
         match frame:
@@ -71,18 +70,17 @@ class HookedBackend:
                 self.crash_token = t
 
     def decode(self, items: Sequence[DecodeItem]) -> list[int]:
-        if self._poisoned & {seq for seq, _, _, _ in items}:
+        # In the decode itself, as llama.cpp's abort() is: possibly the very step that
+        # admitted the request.
+        if self.crash_token is not None and any(self.crash_token in toks
+                                                for _, _, toks, _ in items):
             os.abort()
-        if self.crash_token is not None:
-            self._poisoned |= {seq for seq, _, toks, _ in items if self.crash_token in toks}
         out = self.inner.decode(items)
         if self.step_delay:
             time.sleep(self.step_delay)
         return out
 
     def seq_rm(self, seq: int, p0: int) -> None:
-        if p0 == 0:
-            self._poisoned.discard(seq)
         self.inner.seq_rm(seq, p0)
 
     def piece(self, token: int, special: bool = False) -> bytes:

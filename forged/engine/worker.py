@@ -79,6 +79,9 @@ class WorkerShell:
             self.sock.sendall(fr.encode(frame))
             self._last_send = now
 
+    def _flush(self) -> None:
+        self.send(force=False)
+
     def run(self) -> None:
         hb = self.init.heartbeat_interval
         while self.running:
@@ -86,7 +89,7 @@ class WorkerShell:
             frames = self._read_frames(0.0 if self.core.busy else idle_for)
             for frame in frames:
                 self._handle(frame)
-            self.core.step(time.monotonic())
+            self.core.step(time.monotonic(), flush=self._flush)
             # After a cancel the statistics change with no event: send them at once.
             self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb)
 

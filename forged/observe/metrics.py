@@ -72,6 +72,20 @@ class _EngineCollector(Collector):
                       "limits.queue_timeout.", "early_rejections")
         yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
                                   value=self._restarts())
+        yield from _routing_metrics(t)
+
+
+def _routing_metrics(t: dict[str, float]) -> Iterator[Metric]:
+    """The pool's: what decided each route, and what it saved from a lost worker."""
+    routed = CounterMetricFamily(
+        "forged_routed_requests", "Requests routed to a worker, by what decided: its "
+        "cache, its session, or load.", labels=["by"])
+    for why in ("cache", "session", "load"):
+        routed.add_metric([why], t.get(f"routed_by_{why}", 0.0))
+    yield routed
+    yield CounterMetricFamily(
+        "forged_resubmitted_requests", "Requests submitted again because their worker "
+        "was lost before admitting them.", value=t.get("resubmitted", 0.0))
 
 
 def _tier_metrics(t: dict[str, float]) -> Iterator[Metric]:

@@ -77,6 +77,9 @@ def render(stats: dict[str, Any]) -> str:
         f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved); sessions "
         f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
         *_tiers(t),
+        f"routing     by cache {int(t.get('routed_by_cache', 0))}, by session "
+        f"{int(t.get('routed_by_session', 0))}, by load {int(t.get('routed_by_load', 0))}; "
+        f"{int(t.get('resubmitted', 0))} resubmitted after a worker was lost",
         f"throughput  {lm['tokens_per_second']:.1f} tok/s over the last minute "
         f"({int(lm['requests'])} requests)",
         f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",
@@ -87,7 +90,7 @@ def render(stats: dict[str, Any]) -> str:
     for w in eng["workers"]:
         ready = "ready" if w["ready"] else "starting"
         lines.append(f"worker {w['index']}    pid {w['pid']} {ready}, {w['pending']} requests, "
-                     f"{w['restarts']} restarts")
+                     f"{w['restarts']} restarts, {w.get('digests', 0)} prefix digests")
         lines += _steps(w["stats"])
     return "\n".join(lines)
 
