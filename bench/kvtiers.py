@@ -64,11 +64,14 @@ from forged.observe.status import fetch_stats
 
 SLOTS = 16
 # queue_timeout: forged refuses at once (503) a request it expects to wait longer than
-# this, and llama-server queues without a limit; 600 s keeps forged queueing too, so
-# that both answer every request and the TTFTs compare like with like.
+# this, and llama-server queues without a limit. Its estimate counts every queued
+# prompt in full, cached or not, so at 32 callers of 1,500-token prompts on a slow
+# machine it refused half the requests at once even at 600 s; the largest value keeps
+# forged queueing like llama-server, so that both answer every request and the TTFTs
+# compare like with like.
 ENGINE = {"kv_cells": CONTEXT, "kv_layout": "per_slot", "slots": SLOTS,
           "max_running": SLOTS, "max_context": CONTEXT // SLOTS}
-LIMITS = {"queue_timeout": 600.0}
+LIMITS = {"queue_timeout": 86400.0}
 LLAMA_ARGS = ["-np", str(SLOTS), "--metrics"]
 CONTEXTS, CONTEXT_LINES = 8, 124  # 124 lines: 1,492 to 1,521 tokens
 QUESTION_TOKENS, REPLY_TOKENS, TURNS = 16, 32, 4
