@@ -25,11 +25,15 @@ Same model, threads (2) and total KV for both servers: 32,768 cells in 16 slots 
    ``state_dir``; llama-server restarts. Then every conversation's turn 5, the same
    way, TTFT side by side.
 
-``--quick``: 64 requests in part 1 (not 192) and 32 conversations (not 64). The run
-is bounded (each part's time is capped); the full one takes about 15 minutes on 2
-cores. The parts alternate which server goes first, so that a slow spell of this
-shared machine does not land on one server only. Writes bench/results/kvtiers.json
-and the tables for docs/benchmarks.md (bench/results/kvtiers.md).
+``--quick``: 64 requests in part 1 (not 192) and 32 conversations (not 64), still
+twice the slots. ``--threads N`` for both servers (default 2). The run is bounded: each
+server's time in each part is capped (``--quick``: 300 s, 600 s and 300 s), and a
+part cut at its cap counts only the requests answered by then. The counts were meant
+for about 15 minutes on a quiet 2-core machine; on the shared machine of 2026-12-02
+``--quick --threads 1`` took 43 minutes (docs/benchmarks.md). The parts alternate
+which server goes first, so that a slow spell of the machine does not land on one
+server only. Writes bench/results/kvtiers.json and the tables for docs/benchmarks.md
+(bench/results/kvtiers.md); ``--tables JSON`` prints the tables of a saved result.
 """
 
 from __future__ import annotations
@@ -330,7 +334,12 @@ def main() -> None:
                     help="64 requests over the contexts, 32 conversations")
     ap.add_argument("--threads", type=int, default=THREADS,
                     help=f"threads of both servers (default {THREADS}, the issue's)")
+    ap.add_argument("--tables", type=Path, metavar="JSON",
+                    help="only print the tables of a saved result")
     args = ap.parse_args()
+    if args.tables:
+        print(tables(json.loads(args.tables.read_text())))
+        return
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -360,16 +369,17 @@ def _row(label: str, a: dict[str, Any], b: dict[str, Any], ca: dict[str, float],
     return (f"| {label} | {_s(a['ttft_p50'])} / {_s(b['ttft_p50'])} s | {_s(r['ttft_p50'])} | "
             f"{_s(a['ttft_p95'])} / {_s(b['ttft_p95'])} s | {_s(r['ttft_p95'])} | "
             f"{a['out_tok_per_s']:.1f} / {b['out_tok_per_s']:.1f} | {_s(r['out_tok_per_s'])} | "
-            f"{a['prompt_tokens']} | {a['cached_tokens']} / {b['cached_tokens']} | "
+            f"{a['prompt_tokens']} / {b['prompt_tokens']} | "
+            f"{a['cached_tokens']} / {b['cached_tokens']} | "
             f"{_computed(ca)} / {_computed(cb)} | "
             f"{a['ok']}/{a['requests']}; {b['ok']}/{b['requests']} |")
 
 
 def tables(result: dict[str, Any]) -> str:
     lines = ["Cells: forged / llama-server, then forged ÷ llama-server. Prompt tokens: "
-             "forged's count (the servers tokenize alike); from cache: what each reports "
-             "per request (usage cached_tokens; llama-server timings.cache_n), summed; "
-             "computed: each server's counter over the part.", "",
+             "of the answered requests; from cache: what each server reports per request "
+             "(usage cached_tokens; llama-server timings.cache_n), summed; computed: each "
+             "server's counter over the part (it includes requests cut at the cap).", "",
              "| part | TTFT p50 | ratio | TTFT p95 | ratio | out tok/s | ratio | "
              "prompt tokens | from cache | computed | ok |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -383,6 +393,8 @@ def tables(result: dict[str, Any]) -> str:
     if "conversations" in result:
         c = result["conversations"]
         f, ls = c["forged"], c["llama-server"]
+        for side in (f, ls):  # turns are numbers; JSON made them strings
+            side["turns"] = {int(t): v for t, v in side["turns"].items()}
         parts.append(("conversations, turn 1", f["turns"][1], ls["turns"][1], {}, {}))
         parts.append(("conversations, turns 2-4", f["from_turn_2"], ls["from_turn_2"],
                       f["counters"], ls["counters"]))
