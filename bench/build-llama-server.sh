@@ -5,7 +5,11 @@
 set -eu
 version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 cache=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/forged-bench}
-bin="$cache/llama.cpp-$version/build/bin/llama-server"
+# build-noamx: a native build without AMX, as forged's own llama.cpp is built (see the
+# Makefile): on this project's Xeon VMs ggml's AMX kernels stop llama-server at its
+# warm-up (SIGILL on tilezero, or a general protection fault). The older "build"
+# folder, native with AMX, is left alone.
+bin="$cache/llama.cpp-$version/build-noamx/bin/llama-server"
 if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
 mkdir -p "$cache"
 cd "$cache"
@@ -16,8 +20,11 @@ if [ ! -d "llama.cpp-$version" ]; then
     rm -rf "llama_cpp_python-$version"
 fi
 cd "llama.cpp-$version"
+# GCC keeps an explicit -mno-* over what -march=native enables, whatever the order.
+export CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+export CXXFLAGS="$CFLAGS"
 # The UI flags stop the build from downloading its web UI (no network here).
-cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+cmake -B build-noamx -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >&2
-cmake --build build --target llama-server -j "$(nproc)" >&2
+cmake --build build-noamx --target llama-server -j "$(nproc)" >&2
 echo "$bin"

@@ -42,12 +42,12 @@ BEST = ["-np", "16", "-b", "256", "-ub", "256"]  # llama-server's best-consisten
 
 class LlamaServer:
     def __init__(self, binary: str, extra: list[str], log: Path, *, model: Path = MODEL,
-                 context: int = CONTEXT) -> None:
+                 context: int = CONTEXT, threads: int = THREADS) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
         self.proc = subprocess.Popen(
-            [binary, "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(context),
+            [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(context),
              "--host", "127.0.0.1", "--port", str(self.port), *extra],
             stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -278,12 +278,16 @@ def forged_counters(admin: str) -> dict[str, float]:
             "tokens": t["prompt_tokens_computed"] + t["tokens_generated"]}
 
 
-def llama_counters(url: str) -> dict[str, float]:
-    """From llama-server's /metrics (started with --metrics)."""
+def llama_metrics(url: str) -> dict[str, float]:
+    """llama-server's /metrics (started with --metrics), by name."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
-                                    if line and not line.startswith("#"))}
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
+                                       if line and not line.startswith("#"))}
+
+
+def llama_counters(url: str) -> dict[str, float]:
+    m = llama_metrics(url)
     return {"steps": m["llamacpp:n_decode_total"],
             "tokens": m["llamacpp:prompt_tokens_total"] + m["llamacpp:tokens_predicted_total"]}
 

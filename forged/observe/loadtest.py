@@ -49,10 +49,16 @@ class Prompt:
     body: dict[str, Any]
 
 
+def repo_context(seed: int, lines: int = 110) -> str:
+    """A repository context of code-like lines (110 lines: about 1,300 SmolLM2 tokens);
+    each seed gives another one."""
+    return "# repository context\n" + _code(random.Random(seed), lines) + "\n"
+
+
 def make_prompts(mix: str, n: int, max_tokens: int, seed: int = 0) -> list[Prompt]:
     """``n`` request bodies of a mix; the same seed gives the same sequence."""
     rng = random.Random(seed)
-    context = "# repository context\n" + _code(random.Random(1234), 110) + "\n"
+    context = repo_context(1234)
     out = []
     for i in range(n):
         question = f"# Question {i}: explain what {rng.choice(_WORDS)} does here.\n"
@@ -84,6 +90,11 @@ class Sample:
     itl: list[float] = field(default_factory=list)
     e2e: float = 0.0
     out_tokens: int = 0
+    prompt_tokens: int = 0
+    # Prompt tokens the server says it served from its cache (forged and OpenAI:
+    # usage.prompt_tokens_details.cached_tokens; llama-server: timings.cache_n).
+    cached_tokens: int | None = None
+    text: str = ""  # the first choice's text, for a conversation's next turn
 
 
 async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
@@ -107,13 +118,13 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
                 if not line.startswith("data: {"):
                     continue
                 data = json.loads(line[6:])
-                if data.get("usage"):
-                    s.out_tokens = int(data["usage"].get("completion_tokens", 0))
+                _note_usage(s, data)
                 if "error" in data:
                     s.status = 599  # the stream started, then ended with an error event
                     continue
                 if not _has_text(data):
                     continue
+                s.text += _first_text(data)
                 now = time.monotonic()
                 if s.ttft is None:
                     s.ttft = now - t0
@@ -129,10 +140,27 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:
-    for c in chunk.get("choices") or []:
-        if c.get("text") or (c.get("delta") or {}).get("content"):
-            return True
-    return False
+    return any(_choice_text(c) for c in chunk.get("choices") or [])
+
+
+def _first_text(chunk: dict[str, Any]) -> str:
+    return "".join(_choice_text(c) for c in chunk.get("choices") or []
+                   if c.get("index", 0) == 0)
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+def _note_usage(s: Sample, chunk: dict[str, Any]) -> None:
+    if usage := chunk.get("usage"):
+        s.out_tokens = int(usage.get("completion_tokens", 0))
+        s.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            s.cached_tokens = int(cached)
+    if (timings := chunk.get("timings")) and "cache_n" in timings:
+        s.cached_tokens = int(timings["cache_n"])
 
 
 def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
@@ -152,6 +180,9 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
     out["decode_tok_per_s"] = (1 / out["itl_p50"]) if out["itl_p50"] else None
+    out["prompt_tokens"] = sum(s.prompt_tokens for s in ok)
+    reported = [s.cached_tokens for s in ok if s.cached_tokens is not None]
+    out["cached_tokens"] = sum(reported) if reported else None
     rejected = [s for s in samples if s.status in (429, 503)]
     out["reject_p99"] = percentile([s.e2e for s in rejected], 99)
     out["rejections_with_retry_after"] = sum(s.retry_after for s in rejected)
