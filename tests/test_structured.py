@@ -11,7 +11,6 @@ tools, so forged's system message carries them). Every sampled output at tempera
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +22,7 @@ import openai
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
 
 from forged import errors as e
 from forged.engine.backend import Model
@@ -292,7 +292,9 @@ def _restarts(d: DaemonProcess) -> float:
     admin = httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")))
     with admin:
         text = admin.get("http://admin/metrics").text
-    return float(re.search(r"^forged_worker_restarts_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+    # Parsed, not matched: every sample carries labels (the node's, at least).
+    return sum(s.value for fam in text_string_to_metric_families(text)
+               if fam.name == "forged_worker_restarts" for s in fam.samples)
 
 
 @pytest.mark.parametrize("stream", [False, True])
