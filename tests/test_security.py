@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.test_rag import index as rag_index
 
 ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
           "max_running": 8,
@@ -307,7 +308,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "with_pieces", "parse_special", "tokens", "audio", "modalities", "prediction",
           "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of",
           "logprobs", "top_logprobs", "echo", "response_format", "json_schema", "grammar",
-          "guided_json", "guided_choice", "tools", "tool_choice", "parallel_tool_calls"]
+          "guided_json", "guided_choice", "tools", "tool_choice", "parallel_tool_calls",
+          "repo", "query", "k", "type", "completion_id"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -378,6 +380,14 @@ structured = st.fixed_dictionaries({}, optional={
     "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "x", {
         "type": "function", "function": {"name": "f"}}]), values),
     "parallel_tool_calls": values,
+    # issue 15: `repo` on generations and /v1/retrieve (an index "demo" exists), and
+    # /v1/events
+    "repo": st.one_of(st.sampled_from(["demo", "nope", "", "../demo"]), values),
+    "query": st.one_of(st.text(max_size=30), values),
+    "k": st.one_of(st.integers(-2, 80), values),
+    "type": st.one_of(st.sampled_from(["view", "select", "dismiss", "x"]), values),
+    "completion_id": st.one_of(st.sampled_from(["cmpl-1", "", "a b", "x" * 200]),
+                               st.text(max_size=12), values),
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens: this is about the input."""
@@ -398,7 +408,7 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/models"),
              ("GET", "/v1/completions"), ("POST", "/infill"), ("POST", "/tokenize"),
              ("POST", "/detokenize"), ("GET", "/v1/models/tiny-fim"),
-             ("GET", "/v1/models/nope")]
+             ("GET", "/v1/models/nope"), ("POST", "/v1/retrieve"), ("POST", "/v1/events")]
 
 
 def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
@@ -408,6 +418,7 @@ def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
     # Bodies without max_tokens get 16, not 1024: this is about the input, and a long
     # generation on a busy machine would only test the client's patience.
     # The tiny model with FIM tokens: /infill and `suffix` run, not only refuse.
+    rag_index(tmp_path)  # under the daemon's state_dir: searches run, not only refuse
     d = start(tmp_path, fim_model, engine={**ENGINE, "max_running": 16},
               limits={"max_queued": 1024, "default_max_tokens": 16})
     posted: list[tuple[str, str, bytes]] = []
