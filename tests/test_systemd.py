@@ -104,15 +104,21 @@ def admin(d: DaemonProcess) -> httpx.Client:
 # --- unit files --------------------------------------------------------------------------
 
 
-def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
+def _verify(tmp_path: Path, *names: str) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """``systemd-analyze verify`` on the shipped units ``names``, pointing at this venv's
+    forged; their paths in ``tmp_path``, and the result."""
     forged = shutil.which("forged", path=str(Path(sys.executable).parent))
     assert forged
-    for unit in ("forged.service", "forged.socket"):
+    for unit in names:
         text = (ROOT / "systemd" / unit).read_text().replace("/usr/bin/forged", forged)
         (tmp_path / unit).write_text(text)
-    units = [str(tmp_path / "forged.socket"), str(tmp_path / "forged.service")]
-    r = subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
-                       capture_output=True, text=True, timeout=60)
+    units = [str(tmp_path / unit) for unit in names]
+    return units, subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
+                                 capture_output=True, text=True, timeout=60)
+
+
+def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
+    units, r = _verify(tmp_path, "forged.socket", "forged.service")
     assert r.returncode == 0, r.stderr
     assert "forged" not in r.stderr, r.stderr  # no warning about our units
     r = subprocess.run(["systemd-analyze", "security", "--offline=true", units[1]],
@@ -123,17 +129,11 @@ def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
 
 
 def test_the_index_timer_and_its_service_verify_and_score_as_hardened(tmp_path: Path) -> None:
-    forged = shutil.which("forged", path=str(Path(sys.executable).parent))
-    assert forged
-    for unit in ("forged-index.service", "forged-index.timer"):
-        text = (ROOT / "systemd" / unit).read_text().replace("/usr/bin/forged", forged)
-        (tmp_path / unit).write_text(text)
-    units = [str(tmp_path / "forged-index.timer"), str(tmp_path / "forged-index.service")]
-    r = subprocess.run(["systemd-analyze", "verify", "--man=no", *units],
-                       capture_output=True, text=True, timeout=60)
+    units, r = _verify(tmp_path, "forged-index.timer", "forged-index.service")
     assert r.returncode == 0 and "forged" not in r.stderr, r.stderr
     service = (tmp_path / "forged-index.service").read_text()
     # As the daemon's user, updating every index (the daemon only reads them).
+    forged = shutil.which("forged", path=str(Path(sys.executable).parent))
     assert "User=forged\n" in service and f"ExecStart={forged} index update " in service
     assert "OnCalendar=hourly\n" in (tmp_path / "forged-index.timer").read_text()
     r = subprocess.run(["systemd-analyze", "security", "--offline=true", units[1]],
