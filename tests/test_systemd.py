@@ -128,6 +128,20 @@ def test_units_verify_and_score_as_hardened(tmp_path: Path) -> None:
     assert float(m.group(1)) < 2.0
 
 
+def test_the_stop_timeout_covers_the_grace_the_drain_and_the_workers_writes() -> None:
+    """systemd kills what outlasts TimeoutStopSec: the agent's grace, the drain and the
+    workers' time to write sessions' KV states to disk must end before it (they added
+    up to exactly the 45 s it was)."""
+    from forged.config import ServerConfig
+    from forged.engine.supervisor import STOP_GRACE
+
+    unit = (ROOT / "systemd" / "forged.service").read_text()
+    m = re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M)
+    assert m
+    server = ServerConfig()
+    assert int(m.group(1)) > server.drain_grace + server.drain_timeout + STOP_GRACE
+
+
 def test_the_index_timer_and_its_service_verify_and_score_as_hardened(tmp_path: Path) -> None:
     units, r = _verify(tmp_path, "forged-index.timer", "forged-index.service")
     assert r.returncode == 0 and "forged" not in r.stderr, r.stderr
