@@ -20,7 +20,7 @@ import trio
 
 from forged import __version__
 from forged import config as fc
-from forged.daemon.startup import check_gguf_header, open_prompter
+from forged.daemon.startup import check_gguf_header, model_key, open_prompter
 
 
 def logfmt_value(value: object) -> str:
@@ -60,7 +60,8 @@ def _load(args: argparse.Namespace) -> fc.Config:
     cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
                             model=getattr(args, "model", None))
     fc.check_model(args.config, cfg)
-    check_gguf_header(args.config, cfg)  # a file that is no model is a config error too
+    for place, model in enumerate(cfg.served):  # a file that is no model is one too
+        check_gguf_header(args.config, model, model_key(place))
     KeyStore.load(Path(cfg.auth.keys_file))  # a broken keys file is a config error too
     return cfg
 
@@ -88,8 +89,10 @@ def check_state_dir(path: str) -> None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    open_prompter(args.config, cfg).close()  # the vocabulary loads, as serve's will
-    print(f"{args.config}: OK (model {cfg.model_id}, API on {cfg.server.listen})")
+    for place, model in enumerate(cfg.served):  # the vocabulary loads, as serve's will
+        open_prompter(args.config, model, model_key(place)).close()
+    models = ", ".join(m.model_id for m in cfg.served)
+    print(f"{args.config}: OK (model {models}, API on {cfg.server.listen})")
     return 0
 
 
@@ -133,6 +136,28 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"forged: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else render(stats))
+    return 0
+
+
+def cmd_model_swap(args: argparse.Namespace) -> int:
+    """Ask the running daemon to serve another model file; prints the new model once
+    it serves, or why the swap was refused (the old model serves on)."""
+    from forged.errors import ForgedError
+    from forged.observe.status import admin_call
+
+    cfg = fc.load(Path(args.config), require_file=False)
+    admin = args.admin or cfg.server.admin_listen
+    body = {"path": str(Path(args.path).absolute()), "model": args.model}
+    try:
+        status, answer = admin_call(admin, "POST", "/models/swap", body,
+                                    timeout=cfg.engine.startup_timeout + 90)
+    except ForgedError as exc:
+        print(f"forged: {exc}", file=sys.stderr)
+        return 1
+    if status != 200:
+        print(f"forged: model swap refused: {answer.get('error')}", file=sys.stderr)
+        return 1
+    print(f"serving {answer['path']} as {', '.join(answer['ids'])}; the old model drains")
     return 0
 
 
@@ -209,6 +234,20 @@ def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     add.set_defaults(func=cmd_keys_add)
 
 
+def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = sub.add_parser("model", help="change the model under live traffic")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    swap = model_sub.add_parser("swap", help="load a GGUF beside the running model, then "
+                                "route to it and drain the old one")
+    swap.add_argument("path", help="the new GGUF file")
+    swap.add_argument("--model", help="the id of the model to replace (default: "
+                      "[model]'s)")
+    swap.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    swap.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "
+                      "(default: server.admin_listen from the config)")
+    swap.set_defaults(func=cmd_model_swap)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
                                 else None)
@@ -236,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "line per node of a pool and the pool's sums")
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
+    _add_model_commands(sub)
     report = sub.add_parser("report", help="completions shown, accepted, acceptance rate "
                             "and infill latency, per API key name and day")
     report.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))

@@ -57,6 +57,8 @@ class ServerConfig(_Section, frozen=True):
 
 
 class ModelConfig(_Section, frozen=True):
+    # A reload with a new path (or a new file at the same path) swaps the model under
+    # live traffic (docs/operations.md, "Changing the model").
     path: str = "/usr/share/forged/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     # The id clients pass as "model"; empty means the file name without ".gguf".
     name: str = ""
@@ -64,6 +66,15 @@ class ModelConfig(_Section, frozen=True):
     aliases: list[str] = []
     # Override of the GGUF's chat template (a Jinja2 string); empty uses the GGUF's.
     chat_template: str = ""
+
+    @property
+    def model_id(self) -> str:
+        return self.name or Path(self.path).name.removesuffix(".gguf")
+
+    @property
+    def ids(self) -> list[str]:
+        """Every id a request may name it by: its own, then its aliases."""
+        return [self.model_id, *self.aliases]
 
 
 class EngineConfig(_Section, frozen=True):
@@ -120,6 +131,9 @@ class EngineConfig(_Section, frozen=True):
     route_min_match: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     # Open requests the cache holder may carry beyond the least loaded worker.
     route_imbalance: Annotated[int, msgspec.Meta(ge=0)] = 8
+    # Memory (MiB) the models' weights and KV caches may take together; a model swap
+    # that would pass it is refused. 0: what the kernel reports available at the swap.
+    memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     @property
     def per_slot_cells(self) -> int:
@@ -199,10 +213,18 @@ class Config(_Section, frozen=True):
     auth: AuthConfig = AuthConfig()
     log: LogConfig = LogConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
+    # Further models served beside [model], each by engine.workers workers of its own
+    # ([[models]] tables; a request picks one by its "model").
+    models: list[ModelConfig] = []
 
     @property
     def model_id(self) -> str:
-        return self.model.name or Path(self.model.path).name.removesuffix(".gguf")
+        return self.model.model_id
+
+    @property
+    def served(self) -> list[ModelConfig]:
+        """Every model served: [model] first (the default), then [[models]]."""
+        return [self.model, *self.models]
 
     @property
     def node_name(self) -> str:
@@ -257,6 +279,18 @@ def _check(path: Path, cfg: Config) -> None:
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
     _check_agent_listen(path, cfg.server)
+    _check_model_ids(path, cfg)
+
+
+def _check_model_ids(path: Path, cfg: Config) -> None:
+    seen: set[str] = set()
+    for i, model in enumerate(cfg.served):
+        key = "model" if i == 0 else f"models[{i - 1}]"
+        for model_id in model.ids:
+            if model_id in seen:
+                raise ConfigError(f"{path}: {key}: the model id {model_id!r} is already "
+                                  "taken by another model")
+            seen.add(model_id)
 
 
 def _check_agent_listen(path: Path, server: ServerConfig) -> None:
@@ -281,11 +315,13 @@ def _parse_listen(path: Path | str, key: str, value: str) -> None:
 
 
 def check_model(path: Path | str, cfg: Config) -> None:
-    model = Path(cfg.model.path)
-    if not model.is_file():
-        raise ConfigError(f"{path}: model.path: no such file: {model}")
-    if not os.access(model, os.R_OK):
-        raise ConfigError(f"{path}: model.path: not readable: {model}")
+    for i, served in enumerate(cfg.served):
+        key = "model.path" if i == 0 else f"models[{i - 1}].path"
+        model = Path(served.path)
+        if not model.is_file():
+            raise ConfigError(f"{path}: {key}: no such file: {model}")
+        if not os.access(model, os.R_OK):
+            raise ConfigError(f"{path}: {key}: not readable: {model}")
 
 
 def load(path: Path, *, require_file: bool = True) -> Config:
@@ -323,7 +359,7 @@ def with_overrides(
 # cache, or reach the workers only in their Init frame (kv_headroom, heartbeat_interval).
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
-    "model.path", "model.name", "model.chat_template", "server.listen", "server.admin_listen",
+    "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
@@ -339,6 +375,9 @@ def changed_keys(old: Config, new: Config) -> list[str]:
     out: list[str] = []
     for section in old.__struct_fields__:
         a, b = getattr(old, section), getattr(new, section)
+        if not isinstance(a, _Section):  # a list of sections ([[models]]): one key
+            out += [section] if a != b else []
+            continue
         for field in a.__struct_fields__:
             if getattr(a, field) != getattr(b, field):
                 out.append(f"{section}.{field}")

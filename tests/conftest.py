@@ -35,9 +35,9 @@ def real_model() -> Path:
     return REAL_MODEL
 
 
-def make_config(model: Path, tmp: Path, **sections: dict[str, Any]) -> fc.Config:
+def make_config(model: Path, tmp: Path, **sections: Any) -> fc.Config:
     """A config on loopback with ephemeral ports; ``sections`` override keys."""
-    raw: dict[str, dict[str, Any]] = {
+    raw: dict[str, Any] = {
         "server": {"listen": "127.0.0.1:0", "admin_listen": f"unix:{tmp}/admin.sock",
                    "drain_timeout": 5.0, "state_dir": str(tmp / "state")},
         "auth": {"keys_file": str(tmp / "keys.toml")},
@@ -48,7 +48,10 @@ def make_config(model: Path, tmp: Path, **sections: dict[str, Any]) -> fc.Config
                    "step_tokens": 64, "heartbeat_timeout": 10.0, "restart_backoff": 0.1},
     }
     for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
+        if isinstance(values, list):  # [[models]]
+            raw[name] = values
+        else:
+            raw.setdefault(name, {}).update(values)
     return msgspec.convert(raw, fc.Config)
 
 
@@ -71,7 +74,7 @@ DaemonFactory = Callable[..., AbstractAsyncContextManager[RunningDaemon]]
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> DaemonFactory:
     @asynccontextmanager
-    async def start(model: Path, **sections: dict[str, Any]) -> AsyncIterator[RunningDaemon]:
+    async def start(model: Path, **sections: Any) -> AsyncIterator[RunningDaemon]:
         cfg = make_config(model, tmp_path, **sections)
         daemon = Daemon(cfg, tmp_path / "forged.toml", test_hooks=True)
         async with trio.open_nursery() as nursery:

@@ -72,6 +72,7 @@ def test_the_shipped_file_marks_exactly_the_restart_keys() -> None:
             comment += line
         elif "=" in line:
             if "[restart]" in comment:
-                marked.add(f"{section}.{line.split('=')[0].strip()}")
+                key = line.split('=')[0].strip()
+                marked.add(f"{section}.{key}" if section else key)
             comment = ""
     assert marked == set(fc.RESTART_KEYS)

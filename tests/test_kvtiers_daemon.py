@@ -86,7 +86,7 @@ async def test_a_session_survives_a_restart_with_the_same_answer(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
     with trio.fail_after(90):
         messages, ref = await serve_first_turn(start_daemon, tiny_model)
-        files = list((tmp_path / "state" / "kvcache" / "worker-0").glob("*.kv"))
+        files = list((tmp_path / "state" / "kvcache").glob("*/worker-0/*.kv"))
         assert len(files) == 1
         async with start_daemon(tiny_model, engine=ENGINE) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
@@ -101,7 +101,7 @@ async def test_a_corrupt_cache_file_is_dropped_and_the_turn_recomputed(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
     with trio.fail_after(90):
         messages, _ = await serve_first_turn(start_daemon, tiny_model)
-        (path,) = (tmp_path / "state" / "kvcache" / "worker-0").glob("*.kv")
+        (path,) = (tmp_path / "state" / "kvcache").glob("*/worker-0/*.kv")
         data = path.read_bytes()
         path.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))
         async with start_daemon(tiny_model, engine=ENGINE) as d, \

@@ -182,7 +182,7 @@ def test_5b_a_session_survives_a_restart(box: BootedContainer) -> None:
               * 8}]
     one = turn(first)
     box.run("systemctl restart forged", timeout=120)
-    owner = box.run("stat -c '%U' /var/lib/forged/kvcache/worker-0/*.kv").stdout.split()
+    owner = box.run("stat -c '%U' /var/lib/forged/kvcache/*/worker-0/*.kv").stdout.split()
     assert owner == ["forged"]
     reply = one["choices"][0]["message"]["content"]  # type: ignore[index]
     two = turn([*first, {"role": "assistant", "content": reply},

@@ -145,7 +145,7 @@ async def test_a_rag_infill_prompt_holds_the_chunk_within_budget(
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             state = state_of(d)
             req = msgspec.convert(infill_body(repo="demo"), InfillRequest)
-            found = await infill_context(state, req, None)
+            found = await infill_context(state, state.models.default, req, None)
             assert found is not None
             # The query: the identifiers of the lines around the cursor.
             query = "def run():\n    n = open_nursery(\n\n    return n"
@@ -156,15 +156,15 @@ async def test_a_rag_infill_prompt_holds_the_chunk_within_budget(
             assert cursor_names("def run():\n    n = open_nursery(") == focus
             ranked = await rt.search(state, "demo", query, 4, focus)
             assert [h.path for h in ranked][:2] == ["nursery.py", "caller.py"]
-            sizes = [rt.chunk_tokens(state, h) for h in ranked]
+            sizes = [rt.chunk_tokens(state.models.default.prompter, h) for h in ranked]
             assert sizes[0] <= budget < sizes[0] + sizes[1], sizes  # the premise
             # The best chunk first; the caller's left out whole (smaller ones may fit).
             assert found.hits[0] == ranked[0] and ranked[1] not in found.hits
-            used = sum(rt.chunk_tokens(state, h) for h in found.hits)
+            used = sum(rt.chunk_tokens(state.models.default.prompter, h) for h in found.hits)
             assert used <= budget
-            with_rag = await infill_tokens(state, req, found)
-            plain = await infill_tokens(state, req)
-            chunk = state.prompter.tokenize(found.hits[0].text, add_special=False,
+            with_rag = await infill_tokens(state, state.models.default, req, found)
+            plain = await infill_tokens(state, state.models.default, req)
+            chunk = state.models.default.prompter.tokenize(found.hits[0].text, add_special=False,
                                             parse_special=False)
             assert _contains(with_rag, chunk) and not _contains(plain, chunk)
             # The extra files (FIM_SEP, path line, text each) are all that was added.

@@ -4,6 +4,7 @@ router's memory; and the pool submitting again what a lost worker had not admitt
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -123,7 +124,7 @@ def test_digests_are_sent_when_they_change_most_recent_first_and_bounded() -> No
 def pool_of(workers: int) -> EnginePool:
     cfg = msgspec.structs.replace(fc.Config(), engine=msgspec.structs.replace(
         fc.Config().engine, workers=workers))
-    pool = EnginePool(cfg, n_ctx_train=8192)
+    pool = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
     for w in pool.workers:
         up(w)
     return pool

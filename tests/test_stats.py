@@ -42,7 +42,7 @@ def test_status_and_bench_agree_on_the_same_samples() -> None:
     ttfts = [0.4, 0.1, 0.3, 0.2]
     gaps = [[0.05, 0.01], [0.03], [0.02, 0.04, 0.06], [0.07]]
 
-    metrics = Metrics("m", lambda: {}, lambda: 0)
+    metrics = Metrics(lambda: [("m", {}, 0)])
     for ttft, itl in zip(ttfts, gaps, strict=True):
         metrics.observe_ttft(ttft)
         metrics.observe_itl(itl)

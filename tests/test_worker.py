@@ -4,6 +4,7 @@ decode, restart backoff, and refusing a prompt that keeps killing workers."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -81,7 +82,7 @@ def test_retry_after_is_whole_seconds_at_least_one() -> None:
 def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() -> None:
     cfg = msgspec.structs.replace(fc.Config(), engine=msgspec.structs.replace(
         fc.Config().engine, workers=2))
-    pool = EnginePool(cfg, n_ctx_train=8192)
+    pool = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
     for w, wait in zip(pool.workers, (100.0, 75.5), strict=True):
         w.ready, w.last_heard, w.stats = True, time.monotonic(), {"wait_estimate_s": wait}
     with pytest.raises(Overloaded) as refused:
@@ -119,7 +120,7 @@ def test_the_largest_request_is_derived_once_from_the_config_and_the_model(
 
 def test_a_reload_sends_the_whole_new_limits_and_a_worker_refuses_a_new_geometry() -> None:
     cfg = fc.Config()
-    pool = EnginePool(cfg, n_ctx_train=8192)
+    pool = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
     pool.workers[0].outbox = outbox = Outbox(limit=8)
     new = msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
         cfg.limits, max_queued=7))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import time
 from functools import partial
@@ -24,8 +25,9 @@ from quart_trio import QuartTrio
 from forged import config as fc
 from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
+from forged.daemon.models import Swapper, SwapRefused, open_group, run_group
 from forged.daemon.notify import Notifier, watchdog_interval
-from forged.daemon.startup import open_prompter
+from forged.engine.groups import ModelGroup, Models, file_stamp
 from forged.engine.pool import EnginePool
 from forged.http.admin import create_admin_app
 from forged.http.api import configure, create_app
@@ -83,8 +85,20 @@ def sole_fault(exc: BaseException, kinds: type[Exception] | tuple[type[Exception
     return exc if isinstance(exc, kinds) else None
 
 
+def prune_kv_caches(state_dir: str, keep: set[Path]) -> None:
+    """Delete saved KV states of models no longer configured (and of the one-folder
+    layout before models had their own): their files could never be restored."""
+    root = Path(state_dir) / "kvcache"
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if child not in keep and child.is_dir():
+            log.info("deleting saved KV states of a model no longer served: %s", child)
+            shutil.rmtree(child, ignore_errors=True)
+
+
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
-    t = state.pool.totals()
+    t = state.totals()
     used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
     return (f"{len(state.drain)} streams, {int(t.get('running', 0))} running, "
             f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
@@ -97,8 +111,12 @@ class Daemon:
         self.config_path = config_path
         self.test_hooks = test_hooks
         self.notifier = Notifier()
-        # Made by run(), once the model's vocabulary (and its training context) is read.
-        self.pool: EnginePool
+        # Made by run(), once the models' vocabularies (and training contexts) are read.
+        self.models: Models
+        self.swapper: Swapper
+        # The model file the config named when it was last applied: a reload swaps only
+        # when that changes (so a `forged model swap` is not undone by the next reload).
+        self._applied_model = (cfg.model.path, file_stamp(cfg.model.path))
         self._shutdown = trio.Event()
         self.state: AppState | None = None
         # Kept for reloads, which change some of their settings live.
@@ -110,41 +128,63 @@ class Daemon:
             log.warning("no API keys in %s: the API is open to anyone who can reach it",
                         cfg.auth.keys_file)
 
+    @property
+    def pool(self) -> EnginePool:
+        """The default model's workers."""
+        return self.models.default.pool
+
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         # A model file llama.cpp cannot load is a config error (exit 78), not a crash.
-        prompter = await trio.to_thread.run_sync(open_prompter, self.config_path, self.cfg)
-        self.pool = EnginePool(self.cfg, prompter.n_ctx_train, test_hooks=self.test_hooks)
+        groups: list[ModelGroup] = []
         try:
-            metrics = Metrics(self.cfg.model_id, self.pool.totals, self.pool.restarts,
-                              node=self.cfg.node_name)
-            state = self.state = AppState(self.cfg, self.pool, prompter, metrics,
-                                          keys=self.keys,
-                                          holds=Holds() if self.test_hooks else None)
-            async with trio.open_nursery() as engine:
-                await engine.start(self.pool.run)
-                async with trio.open_nursery() as aux:
-                    async with trio.open_nursery() as listeners:
-                        binds = await self._start_listeners(listeners, state)
-                        if self.cfg.server.agent_listen:
-                            # In aux, not listeners: it answers "drain" until the
-                            # drain is over, and must not hold the listeners open.
-                            self.agent_bind = await aux.start(
-                                serve_agent, self.cfg.server.agent_listen, state.agent_reply)
-                        aux.start_soon(self._signals, listeners, aux)
-                        aux.start_soon(self._status_loop, state)
-                        aux.start_soon(state.telemetry.serve)
-                        if (interval := watchdog_interval()) is not None:
-                            aux.start_soon(self._watchdog_loop, interval)
-                        self.notifier.ready(_status_line(state))
-                        log.info("ready: model %s, API on %s", self.cfg.model_id,
-                                 ", ".join(binds))
-                        task_status.started(binds)
-                    # The listeners have finished draining.
-                    aux.cancel_scope.cancel()
-                engine.cancel_scope.cancel()
+            for place, model in enumerate(self.cfg.served):
+                groups.append(await trio.to_thread.run_sync(
+                    lambda p=place, m=model: open_group(  # type: ignore[misc]
+                        self.config_path, self.cfg, p, m, p + 1,
+                        test_hooks=self.test_hooks)))
+            self.models = Models(groups)
+            await trio.to_thread.run_sync(prune_kv_caches, self.cfg.server.state_dir,
+                                          self.models.cache_dirs(self.cfg.server.state_dir))
+            await self._serve_models(task_status)
         finally:
-            prompter.close()
+            # Closing twice is harmless: a swap closes the vocabularies it retires.
+            live = self.models.all() if hasattr(self, "models") else []
+            for group in [*groups, *live]:
+                group.prompter.close()
+
+    async def _serve_models(self, task_status: trio.TaskStatus[list[str]]) -> None:
+        metrics = Metrics(lambda: [(g.listed_id, g.pool.totals(), g.pool.restarts())
+                                   for g in self.models.all()], node=self.cfg.node_name)
+        state = self.state = AppState(self.cfg, self.models, metrics, keys=self.keys,
+                                      holds=Holds() if self.test_hooks else None)
+        async with trio.open_nursery() as engine:
+            self.swapper = Swapper(self.models, engine, self.config_path,
+                                   test_hooks=self.test_hooks)
+            state.swapper = self.swapper
+            for group in self.models.serving:
+                await engine.start(run_group, group)
+            async with trio.open_nursery() as aux:
+                async with trio.open_nursery() as listeners:
+                    binds = await self._start_listeners(listeners, state)
+                    if self.cfg.server.agent_listen:
+                        # In aux, not listeners: it answers "drain" until the
+                        # drain is over, and must not hold the listeners open.
+                        self.agent_bind = await aux.start(
+                            serve_agent, self.cfg.server.agent_listen, state.agent_reply)
+                    aux.start_soon(self._signals, listeners, aux)
+                    aux.start_soon(self._status_loop, state)
+                    aux.start_soon(state.telemetry.serve)
+                    if (interval := watchdog_interval()) is not None:
+                        aux.start_soon(self._watchdog_loop, interval)
+                    self.notifier.ready(_status_line(state))
+                    log.info("ready: model %s, API on %s",
+                             ", ".join(g.model_id for g in self.models.serving),
+                             ", ".join(binds))
+                    task_status.started(binds)
+                # The listeners have finished draining.
+                aux.cancel_scope.cancel()
+            engine.cancel_scope.cancel()
 
     async def _start_listeners(self, http: trio.Nursery, state: AppState) -> list[str]:
         fds = _listen_fds()
@@ -207,7 +247,8 @@ class Daemon:
         log.info("draining: %d streams open, %ds deadline", len(self.state.drain),
                  self.cfg.server.drain_timeout)
         self.state.draining = True
-        self.pool.draining = True
+        for group in self.models.all():
+            group.pool.draining = True
         self.state.drain.set(trio.current_time() + self.cfg.server.drain_timeout)
         self._shutdown.set()
 
@@ -233,10 +274,15 @@ class Daemon:
             log.error("reload refused, keeping the running config and keys: %s", exc)
             self.notifier.ready(_status_line(self.state))
             return
+        swap = self._model_changed(new.model)
+        self._rename_models(new)
         self.cfg = new
         self.state.cfg = new
         self.state.keys = keys
-        self.pool.set_limits(new)
+        for group in self.models.all():
+            group.pool.set_limits(new)
+        if swap:
+            self.swapper.engine.start_soon(self._swap_on_reload, new)
         if self._api_app is not None:
             configure(self._api_app, new)
         for hc in self._hyper_configs:
@@ -247,11 +293,32 @@ class Daemon:
                  ", ".join(live) or "nothing", len(keys.by_hash))
         self.notifier.ready(_status_line(self.state))
 
+    def _model_changed(self, model: fc.ModelConfig) -> bool:
+        """A reload swaps the model when the config names another file, or a new file
+        was put at the same path (a model package's upgrade)."""
+        return (model.path, file_stamp(model.path)) != self._applied_model
+
+    def _rename_models(self, new: fc.Config) -> None:
+        """Aliases are live: the default group answers to the new ones (and keeps the
+        ids a swap gave it)."""
+        group = self.models.default
+        dropped = [a for a in self.cfg.model.aliases if a not in new.model.aliases]
+        kept = [i for i in group.ids if i not in dropped]
+        group.ids = [*kept, *(a for a in new.model.aliases if a not in kept)]
+
+    async def _swap_on_reload(self, cfg: fc.Config) -> None:
+        try:
+            new = await self.swapper.swap(cfg, 0, cfg.model)
+        except SwapRefused as exc:
+            log.error("reload: model swap refused, the old model keeps serving: %s", exc)
+            return
+        self._applied_model = (new.model.path, new.file)
+
     async def _status_loop(self, state: AppState) -> None:
         last_tokens, last_t = 0.0, time.monotonic()
         while True:
             await trio.sleep(self.cfg.server.status_interval)
-            totals = state.pool.totals()
+            totals = state.totals()
             tokens, now = totals.get("tokens_generated", 0.0), time.monotonic()
             rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t = tokens, now
@@ -270,13 +337,17 @@ class Daemon:
         # kills and restarts it. If that recovery works, the pings resume well within
         # WatchdogSec; if it does not, systemd restarts the whole daemon.
         now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout / 2
-        return any(w.ready and now - w.last_heard > limit for w in self.pool.workers)
+        return any(w.ready and now - w.last_heard > limit
+                   for g in self.models.all() for w in g.pool.workers)
 
 
 def _keep_restart_keys(old: fc.Config, new: fc.Config) -> fc.Config:
     parts = {}
     for section in old.__struct_fields__:
         a, b = getattr(old, section), getattr(new, section)
+        if not isinstance(a, msgspec.Struct):  # [[models]]: one key, the whole list
+            parts[section] = a if section in fc.RESTART_KEYS else b
+            continue
         keep = {f: getattr(a, f) for f in a.__struct_fields__
                 if f"{section}.{f}" in fc.RESTART_KEYS}
         parts[section] = msgspec.structs.replace(b, **keep)

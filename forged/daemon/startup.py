@@ -48,30 +48,39 @@ def gguf_header_problem(path: Path) -> str | None:
     return None
 
 
-def check_gguf_header(config_path: Path | str, cfg: fc.Config) -> None:
-    model = Path(cfg.model.path)
+def model_key(place: int) -> str:
+    """The config table of the model in ``place``: [model], then [[models]]."""
+    return "model" if place == 0 else f"models[{place - 1}]"
+
+
+def check_gguf_header(config_path: Path | str, model: fc.ModelConfig,
+                      key: str = "model") -> None:
+    path = Path(model.path)
     try:
-        problem = gguf_header_problem(model)
+        problem = gguf_header_problem(path)
     except OSError as exc:
         problem = f"cannot read: {exc.strerror or exc}"
     if problem is not None:
-        raise fc.ConfigError(f"{config_path}: model.path: {model}: {problem}")
+        raise fc.ConfigError(f"{config_path}: {key}.path: {path}: {problem}")
 
 
-def open_prompter(config_path: Path | str, cfg: fc.Config) -> Prompter:
-    """Load the model's vocabulary and chat template; a file llama.cpp cannot load, or
-    a template that does not compile, is a config error."""
+def open_prompter(config_path: Path | str, model: fc.ModelConfig,
+                  key: str = "model") -> Prompter:
+    """Check the model file's header, then load its vocabulary and chat template; a
+    file llama.cpp cannot load, or a template that does not compile, is a config
+    error."""
     import jinja2  # here, with llama.cpp: the header check stays light to import
 
     from forged.engine.backend import BackendError
     from forged.engine.prompts import Prompter
 
+    check_gguf_header(config_path, model, key)
     try:
-        return Prompter(cfg.model.path, cfg.model.chat_template)
+        return Prompter(model.path, model.chat_template)
     except BackendError as exc:
-        raise fc.ConfigError(f"{config_path}: model.path: {cfg.model.path}: llama.cpp "
+        raise fc.ConfigError(f"{config_path}: {key}.path: {model.path}: llama.cpp "
                              "cannot load it (a damaged or unsupported GGUF file)") from exc
     except jinja2.TemplateError as exc:
-        key = "model.chat_template" if cfg.model.chat_template else \
-            f"model.path: {cfg.model.path}: its chat template"
-        raise fc.ConfigError(f"{config_path}: {key}: {exc}".replace("\n", " ")) from exc
+        where = f"{key}.chat_template" if model.chat_template else \
+            f"{key}.path: {model.path}: its chat template"
+        raise fc.ConfigError(f"{config_path}: {where}: {exc}".replace("\n", " ")) from exc

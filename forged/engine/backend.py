@@ -152,6 +152,17 @@ class Model(_Closing):
             ll.llama_vocab_fim_rep(v), ll.llama_vocab_fim_sep(v), ll.llama_vocab_fim_pad(v)))
         return FimTokens(pre=ids[0], suf=ids[1], mid=ids[2], rep=rep, sep=sep, pad=pad)
 
+    def kv_bytes_per_cell(self) -> int:
+        """Bytes one KV cell takes over every layer (f16 keys and values, llama.cpp's
+        default cache type), from the GGUF's hyperparameters: what a context of N
+        cells allocates, N times over."""
+        heads = self._hparam("attention.head_count") or 1
+        kv_heads = self._hparam("attention.head_count_kv") or heads
+        head = self.n_embd // heads
+        k = self._hparam("attention.key_length") or head
+        v = self._hparam("attention.value_length") or head
+        return 2 * self._hparam("block_count") * kv_heads * (k + v)
+
     def _hparam(self, name: str) -> int:
         """The architecture's hyperparameter ``name`` from the GGUF metadata; 0 if absent."""
         value = self.meta(f"{self.meta('general.architecture')}.{name}")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from forged.config import Config
+from forged.config import Config, ModelConfig
 from forged.engine import frames as fr
 from forged.engine.channel import Outbox
 from forged.engine.limits import scheduler_limits
@@ -125,8 +125,14 @@ class RequestStream:
 
 
 class EnginePool:
-    def __init__(self, cfg: Config, n_ctx_train: int, *, test_hooks: bool = False) -> None:
+    """The workers of one model (its :class:`~forged.engine.groups.ModelGroup`).
+    ``cache_dir``: the folder of its workers' saved KV states (a folder per worker)."""
+
+    def __init__(self, cfg: Config, model: ModelConfig, n_ctx_train: int, *,
+                 cache_dir: Path, test_hooks: bool = False) -> None:
         self.cfg = cfg
+        self.model = model
+        self.cache_dir = cache_dir
         self.n_ctx_train = n_ctx_train
         self.limits = scheduler_limits(cfg, n_ctx_train)
         self.test_hooks = test_hooks
@@ -161,9 +167,8 @@ class EnginePool:
     def _init(self, index: int) -> fr.Init:
         e = self.cfg.engine
         # Each worker its own folder: a session's state is restored where it was saved.
-        cache_dir = (str(Path(self.cfg.server.state_dir) / "kvcache" / f"worker-{index}")
-                     if e.cache_disk_mib else "")
-        return fr.Init(model_path=self.cfg.model.path, threads=e.threads,
+        cache_dir = str(self.cache_dir / f"worker-{index}") if e.cache_disk_mib else ""
+        return fr.Init(model_path=self.model.path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir)
 
@@ -321,6 +326,18 @@ class EnginePool:
             yield rs
         finally:
             self._close(rs)
+
+    def fail_all(self, error: ForgedError) -> None:
+        """End every open request with ``error``: the pool is being stopped (a swap's
+        old model past its drain deadline)."""
+        self.draining = True
+        for pending in self.pending:
+            for rs in pending.values():
+                rs.fail(error)
+            pending.clear()
+        for rs, _, _ in self._parked.values():
+            rs.fail(error)
+        self._parked.clear()
 
     def _close(self, rs: RequestStream) -> None:
         # Synchronous on purpose: this runs when the caller is being cancelled. Only

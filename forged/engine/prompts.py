@@ -18,6 +18,7 @@ import forged
 from forged.engine.backend import Model, check_grammar
 from forged.engine.fim import ExtraFile, MixedText, infill_prompt
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
+from forged.engine.kvdisk import model_identity
 from forged.engine.request import Grammar
 from forged.errors import BadRequest
 
@@ -50,12 +51,14 @@ class ModelInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     identity: str
 
 
-def model_info(model: Model, template: str) -> ModelInfo:
+def model_info(model: Model, template: str, content: str = "") -> ModelInfo:
     # Hashing a multi-gigabyte file at start-up is too slow: what tells models apart
-    # (name, shape, tensor bytes, the template in use) and the versions stand for it.
+    # (name, shape, tensor bytes, the template in use, ``content``: a hash of the
+    # file's ends, which tells retrained weights of one shape apart) and the versions
+    # stand for it.
     ident = [model.meta("general.name") or "", model.n_vocab, model.n_ctx_train,
-             model.n_embd, model.n_params, model.size, template, forged.__version__,
-             llama_cpp.__version__]
+             model.n_embd, model.n_params, model.size, template, content,
+             forged.__version__, llama_cpp.__version__]
     digest = hashlib.sha256("\0".join(map(str, ident)).encode()).hexdigest()
     return ModelInfo(vocab_type=model.vocab_type, n_vocab=model.n_vocab,
                      n_ctx_train=model.n_ctx_train, n_embd=model.n_embd,
@@ -81,7 +84,7 @@ class Prompter:
         self.n_ctx_train = self.model.n_ctx_train
         self.fim = self.model.fim_tokens()
         self._bos = self.model.bos if self.model.add_bos else None
-        self.info = model_info(self.model, template)
+        self.info = model_info(self.model, template, model_identity(model_path))
         self._pieces: dict[int, bytes] = {}
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:

@@ -16,6 +16,8 @@ from quart_trio import QuartTrio
 
 from forged import __version__
 from forged.engine import testhooks
+from forged.engine.groups import ModelGroup
+from forged.errors import ModelNotFound
 from forged.http.state import AppState
 
 _json = msgspec.json.Encoder()
@@ -23,26 +25,13 @@ _json = msgspec.json.Encoder()
 
 def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
     app = QuartTrio("forged-admin")
-    app.config.update(RESPONSE_TIMEOUT=30, MAX_CONTENT_LENGTH=64 * 1024)
-
-    def _status() -> dict[str, object]:
-        return {
-            "version": __version__,
-            "node": state.cfg.node_name,
-            "model": state.cfg.model_id,
-            "model_path": state.cfg.model.path,
-            "ready": state.pool.ready and not (state.leaving or state.draining),
-            "draining": state.leaving or state.draining,
-            "agent": state.agent_reply().strip(),
-            "open_streams": len(state.drain),
-            "limits": msgspec.to_builtins(state.cfg.limits),
-            "last_minute": state.metrics.last_minute(),
-            "engine": state.pool.statistics(),
-        }
+    # A swap answers once the new model serves: loading may take startup_timeout.
+    app.config.update(RESPONSE_TIMEOUT=state.cfg.engine.startup_timeout + 60,
+                      MAX_CONTENT_LENGTH=64 * 1024)
 
     @app.get("/stats")
     async def stats() -> Response:
-        return Response(_json.encode(_status()), content_type="application/json")
+        return Response(_json.encode(_status(state)), content_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -51,13 +40,81 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        status = _status()
+        status = _status(state)
         return Response(_json.encode(status), status=200 if status["ready"] else 503,
                         content_type="application/json")
+
+    app.add_url_rule("/models/swap", "swap", lambda: _swap(state), methods=["POST"])
 
     if test_hooks:
         _add_test_hooks(app, state)
     return app
+
+
+class SwapRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    path: str
+    model: str | None = None  # which model to replace: its id (default: [model]'s)
+
+
+def _answer(body: dict[str, object], status: int = 200) -> Response:
+    return Response(_json.encode(body), status=status, content_type="application/json")
+
+
+async def _swap(state: AppState) -> Response:
+    """``forged model swap PATH``: serve the model in PATH instead of a running one.
+    200 once it serves; 409 with the reason when refused (the old model serves on)."""
+    from forged.daemon.models import SwapRefused  # the daemon imports this module
+
+    try:
+        req = msgspec.json.decode(await request.get_data(), type=SwapRequest)
+        place = state.models.place_of(state.models.resolve(req.model))
+    except (msgspec.MsgspecError, ModelNotFound) as exc:
+        return _answer({"error": str(exc)}, 400)
+    if state.leaving or state.draining or state.swapper is None:
+        return _answer({"error": "the server is shutting down"}, 409)
+    if not req.path.startswith("/"):
+        return _answer({"error": f"path must be absolute: {req.path!r}"}, 400)
+    model = msgspec.structs.replace(state.models.serving[place].model, path=req.path)
+    try:
+        group = await state.swapper.swap(state.cfg, place, model)
+    except SwapRefused as exc:
+        return _answer({"error": str(exc)}, 409)
+    return _answer(_model(group))
+
+
+def _model(group: ModelGroup) -> dict[str, object]:
+    return {"id": group.listed_id, "ids": group.ids, "status": group.status,
+            "path": group.model.path, "workers": len(group.pool.workers),
+            "memory_bytes": group.memory, "in_use": group.users}
+
+
+def _engine(state: AppState) -> dict[str, object]:
+    """The node's engine: every model's workers (each says its model), summed."""
+    groups = state.models.all()
+    each = [(g, g.pool.statistics()) for g in groups]
+    workers = [{**w, "model": g.listed_id} for g, s in each
+               for w in s["workers"]]  # type: ignore[attr-defined]
+    first = each[0][1]
+    return {**first, "workers": workers, "totals": state.totals(),
+            "in_flight": sum(g.pool.in_flight() for g in groups),
+            "parked": sum(s["parked"] for _, s in each)}  # type: ignore[misc]
+
+
+def _status(state: AppState) -> dict[str, object]:
+    return {
+        "version": __version__,
+        "node": state.cfg.node_name,
+        "model": state.models.default.model_id,
+        "model_path": state.models.default.model.path,
+        "models": [_model(g) for g in state.models.all()],
+        "ready": state.ready and not (state.leaving or state.draining),
+        "draining": state.leaving or state.draining,
+        "agent": state.agent_reply().strip(),
+        "open_streams": len(state.drain),
+        "limits": msgspec.to_builtins(state.cfg.limits),
+        "last_minute": state.metrics.last_minute(),
+        "engine": _engine(state),
+    }
 
 
 def _add_test_hooks(app: QuartTrio, state: AppState) -> None:
@@ -78,7 +135,8 @@ def _add_slowdowns(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/debug/slow-steps")
     async def slow_steps() -> Response:
-        testhooks.slow_steps(state.pool, 0, float(request.args.get("seconds", "0")))
+        testhooks.slow_steps(state.models.default.pool, 0,
+                             float(request.args.get("seconds", "0")))
         return Response(b"{}", content_type="application/json")
 
 
@@ -115,5 +173,6 @@ def _add_worker_faults(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/debug/hang-worker")
     async def hang_worker() -> Response:
-        testhooks.hang_worker(state.pool, 0, float(request.args.get("seconds", "1")))
+        testhooks.hang_worker(state.models.default.pool, 0,
+                              float(request.args.get("seconds", "1")))
         return Response(b"{}", content_type="application/json")

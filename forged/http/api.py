@@ -27,7 +27,8 @@ from werkzeug.exceptions import HTTPException
 
 from forged import errors as e
 from forged.auth import KeyEntry
-from forged.config import Config
+from forged.config import Config, LimitsConfig
+from forged.engine.groups import ModelGroup
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import refused, sse
 from forged.http.chat import chat_prompt
@@ -170,7 +171,7 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
     async def health() -> Response:
         if state.leaving or state.draining:
             return json_response({"status": "draining"}, 503)
-        if not state.pool.ready:
+        if not state.ready:
             return json_response({"status": "unavailable"}, 503)
         return json_response({"status": "ok"})
 
@@ -207,11 +208,12 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await _decoded(state, completion_decoder, refuse=True)
+        group = _use_model(state, req.model)
         asked = completion_asked(req)
-        prompt, found = await _completion_prompt(state, req)
-        fmt = with_retrieved(_completion_format(state, req, prompt, asked), found)
+        prompt, found = await _completion_prompt(state, group, req)
+        fmt = with_retrieved(_completion_format(group, req, prompt, asked), found)
         try:
-            return await _run(state, req, prompt, req.max_tokens, fmt, asked=asked)
+            return await _run(state, group, req, prompt, req.max_tokens, fmt, asked=asked)
         except e.ContextTooLong as exc:
             exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
             raise
@@ -219,24 +221,25 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         req = await _decoded(state, chat_decoder, refuse=True)
-        _check_model(state, req.model)
-        found = await context(state, req.repo, g.get("key"), last_user_text(req))
+        group = _use_model(state, req.model)
+        found = await context(state, group.prompter, req.repo, g.get("key"),
+                              last_user_text(req))
         req = chat_with_context(req, found)
-        prompt = await chat_prompt(state, req)
+        prompt = await chat_prompt(state, group, req)
         plan, asked = prompt.tools, chat_asked(req)
-        return await _run(state, req, prompt.tokens,
+        return await _run(state, group, req, prompt.tokens,
                           req.max_completion_tokens or req.max_tokens,
-                          with_retrieved(_chat_format(state, req, plan, asked), found),
+                          with_retrieved(_chat_format(group, req, plan, asked), found),
                           grammar=plan.grammar if plan else None, asked=asked)
 
     @app.post("/infill")
     async def infill() -> Response:
         req = await _decoded(state, infill_decoder)
-        _check_model(state, req.model)
-        found = await infill_context(state, req, g.get("key"))
-        prompt = await infill_tokens(state, req, found)
+        group = _use_model(state, req.model)
+        found = await infill_context(state, group, req, g.get("key"))
+        prompt = await infill_tokens(state, group, req, found)
         try:
-            return await _run(state, req, prompt, requested_tokens(req),
+            return await _run(state, group, req, prompt, requested_tokens(req),
                               with_retrieved(infill_format(req), found))
         except e.ContextTooLong as exc:
             exc.param = "input_prefix"
@@ -269,7 +272,7 @@ async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
     (forged.http.refused)."""
     body = await _read_body(state)
     if engine:
-        state.pool.check_capacity()
+        state.check_capacity()
     try:
         decoded = await _decode(state, decoder, body)
         if refuse:
@@ -330,21 +333,21 @@ def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int]:
     raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
 
 
-def _completion_format(state: AppState, req: CompletionRequest, tokens: list[int],
+def _completion_format(group: ModelGroup, req: CompletionRequest, tokens: list[int],
                        asked: Asked) -> sse.MakeFormat:
     """The answer's shape: with logprobs, and with ``echo``, the prompt as given (or the
     text of the token ids given) before the completion."""
     echo = None
     if req.echo:
         given = _one_prompt(req.prompt)
-        text = given if isinstance(given, str) else state.prompter.detokenize(tokens)
+        text = given if isinstance(given, str) else group.prompter.detokenize(tokens)
         echo = sse.Echo(text, tokens, asked.prompt)
     return functools.partial(sse.CompletionFormat, echo=echo,
-                             fingerprint=system_fingerprint(state),
-                             vocab=None if asked.top is None else state.prompter)
+                             fingerprint=system_fingerprint(group),
+                             vocab=None if asked.top is None else group.prompter)
 
 
-def _chat_format(state: AppState, req: ChatRequest, plan: ToolPlan | None,
+def _chat_format(group: ModelGroup, req: ChatRequest, plan: ToolPlan | None,
                  asked: Asked) -> sse.MakeFormat:
     """The answer's shape: the calls parsed out when the model may make them, and
     logprobs when asked."""
@@ -353,33 +356,33 @@ def _chat_format(state: AppState, req: ChatRequest, plan: ToolPlan | None,
         raise e.BadRequest("response_format cannot be combined with tool calls "
                            "(tool_choice 'none' allows it)", param="response_format")
     return functools.partial(sse.ChatFormat, tools=calls,
-                             fingerprint=system_fingerprint(state),
-                             vocab=None if asked.top is None else state.prompter)
+                             fingerprint=system_fingerprint(group),
+                             vocab=None if asked.top is None else group.prompter)
 
 
-async def _completion_prompt(state: AppState, req: CompletionRequest
+async def _completion_prompt(state: AppState, group: ModelGroup, req: CompletionRequest
                              ) -> tuple[list[int], Retrieved | None]:
     """The prompt's tokens, and the repository chunks it draws on (with ``repo``, or
     the key's default): as extra files before a fill-in-the-middle prompt, as
     snippets before a plain one."""
-    _check_model(state, req.model)
     given: str | list[str | int] = _one_prompt(req.prompt)  # type: ignore[assignment]
     if not isinstance(given, str):
-        check_ids(state, given, "prompt")
+        check_ids(group, given, "prompt")
         if req.suffix is None:
             if req.repo is not None:
                 raise e.BadRequest("repo needs the prompt as text, or a suffix",
                                    param="repo")
             return list(given), None  # type: ignore[arg-type]
-    found = await context(state, req.repo, g.get("key"), query_around(
+    found = await context(state, group.prompter, req.repo, g.get("key"), query_around(
         code_text(given), req.suffix or "", state.cfg.retrieval.query_lines),
         cursor_names(code_text(given)))
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
         extra = extra_files(found) if found else []
-        return await fim_prompt(state, given, req.suffix, extra, "", req.max_tokens), found
+        return await fim_prompt(state, group, given, req.suffix, extra, "",
+                                req.max_tokens), found
     assert isinstance(given, str)
-    _refuse_raw_fim(state, given)
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_completion,
+    _refuse_raw_fim(group, given)
+    tokens = await trio.to_thread.run_sync(group.prompter.encode_completion,
                                            as_snippets(found) + given)
     if not tokens:
         raise e.BadRequest("the prompt is empty", param="prompt")
@@ -390,38 +393,39 @@ async def _completion_prompt(state: AppState, req: CompletionRequest
 _FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<|fim▁begin|>", "<PRE>")
 
 
-def _refuse_raw_fim(state: AppState, text: str) -> None:
+def _refuse_raw_fim(group: ModelGroup, text: str) -> None:
     """A prompt written with FIM tokens, to a model without them, would be completed as
     plain text: say so instead."""
-    if state.prompter.fim is None and any(m in text for m in _FIM_MARKERS):
+    if group.prompter.fim is None and any(m in text for m in _FIM_MARKERS):
         raise e.BadRequest("the prompt is written with fill-in-the-middle tokens, but this "
                            "model has none", param="prompt", code="fim_not_supported")
 
 
-def _check_model(state: AppState, model: str | None) -> None:
-    if model is not None and model not in state.model_ids:
-        raise e.ModelNotFound(model)
+def _use_model(state: AppState, model: str | None) -> ModelGroup:
+    """The group serving ``model``, held until the request ends (a swap drains a group
+    only once nobody holds it)."""
+    return resources().enter_context(state.models.use(model))
 
 
 # --- generation --------------------------------------------------------------------------
 
 
-def _request(state: AppState, req: Any, prompt: list[int], requested: int | None,
-             grammar: Grammar | None, asked: Asked) -> Request:
-    """The one engine request for this body, its API key and the config."""
+def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
+             requested: int | None, grammar: Grammar | None, asked: Asked) -> Request:
+    """The one engine request for this body, its API key, its model and the config."""
     lim = state.cfg.limits
-    max_tokens = _max_tokens(state, len(prompt), requested, req.min_tokens)
+    max_tokens = _max_tokens(lim, group.max_context, len(prompt), requested, req.min_tokens)
     if req.stop_token_ids:
-        check_ids(state, req.stop_token_ids, "stop_token_ids")
+        check_ids(group, req.stop_token_ids, "stop_token_ids")
     key = g.get("key")
-    n = _choices(state, req, prompt, max_tokens)
+    n = _choices(group, req, prompt, max_tokens)
     if n > req.n and asked.top is None:  # best_of ranks by the tokens' logprobs
         asked = Asked(0, asked.prompt)
     return Request(
         prompt=prompt, max_tokens=max_tokens, n=n,
         priority=req.priority or (key.priority if key else lim.default_priority),
-        sampling=msgspec.structs.replace(_sampling(state, req), grammar=grammar),
-        stop=_stops(state, req.stop), preserve=state.prompter.tool_tokens if grammar else [],
+        sampling=msgspec.structs.replace(_sampling(state, group, req), grammar=grammar),
+        stop=_stops(state, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
@@ -432,18 +436,17 @@ def _request(state: AppState, req: Any, prompt: list[int], requested: int | None
     )
 
 
-def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
+def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | None,
                 min_tokens: int) -> int:
-    """The completion's budget: as asked, or the default, within the context; at least
-    vLLM's ``min_tokens`` when not asked."""
-    limit = state.max_context
+    """The completion's budget: as asked, or the default, within the context
+    (``limit``); at least vLLM's ``min_tokens`` when not asked."""
     if n_prompt >= limit:
         raise e.ContextTooLong(
             f"This model's maximum context length is {limit} tokens. However, your prompt "
             f"has {n_prompt} tokens. Please reduce the length of the prompt."
         )
     if requested is None:
-        wanted = max(state.cfg.limits.default_max_tokens, min_tokens)
+        wanted = max(lim.default_max_tokens, min_tokens)
         max_tokens = min(wanted, limit - n_prompt)
     elif n_prompt + requested > limit:
         raise e.ContextTooLong(
@@ -459,7 +462,7 @@ def _max_tokens(state: AppState, n_prompt: int, requested: int | None,
     return max_tokens
 
 
-def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> int:
+def _choices(group: ModelGroup, req: Any, prompt: list[int], max_tokens: int) -> int:
     """The choices to generate: ``n``, or ``best_of`` of which the best ``n`` are
     returned; checked against what a worker can run at once."""
     best_of = req.best_of or req.n
@@ -468,7 +471,7 @@ def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> i
                            param="best_of")
     if best_of > req.n and req.stream:  # as OpenAI: the best are known only at the end
         raise e.BadRequest("best_of cannot be combined with stream", param="best_of")
-    most = state.pool.limits.max_choices(len(prompt), max_tokens)
+    most = group.pool.limits.max_choices(len(prompt), max_tokens)
     if best_of > most:
         field = "n" if best_of == req.n else "best_of"
         raise e.BadRequest(f"{field} is {best_of}, but at most {most} choices of this "
@@ -476,13 +479,13 @@ def _choices(state: AppState, req: Any, prompt: list[int], max_tokens: int) -> i
     return int(best_of)
 
 
-def _sampling(state: AppState, req: Any) -> Sampling:
+def _sampling(state: AppState, group: ModelGroup, req: Any) -> Sampling:
     bias: list[tuple[int, float]] = []
     if req.logit_bias:
         if len(req.logit_bias) > state.cfg.limits.max_logit_bias:
             raise e.BadRequest("too many logit_bias entries", param="logit_bias")
         for key, value in req.logit_bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.prompter.n_vocab:
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < group.prompter.n_vocab:
                 raise e.BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias")
             bias.append((int(key), float(value)))
     return Sampling(
@@ -531,15 +534,16 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-async def _run(state: AppState, req: Any, prompt: list[int], requested: int | None,
-               fmt: sse.MakeFormat, *, grammar: Grammar | None = None,
-               asked: Asked | None = None) -> Response:
+async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
+               requested: int | None, fmt: sse.MakeFormat, *,
+               grammar: Grammar | None = None, asked: Asked | None = None) -> Response:
     """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own;
     ``asked``: the logprobs it wants."""
     grammar = grammar or request_grammar(req)
     if grammar is not None:
-        await _check_grammar(state, req, grammar)
-    engine_request = _request(state, req, prompt, requested, grammar, asked or Asked())
+        await _check_grammar(group, req, grammar)
+    engine_request = _request(state, group, req, prompt, requested, grammar,
+                              asked or Asked())
     g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")
@@ -552,10 +556,10 @@ async def _run(state: AppState, req: Any, prompt: list[int], requested: int | No
     if key is not None:
         outcome.usage = _admit_key(state, key, engine_request.n)
         outcome.places = engine_request.n
-    return await generate(state, req, engine_request, fmt, outcome)
+    return await generate(state, group, req, engine_request, fmt, outcome)
 
 
-async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
+async def _check_grammar(group: ModelGroup, req: Any, grammar: Grammar) -> None:
     # A finished grammar allows only the end of generation: banning it (ignore_eos, or
     # min_tokens not yet reached) would leave the sampler no token at all.
     for field in ("ignore_eos", "min_tokens"):
@@ -563,7 +567,7 @@ async def _check_grammar(state: AppState, req: Any, grammar: Grammar) -> None:
             raise e.BadRequest(f"{field} cannot be combined with a grammar, a JSON schema "
                                "or tools", param=field)
     try:
-        await trio.to_thread.run_sync(state.prompter.check_grammar, grammar)
+        await trio.to_thread.run_sync(group.prompter.check_grammar, grammar)
     except ValueError as exc:
         raise e.BadRequest("llama.cpp could not parse the grammar", param="grammar") from exc
 

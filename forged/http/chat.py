@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from forged import errors as e
+from forged.engine.groups import ModelGroup
 from forged.http.refused import part_error
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.state import AppState
@@ -26,18 +27,18 @@ class ChatPrompt:
     tools: ToolPlan | None
 
 
-async def chat_prompt(state: AppState, req: ChatRequest) -> ChatPrompt:
+async def chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest) -> ChatPrompt:
     lim = state.cfg.limits
     if len(req.messages) > lim.max_messages:
         raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
     tools = None
-    if plan is not None and state.prompter.renders_tools:
+    if plan is not None and group.prompter.renders_tools:
         tools = plan.tools
     else:  # the template knows nothing of tools: forged writes them into the turns
         messages = fold_into_messages(messages, plan.tools if plan else None)
-    tokens = await trio.to_thread.run_sync(state.prompter.encode_chat, messages, tools,
+    tokens = await trio.to_thread.run_sync(group.prompter.encode_chat, messages, tools,
                                            req.chat_template_kwargs)
     return ChatPrompt(tokens, plan)
 

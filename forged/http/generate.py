@@ -23,6 +23,7 @@ from quart import Response
 
 from forged import errors as e
 from forged.engine import frames as fr
+from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream, retry_after_seconds
 from forged.engine.request import Request
 from forged.http import sse
@@ -140,15 +141,15 @@ def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
         outcome.completion = {}
 
 
-async def generate(state: AppState, req: Any, request: Request, fmt: sse.MakeFormat,
-                   outcome: Outcome) -> Response:
-    out = fmt(model=req.model or state.cfg.model_id, created=int(time.time()), n=request.n)
+async def generate(state: AppState, group: ModelGroup, req: Any, request: Request,
+                   fmt: sse.MakeFormat, outcome: Outcome) -> Response:
+    out = fmt(model=req.model or group.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)
     outcome.completion_id = out.id
     held = resources()
     try:
         held.enter_context(state.drain.generation())
-        rs = outcome.rs = await held.enter_async_context(state.pool.open_request(request))
+        rs = outcome.rs = await held.enter_async_context(group.pool.open_request(request))
         if state.holds is not None:
             await state.holds.at("submitted")
         first = await _admission(state, rs, outcome)

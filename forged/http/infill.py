@@ -27,6 +27,7 @@ from forged.auth import KeyEntry
 from forged.config import Priority
 from forged.engine import frames as fr
 from forged.engine.fim import ExtraFile
+from forged.engine.groups import ModelGroup
 from forged.http import sse
 from forged.http.retrieve import Retrieved, code_text, context, query_around
 from forged.http.schemas import GenerationFields
@@ -64,32 +65,32 @@ def requested_tokens(req: InfillRequest) -> int | None:
     return req.max_tokens
 
 
-def check_ids(state: AppState, code: Code | list[int], param: str) -> None:
-    """Token ids given in place of text must be in the vocabulary."""
-    n_vocab = state.prompter.n_vocab
+def check_ids(group: ModelGroup, code: Code | list[int], param: str) -> None:
+    """Token ids given in place of text must be in the model's vocabulary."""
+    n_vocab = group.prompter.n_vocab
     if not isinstance(code, str) and any(
             isinstance(t, int) and not 0 <= t < n_vocab for t in code):
         raise e.BadRequest(f"token ids must be in [0, {n_vocab})", param=param)
 
 
-async def fim_prompt(state: AppState, prefix: Code, suffix: Code, extra: list[ExtraFile],
-                     typed: str, wanted: int | None) -> list[int]:
+async def fim_prompt(state: AppState, group: ModelGroup, prefix: Code, suffix: Code,
+                     extra: list[ExtraFile], typed: str, wanted: int | None) -> list[int]:
     """The infill layout (llama.cpp's) under this config, for ``wanted`` new tokens."""
     return await trio.to_thread.run_sync(functools.partial(
-        state.prompter.encode_infill, prefix, suffix, extra, typed,
-        n_batch=state.cfg.limits.infill_batch, n_ctx=state.max_context,
+        group.prompter.encode_infill, prefix, suffix, extra, typed,
+        n_batch=state.cfg.limits.infill_batch, n_ctx=group.max_context,
         n_predict=-1 if wanted is None else wanted))
 
 
-async def infill_tokens(state: AppState, req: InfillRequest,
+async def infill_tokens(state: AppState, group: ModelGroup, req: InfillRequest,
                         found: Retrieved | None = None) -> list[int]:
     """The prompt, with the chunks ``found`` in the repository after the editor's own
     extra files: llama.cpp clips the extra context from its front, so the best chunk
     goes last, nearest the cursor, and is the last to be cut."""
-    check_ids(state, req.input_prefix, "input_prefix")
-    check_ids(state, req.input_suffix, "input_suffix")
+    check_ids(group, req.input_prefix, "input_prefix")
+    check_ids(group, req.input_suffix, "input_suffix")
     extra = req.input_extra + (extra_files(found) if found else [])
-    return await fim_prompt(state, req.input_prefix, req.input_suffix, extra,
+    return await fim_prompt(state, group, req.input_prefix, req.input_suffix, extra,
                             req.prompt, requested_tokens(req))
 
 
@@ -97,12 +98,12 @@ def extra_files(found: Retrieved) -> list[ExtraFile]:
     return [ExtraFile(text=h.text, filename=h.path) for h in reversed(found.hits)]
 
 
-async def infill_context(state: AppState, req: InfillRequest,
+async def infill_context(state: AppState, group: ModelGroup, req: InfillRequest,
                          key: KeyEntry | None) -> Retrieved | None:
     """The repository chunks for the code around the cursor."""
     lines = state.cfg.retrieval.query_lines
     prefix = code_text(req.input_prefix) + req.prompt
-    return await context(state, req.repo, key,
+    return await context(state, group.prompter, req.repo, key,
                          query_around(prefix, code_text(req.input_suffix), lines),
                          cursor_names(prefix))
 

@@ -31,6 +31,7 @@ from msgspec import Meta
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.engine.fim import SNIPPET_SEPARATOR
+from forged.engine.prompts import Prompter
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
@@ -114,9 +115,11 @@ async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
          "score": h.score, "text": h.text} for h in hits]}
 
 
-async def context(state: AppState, repo: str | None, key: KeyEntry | None,
-                  query: str, focus: Sequence[str] = ()) -> Retrieved | None:
-    """The chunks a generation draws on: None when it names no index (nor its key)."""
+async def context(state: AppState, prompter: Prompter, repo: str | None,
+                  key: KeyEntry | None, query: str, focus: Sequence[str] = ()
+                  ) -> Retrieved | None:
+    """The chunks a generation draws on: None when it names no index (nor its key).
+    ``prompter``: the model's, whose tokens the budget counts."""
     name = resolve_repo(state, repo, key)
     if name is None:
         return None
@@ -128,21 +131,21 @@ async def context(state: AppState, repo: str | None, key: KeyEntry | None,
     except e.Unavailable:  # the completion goes on without context, and says so
         return Retrieved(name, [])
     kept = await trio.to_thread.run_sync(functools.partial(
-        within_budget, state, hits, cfg.context_tokens))
+        within_budget, prompter, hits, cfg.context_tokens))
     return Retrieved(name, kept)
 
 
-def chunk_tokens(state: AppState, hit: Hit) -> int:
+def chunk_tokens(prompter: Prompter, hit: Hit) -> int:
     """A chunk's share of the budget: its path line and its text, as the model reads them."""
-    tokenize = functools.partial(state.prompter.tokenize, add_special=False,
+    tokenize = functools.partial(prompter.tokenize, add_special=False,
                                  parse_special=False)
     return len(tokenize(hit.path + "\n")) + len(tokenize(hit.text)) + 1
 
 
-def within_budget(state: AppState, hits: list[Hit], budget: int) -> list[Hit]:
+def within_budget(prompter: Prompter, hits: list[Hit], budget: int) -> list[Hit]:
     kept, used = [], 0
     for hit in hits:
-        n = chunk_tokens(state, hit)
+        n = chunk_tokens(prompter, hit)
         if used + n <= budget:
             kept.append(hit)
             used += n

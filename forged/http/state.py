@@ -8,14 +8,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from forged.agent.weight import agent_reply, node_load
 from forged.auth import KeyStore
 from forged.config import Config
-from forged.engine.pool import EnginePool
-from forged.engine.prompts import Prompter
+from forged.engine.groups import Models
+from forged.errors import ForgedError
 from forged.observe.metrics import Metrics
 from forged.observe.telemetry import Recorder, telemetry_path
 from forged.retrieval.query import Searcher
@@ -101,8 +102,7 @@ class KeyUsage:
 @dataclass
 class AppState:
     cfg: Config
-    pool: EnginePool
-    prompter: Prompter
+    models: Models
     metrics: Metrics
     started: float = field(default_factory=time.time)
     # A stop has begun and the balancer is being told (agent "drain", /health 503);
@@ -119,6 +119,8 @@ class AppState:
     search_limiter: trio.CapacityLimiter = field(init=False)
     # Completion telemetry; its writer task runs in the daemon's nursery.
     telemetry: Recorder = field(init=False)
+    # Model swaps (forged.daemon.models.Swapper), once the engine runs.
+    swapper: Any = None
 
     def __post_init__(self) -> None:
         self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
@@ -126,18 +128,36 @@ class AppState:
         self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
 
     @property
-    def model_ids(self) -> list[str]:
-        return [self.cfg.model_id, *self.cfg.model.aliases]
+    def ready(self) -> bool:
+        """Every model has a worker ready (one without would fail its requests)."""
+        return all(g.pool.ready for g in self.models.serving)
 
-    @property
-    def max_context(self) -> int:
-        return self.pool.limits.max_context
+    def totals(self) -> dict[str, float]:
+        """Worker statistics summed over every model's ready workers."""
+        out: dict[str, float] = {}
+        for group in self.models.all():
+            for k, v in group.pool.totals().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def check_capacity(self) -> None:
+        """Before a body is read: refuse at once what no model could take now."""
+        errors = []
+        for group in self.models.serving:
+            try:
+                group.pool.check_capacity()
+                return
+            except ForgedError as exc:
+                errors.append(exc)
+        raise errors[0]
 
     def agent_reply(self) -> str:
-        """The line HAProxy's agent check gets now (forged.agent.weight)."""
-        lim = self.pool.limits
-        load = node_load([w.stats for w in self.pool.workers if w.ready],
-                         workers=len(self.pool.workers), kv_cells=lim.kv_cells,
-                         max_running=lim.max_running)
+        """The line HAProxy's agent check gets now (forged.agent.weight): over the
+        workers of every model, serving or not (a swap's two groups share the node)."""
+        pools = [g.pool for g in self.models.all()]
+        lim = self.models.default.pool.limits
+        load = node_load([w.stats for p in pools for w in p.workers if w.ready],
+                         workers=sum(len(p.workers) for p in pools),
+                         kv_cells=lim.kv_cells, max_running=lim.max_running)
         return agent_reply(leaving=self.leaving or self.draining, load=load,
                            queue_half=self.cfg.server.agent_queue_half)

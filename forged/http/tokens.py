@@ -22,6 +22,7 @@ from forged.http.state import AppState
 
 class TokenizeRequest(Struct, kw_only=True):
     content: str = ""
+    model: str | None = None  # whose vocabulary (default: the default model's)
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
@@ -29,6 +30,7 @@ class TokenizeRequest(Struct, kw_only=True):
 
 class DetokenizeRequest(Struct, kw_only=True):
     tokens: list[int] = []
+    model: str | None = None
 
 
 tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
@@ -36,13 +38,14 @@ detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 
 async def tokenize(state: AppState, req: TokenizeRequest) -> dict[str, Any]:
-    p = state.prompter
-    tokens = await trio.to_thread.run_sync(functools.partial(
-        p.tokenize, req.content, add_special=req.add_special,
-        parse_special=req.parse_special))
-    if not req.with_pieces:
-        return {"tokens": tokens}
-    return {"tokens": [{"id": t, "piece": _piece(p.piece(t))} for t in tokens]}
+    with state.models.use(req.model) as group:
+        p = group.prompter
+        tokens = await trio.to_thread.run_sync(functools.partial(
+            p.tokenize, req.content, add_special=req.add_special,
+            parse_special=req.parse_special))
+        if not req.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": _piece(p.piece(t))} for t in tokens]}
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -53,5 +56,7 @@ def _piece(data: bytes) -> str | list[int]:
 
 
 async def detokenize(state: AppState, req: DetokenizeRequest) -> dict[str, Any]:
-    check_ids(state, req.tokens, "tokens")
-    return {"content": await trio.to_thread.run_sync(state.prompter.detokenize, req.tokens)}
+    with state.models.use(req.model) as group:
+        check_ids(group, req.tokens, "tokens")
+        return {"content": await trio.to_thread.run_sync(group.prompter.detokenize,
+                                                          req.tokens)}

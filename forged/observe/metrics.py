@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,52 +27,69 @@ WINDOW_SECONDS = 60.0
 _WINDOW_SAMPLES = 50_000  # bound on the rolling window, whatever the load
 
 
-class _EngineCollector(Collector):
-    """Gauges and counters that live in the workers, read when Prometheus scrapes."""
+# Each model's engine, when Prometheus scrapes: its id (as /v1/models lists it), its
+# workers' statistics summed, and its worker restarts.
+GroupStats = tuple[str, dict[str, float], int]
 
-    def __init__(self, totals: Callable[[], dict[str, float]],
-                 restarts: Callable[[], int]) -> None:
-        self._totals = totals
-        self._restarts = restarts
+
+class _EngineCollector(Collector):
+    """Gauges and counters that live in the workers, read when Prometheus scrapes; each
+    sample is labelled with its ``model`` (a swap shows both models' workers)."""
+
+    def __init__(self, groups: Callable[[], list[GroupStats]]) -> None:
+        self._groups = groups
 
     def collect(self) -> Iterator[Metric]:
-        t = self._totals()
+        merged: dict[str, Metric] = {}
+        for model, totals, restarts in self._groups():
+            for metric in _engine_metrics(totals, restarts):
+                samples = [s._replace(labels={**s.labels, "model": model})
+                           for s in metric.samples]
+                if metric.name in merged:
+                    merged[metric.name].samples += samples
+                else:
+                    metric.samples = samples
+                    merged[metric.name] = metric
+        yield from merged.values()
 
-        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=t.get(key, 0.0))
 
-        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=t.get(key, 0.0))
+def _engine_metrics(t: dict[str, float], restarts: int) -> Iterator[Metric]:
+    """One model's engine metrics."""
+    def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, value=t.get(key, 0.0))
 
-        yield gauge("forged_running_sequences", "Sequences decoding or prefilling.", "running")
-        queued = GaugeMetricFamily("forged_queued_requests", "Requests waiting for a slot.",
-                                   labels=["priority"])
-        queued.add_metric(["interactive"], t.get("queued_interactive", 0.0))
-        queued.add_metric(["batch"], t.get("queued_batch", 0.0))
-        yield queued
-        yield gauge("forged_queued_prompt_tokens", "Prompt tokens waiting.", "queued_tokens")
-        yield gauge("forged_kv_cells_used", "KV cells in use (running and cached).",
-                    "kv_cells_used")
-        yield gauge("forged_kv_cells_cached", "KV cells only the prefix cache holds.",
-                    "kv_cells_cached")
-        yield gauge("forged_kv_cells_total", "KV cells of all workers.", "kv_cells_total")
-        yield counter("forged_prefix_cache_queries", "Admissions that looked up the cache.",
-                      "prefix_cache_queries")
-        yield counter("forged_prefix_cache_hits", "Admissions that reused a cached prefix.",
-                      "prefix_cache_hits")
-        yield counter("forged_prefix_cache_tokens_saved",
-                      "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
-        yield gauge("forged_sessions_pinned", "Idle conversations whose KV is pinned.",
-                    "sessions_pinned")
-        yield counter("forged_session_resumes",
-                      "Turns that resumed their session's cached KV.", "session_resumes")
-        yield from _tier_metrics(t)
-        yield counter("forged_early_rejections",
-                      "Requests refused at once because the estimated wait passed "
-                      "limits.queue_timeout.", "early_rejections")
-        yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
-                                  value=self._restarts())
-        yield from _routing_metrics(t)
+    def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, value=t.get(key, 0.0))
+
+    yield gauge("forged_running_sequences", "Sequences decoding or prefilling.", "running")
+    queued = GaugeMetricFamily("forged_queued_requests", "Requests waiting for a slot.",
+                               labels=["priority"])
+    queued.add_metric(["interactive"], t.get("queued_interactive", 0.0))
+    queued.add_metric(["batch"], t.get("queued_batch", 0.0))
+    yield queued
+    yield gauge("forged_queued_prompt_tokens", "Prompt tokens waiting.", "queued_tokens")
+    yield gauge("forged_kv_cells_used", "KV cells in use (running and cached).",
+                "kv_cells_used")
+    yield gauge("forged_kv_cells_cached", "KV cells only the prefix cache holds.",
+                "kv_cells_cached")
+    yield gauge("forged_kv_cells_total", "KV cells of all workers.", "kv_cells_total")
+    yield counter("forged_prefix_cache_queries", "Admissions that looked up the cache.",
+                  "prefix_cache_queries")
+    yield counter("forged_prefix_cache_hits", "Admissions that reused a cached prefix.",
+                  "prefix_cache_hits")
+    yield counter("forged_prefix_cache_tokens_saved",
+                  "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
+    yield gauge("forged_sessions_pinned", "Idle conversations whose KV is pinned.",
+                "sessions_pinned")
+    yield counter("forged_session_resumes",
+                  "Turns that resumed their session's cached KV.", "session_resumes")
+    yield from _tier_metrics(t)
+    yield counter("forged_early_rejections",
+                  "Requests refused at once because the estimated wait passed "
+                  "limits.queue_timeout.", "early_rejections")
+    yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
+                              value=restarts)
+    yield from _routing_metrics(t)
 
 
 def _routing_metrics(t: dict[str, float]) -> Iterator[Metric]:
@@ -147,9 +164,22 @@ class _NodeLabelled(Collector):
             yield metric
 
 
+class _BuildInfo(Collector):
+    """forged_build_info: the version, and each model served (a swap shows two)."""
+
+    def __init__(self, groups: Callable[[], list[GroupStats]]) -> None:
+        self._groups = groups
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("forged_build_info", "Version and model (always 1).",
+                                 labels=["version", "model"])
+        for model, _, _ in self._groups():
+            info.add_metric([__version__, model], 1.0)
+        yield info
+
+
 class Metrics:
-    def __init__(self, model: str, totals: Callable[[], dict[str, float]],
-                 restarts: Callable[[], int], node: str = "") -> None:
+    def __init__(self, groups: Callable[[], list[GroupStats]], node: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # What /metrics exposes: the registry, each sample labelled with the node.
         self.exposed = CollectorRegistry(auto_describe=False)
@@ -176,10 +206,8 @@ class Metrics:
         self.cancellations = Counter("forged_cancellations", "Requests ended early.",
                                      ["reason"], registry=r)
         self._telemetry(r)
-        info = Gauge("forged_build_info", "Version and model (always 1).",
-                     ["version", "model"], registry=r)
-        info.labels(__version__, model).set(1)
-        r.register(_EngineCollector(totals, restarts))
+        r.register(_BuildInfo(groups))
+        r.register(_EngineCollector(groups))
         self._ttft_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
         self._itl_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
         self._tokens_window = _Window(deque(maxlen=_WINDOW_SAMPLES))

@@ -35,12 +35,19 @@ def _connect(admin: str, timeout: float) -> http.client.HTTPConnection:
 def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
     """GET /stats from ``admin`` (``unix:PATH``, ``HOST:PORT`` or ``http://HOST:PORT``,
     a node's admin listener where the admin exposes it on the network)."""
+    return admin_call(admin, "GET", "/stats", timeout=timeout)[1]
+
+
+def admin_call(admin: str, method: str, path: str, body: dict[str, Any] | None = None,
+               *, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+    """One request to the admin listener: its status and JSON answer."""
     conn = _connect(admin, timeout)
     try:
-        conn.request("GET", "/stats")
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         data: dict[str, Any] = json.loads(resp.read())
-        return data
+        return resp.status, data
     except (OSError, ValueError) as exc:
         raise ForgedError(f"cannot read the admin listener at {admin}: {exc}") from exc
     finally:
@@ -76,6 +83,7 @@ def render(stats: dict[str, Any]) -> str:
         f"{int(t.get('prefix_cache_queries', 0))} requests "
         f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved); sessions "
         f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
+        *_models(stats),
         *_tiers(t),
         f"routing     by cache {int(t.get('routed_by_cache', 0))}, by session "
         f"{int(t.get('routed_by_session', 0))}, by load {int(t.get('routed_by_load', 0))}; "
@@ -89,10 +97,22 @@ def render(stats: dict[str, Any]) -> str:
         lines.append(f"agent       {stats['agent']}")
     for w in eng["workers"]:
         ready = "ready" if w["ready"] else "starting"
-        lines.append(f"worker {w['index']}    pid {w['pid']} {ready}, {w['pending']} requests, "
-                     f"{w['restarts']} restarts, {w.get('digests', 0)} prefix digests")
+        model = f" ({w['model']})" if len(stats.get("models", [])) > 1 else ""
+        lines.append(f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
+                     f"{w['pending']} requests, {w['restarts']} restarts, "
+                     f"{w.get('digests', 0)} prefix digests")
         lines += _steps(w["stats"])
     return "\n".join(lines)
+
+
+def _models(stats: dict[str, Any]) -> list[str]:
+    """Each model served, and during a swap the one loading or draining."""
+    models = stats.get("models", [])
+    if len(models) < 2:
+        return []
+    return [f"model       {m['id']} {m['status']}: {m['path']}, {m['workers']} workers, "
+            f"about {_mib(m['memory_bytes'])} MiB, {m['in_use']} requests"
+            for m in models]
 
 
 def _state(stats: dict[str, Any]) -> str:

@@ -1,0 +1,175 @@
+"""Model groups' lives: open one, run it, and swap one for another under live traffic.
+
+A swap (a reload whose ``model.path`` changed, or whose file was replaced at the same
+path; or ``forged model swap PATH`` on the admin listener) runs these steps, and a
+failure at any of them leaves the old model serving and says why:
+
+1. load the new model's vocabulary and chat template (the file is checked first);
+2. check memory: the new weights and KV caches must fit beside the groups running
+   (``engine.memory_mib``, or what the kernel reports available);
+3. start the new group's workers, listed as ``loading`` in /v1/models;
+4. run one request through it (one step, one token), so that it is known to decode;
+5. route the old group's ids to it; the old group drains: its streams finish, within
+   ``server.drain_timeout``; then its workers stop and its vocabulary is freed.
+
+Resource handling: every group's pool runs in the daemon's engine nursery, in the
+group's own cancel scope, so a swap stops exactly the group it replaced. Requests
+hold their group (``Models.use``) for their whole life; the drain waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+
+from forged import config as fc
+from forged.daemon.startup import model_key, open_prompter
+from forged.engine import frames as fr
+from forged.engine.groups import (
+    MIB,
+    ModelGroup,
+    Models,
+    kv_cache_dir,
+    memory_bytes,
+    pick_memory,
+)
+from forged.engine.pool import EnginePool
+from forged.engine.request import Request, Sampling
+from forged.errors import ForgedError, Unavailable
+
+log = logging.getLogger("forged")
+
+
+class SwapRefused(Exception):
+    """A swap that did not happen; ``str()`` says why, for the admin. The old model
+    is serving."""
+
+
+def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelConfig,
+               number: int, *, test_hooks: bool) -> ModelGroup:
+    """A group for ``model`` (not running yet): its vocabulary is loaded, so a bad
+    file is a ConfigError here. Blocking: run it in a thread."""
+    prompter = open_prompter(config_path, model, model_key(place))
+    try:
+        pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
+                          cache_dir=kv_cache_dir(cfg.server.state_dir, model.path))
+        return ModelGroup(number, model, prompter, pool,
+                          memory=memory_bytes(prompter, model.path, cfg.engine))
+    except BaseException:
+        prompter.close()
+        raise
+
+
+async def run_group(group: ModelGroup, *,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the group's workers until its scope is cancelled; ``started()`` once every
+    worker has loaded the model."""
+    try:
+        with group.scope:
+            await group.pool.run(task_status=task_status)
+    finally:
+        group.stopped.set()
+
+
+async def warm_up(group: ModelGroup) -> None:
+    """One greedy token through the group: its workers load, decode and answer."""
+    prompt = group.prompter.encode_completion("Hello") or [0]
+    request = Request(prompt=prompt, max_tokens=1, sampling=Sampling(temperature=0.0),
+                      cache=False)
+    async with group.pool.open_request(request) as rs:
+        while not rs.finished:
+            for ev in await rs.receive():
+                if isinstance(ev, fr.Failed):
+                    raise Unavailable(f"its first request failed: {ev.message}", 1)
+
+
+class Swapper:
+    """Swaps the model of a config place; one swap at a time."""
+
+    def __init__(self, models: Models, engine: trio.Nursery, config_path: Path, *,
+                 test_hooks: bool) -> None:
+        self.models = models
+        self.engine = engine
+        self.config_path = config_path
+        self.test_hooks = test_hooks
+        self.busy = False
+
+    async def swap(self, cfg: fc.Config, place: int, model: fc.ModelConfig) -> ModelGroup:
+        """Serve ``model`` in ``place`` instead of its current group; the new group
+        once it serves (the old one drains in the background). SwapRefused if not."""
+        if self.busy:
+            raise SwapRefused("a model swap is already under way")
+        self.busy = True
+        try:
+            new = await self._start(cfg, place, model)
+        finally:
+            self.busy = False
+        old = self.models.replace(place, new)
+        log.info("model swap: %s (%s) serves; %s drains", new.model_id, new.model.path,
+                 old.listed_id)
+        self.engine.start_soon(self._retire, old, cfg.server.drain_timeout,
+                               cfg.limits.retry_after)
+        return new
+
+    async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig
+                     ) -> ModelGroup:
+        try:
+            new = await trio.to_thread.run_sync(
+                lambda: open_group(self.config_path, cfg, place, model,
+                                   self.models.next_number(), test_hooks=self.test_hooks))
+        except fc.ConfigError as exc:
+            raise SwapRefused(f"the new model cannot be loaded: {exc}") from exc
+        self._check_memory(cfg, new)
+        self.models.add_loading(new)
+        log.info("model swap: loading %s beside %s", model.path,
+                 self.models.serving[place].model_id)
+        try:
+            with trio.fail_after(cfg.engine.startup_timeout):
+                await self.engine.start(run_group, new)
+                await warm_up(new)
+        except (RuntimeError, ForgedError, trio.TooSlowError) as exc:
+            await self._stop(new)
+            raise SwapRefused(f"the new model failed to start: {exc}") from exc
+        return new
+
+    def _check_memory(self, cfg: fc.Config, new: ModelGroup) -> None:
+        room = pick_memory(cfg.engine.memory_mib, self.models.memory_in_use())
+        if new.memory > room:
+            new.prompter.close()
+            source = ("engine.memory_mib less the models running" if cfg.engine.memory_mib
+                      else "available memory (MemAvailable)")
+            raise SwapRefused(
+                f"not enough memory to load {new.model.path} beside the running "
+                f"model: it needs about {new.memory / MIB:.0f} MiB (weights and "
+                f"{cfg.engine.workers} KV caches), {source} is {room / MIB:.0f} MiB")
+
+    async def _retire(self, old: ModelGroup, deadline: float, retry_after: int) -> None:
+        """Let the old group's streams finish (until ``deadline`` seconds), then stop it."""
+        with trio.move_on_after(deadline):
+            await old.wait_idle()
+        if old.users:
+            log.warning("model swap: %d requests on %s passed the drain deadline; "
+                        "ending them", old.users, old.listed_id)
+        old.pool.fail_all(Unavailable("the model was replaced, and this request did not "
+                                      "finish within the swap's drain deadline",
+                                      retry_after))
+        await self._stop(old)
+        log.info("model swap: %s stopped", old.listed_id)
+
+    async def _stop(self, group: ModelGroup) -> None:
+        group.scope.cancel()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(60):  # STOP_GRACE per worker, in parallel
+                await group.stopped.wait()
+            # Requests that held it have ended (failed above), but one may still be in
+            # a tokenizer thread: its vocabulary is freed only once nobody holds it.
+            with trio.move_on_after(10):
+                await group.wait_idle()
+        self.models.remove(group)
+        if group.users == 0:
+            group.prompter.close()
+        else:
+            log.warning("model swap: %s is still held; its vocabulary is left to the "
+                        "garbage collector", group.listed_id)

@@ -1,0 +1,208 @@
+"""The models served, each by a group of workers, and the states a group goes through.
+
+A :class:`ModelGroup` is one model with everything that follows from it: its config,
+its :class:`~forged.engine.prompts.Prompter` (vocabulary, chat template, FIM tokens),
+its :class:`~forged.engine.pool.EnginePool` (workers, limits, context) and the ids a
+request names it by. :class:`Models` finds the group of a request's ``model``.
+
+A group is ``loading`` (listed, not routed to), ``serving`` (its ids route to it), or
+``draining`` (replaced by a swap: it finishes what it holds, then stops). Each place
+of the config (``[model]`` is place 0, ``[[models]]`` follow) has exactly one serving
+group; a swap puts a new group in its place (:meth:`Models.replace`).
+
+Resource handling: a request holds its group with :meth:`Models.use` for its whole life,
+so that a draining group knows when nobody uses its prompter or its workers any more
+(:meth:`ModelGroup.wait_idle`); only then is it stopped and its vocabulary freed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import trio
+
+from forged.config import EngineConfig, ModelConfig
+from forged.errors import ModelNotFound
+
+if TYPE_CHECKING:
+    from forged.engine.pool import EnginePool
+    from forged.engine.prompts import Prompter
+
+GroupStatus = Literal["loading", "serving", "draining"]
+# How /v1/models says it, in llama-server's words (its router mode's "status").
+STATUS_WORDS: dict[GroupStatus, str] = {
+    "loading": "loading", "serving": "loaded", "draining": "unloading"}
+MIB = 1 << 20
+
+
+def memory_bytes(prompter: Prompter, path: str, engine: EngineConfig) -> int:
+    """What a group of this model allocates: the weights (the file, mapped) and each
+    worker's KV cache. Compute buffers and the RAM tier of saved states are not
+    counted: the first are small beside these, the second grows within its budget."""
+    kv = prompter.model.kv_bytes_per_cell() * engine.kv_cells
+    return os.path.getsize(path) + engine.workers * kv
+
+
+def available_bytes() -> int:
+    """The kernel's estimate of memory a new allocation may take (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class ModelGroup:
+    def __init__(self, number: int, model: ModelConfig, prompter: Prompter,
+                 pool: EnginePool, *, memory: int = 0) -> None:
+        self.number = number  # tells a swap's two groups of one model apart
+        self.model = model
+        self.prompter = prompter
+        self.pool = pool
+        self.memory = memory  # bytes, by memory_bytes
+        self.ids = model.ids  # a swap's new group inherits the old one's too
+        self.status: GroupStatus = "loading"
+        self.file = file_stamp(model.path)
+        self.users = 0
+        self._idle = trio.Event()
+        self.scope = trio.CancelScope()  # its pool's task: cancelled to stop it
+        self.stopped = trio.Event()
+
+    @property
+    def model_id(self) -> str:
+        return self.ids[0]
+
+    @property
+    def listed_id(self) -> str:
+        """Its id in /v1/models: a group that is not serving shares its id with the
+        one that is, so it is told apart by its number."""
+        return self.model_id if self.status == "serving" else \
+            f"{self.model_id}@g{self.number}"
+
+    @property
+    def max_context(self) -> int:
+        return self.pool.limits.max_context
+
+    @contextmanager
+    def use(self) -> Iterator[ModelGroup]:
+        self.users += 1
+        try:
+            yield self
+        finally:
+            self.users -= 1
+            if self.users == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no request holds this group."""
+        while self.users:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+
+def file_stamp(path: str) -> tuple[int, int, int, int]:
+    """What tells a new model file at the same path from the old one (a package
+    upgrade writes a new file and renames it over the old)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0, 0)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class Models:
+    """The groups: one serving per config place, and those loading or draining."""
+
+    def __init__(self, serving: list[ModelGroup]) -> None:
+        for group in serving:
+            group.status = "serving"
+        self.serving = serving
+        self.others: list[ModelGroup] = []
+        self._numbers = len(serving)
+
+    def next_number(self) -> int:
+        self._numbers += 1
+        return self._numbers
+
+    @property
+    def default(self) -> ModelGroup:
+        """The group of requests that name no model: [model]'s."""
+        return self.serving[0]
+
+    def all(self) -> list[ModelGroup]:
+        return [*self.serving, *self.others]
+
+    def resolve(self, model: str | None) -> ModelGroup:
+        """The serving group ``model`` names (None: the default); ModelNotFound if
+        none does."""
+        if model is None:
+            return self.default
+        for group in self.serving:
+            if model in group.ids:
+                return group
+        raise ModelNotFound(model)
+
+    def listed(self, model_id: str) -> ModelGroup:
+        """The group listed under ``model_id`` in /v1/models (any status)."""
+        for group in self.all():
+            if model_id == group.listed_id or (group.status == "serving"
+                                               and model_id in group.ids):
+                return group
+        raise ModelNotFound(model_id)
+
+    @contextmanager
+    def use(self, model: str | None) -> Iterator[ModelGroup]:
+        with self.resolve(model).use() as group:
+            yield group
+
+    def place_of(self, group: ModelGroup) -> int:
+        return self.serving.index(group)
+
+    def add_loading(self, group: ModelGroup) -> None:
+        self.others.append(group)
+
+    def replace(self, place: int, new: ModelGroup) -> ModelGroup:
+        """Route ``place``'s requests to ``new`` from now on; the old group drains. The
+        new group answers to the old one's ids too, so that clients that name it keep
+        working."""
+        old = self.serving[place]
+        new.ids = [*new.ids, *(i for i in old.ids if i not in new.ids)]
+        self.others.remove(new)
+        new.status, old.status = "serving", "draining"
+        self.serving[place] = new
+        self.others.append(old)
+        return old
+
+    def remove(self, group: ModelGroup) -> None:
+        self.others.remove(group)
+
+    def memory_in_use(self) -> int:
+        return sum(g.memory for g in self.all())
+
+    def cache_dirs(self, state_dir: str) -> set[Path]:
+        return {kv_cache_dir(state_dir, g.model.path) for g in self.all()}
+
+
+def kv_cache_dir(state_dir: str, model_path: str) -> Path:
+    """Where a model's workers keep saved KV states: one folder per model file path,
+    so that two models served at once (or a swap's two) never share one. A file
+    replaced at the same path shares its folder; its states then fail the identity
+    check and are dropped (forged.engine.kvdisk)."""
+    name = Path(model_path).name.removesuffix(".gguf")
+    digest = hashlib.sha256(str(Path(model_path).absolute()).encode()).hexdigest()[:8]
+    return Path(state_dir) / "kvcache" / f"{name}-{digest}"
+
+
+def pick_memory(limit_mib: int, in_use: int) -> float:
+    """Bytes a new group may take: the configured budget less what the groups take,
+    or, without one, what the kernel says is available."""
+    if limit_mib:
+        return limit_mib * MIB - in_use
+    available = available_bytes()
+    return float(available) if available else math.inf

@@ -1,0 +1,226 @@
+"""Model groups, through the API: two models served at once, and a model swapped under
+live traffic (issue 19). Two tiny models with different weights answer differently,
+and each response says which model made it (``system_fingerprint``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from forged import config as fc
+from forged.engine import testhooks
+from tests.conftest import DaemonFactory, RunningDaemon
+from tests.test_api import until
+from tests.tinymodel import write_tiny_llama
+
+PROMPT = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+LOAD_REQUESTS = 400  # bounds of the closed-loop load: requests, and seconds
+LOAD_SECONDS = 60.0
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny model: other weights, so other answers."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "other.gguf", seed=1)
+
+
+def admin(d: RunningDaemon) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                             base_url="http://admin", timeout=120)
+
+
+async def answer(c: httpx.AsyncClient, **kw: Any) -> tuple[str, str]:
+    """A greedy completion's model (its fingerprint) and text."""
+    r = await c.post("/v1/completions", json={**PROMPT, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["system_fingerprint"], r.json()["choices"][0]["text"]
+
+
+async def streamed(c: httpx.AsyncClient, **kw: Any) -> tuple[set[str], str]:
+    """A streamed completion's fingerprints (one per chunk) and whole text."""
+    prints, text = set(), ""
+    async with c.stream("POST", "/v1/completions",
+                        json={**PROMPT, **kw, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                prints.add(chunk["system_fingerprint"])
+                text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+    return prints, text
+
+
+def model_samples(text: str, name: str) -> set[str]:
+    return {s.labels["model"] for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+async def test_two_models_are_served_at_once_each_with_its_own_vocabulary(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory) -> None:
+    other = {"path": str(fim_model), "name": "coder", "aliases": ["fim"]}
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[other]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            listed = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+            assert listed == ["tiny", "coder", "fim"]
+            plain, coder = await answer(c, model="tiny"), await answer(c, model="coder")
+            assert plain[0] != coder[0]  # two models: two fingerprints
+            assert await answer(c) == plain  # no model named: [model]'s
+            assert await answer(c, model="fim") == coder
+            # Templating and FIM follow the model: only the coder has FIM tokens.
+            infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
+            assert (await c.post("/infill", json=infill)).status_code == 400
+            r = await c.post("/infill", json={**infill, "model": "coder"})
+            assert r.status_code == 200, r.text
+            missing = await c.post("/v1/completions", json={**PROMPT, "model": "nope"})
+            assert missing.status_code == 404
+            metrics = (await a.get("/metrics")).text
+            assert model_samples(metrics, "forged_kv_cells_total") == {"tiny", "coder"}
+            assert len((await a.get("/stats")).json()["engine"]["workers"]) == 2
+
+
+async def load(c: httpx.AsyncClient, results: list[tuple[set[str], str]],
+               failures: list[str], stop: trio.Event) -> None:
+    """One caller of a closed-loop load: a streamed request after another."""
+    deadline = time.monotonic() + LOAD_SECONDS
+    while not stop.is_set() and len(results) < LOAD_REQUESTS \
+            and time.monotonic() < deadline:
+        try:
+            results.append(await streamed(c))
+        except (AssertionError, httpx.HTTPError) as exc:
+            failures.append(repr(exc))
+
+
+async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(180):
+        # The swap's drain waits for the old model's streams, up to drain_timeout.
+        async with start_daemon(tiny_model, server={"drain_timeout": 60.0}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as c, admin(d) as a:
+            old = await answer(c)
+            results: list[tuple[set[str], str]] = []
+            failures: list[str] = []
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(load, c, results, failures, stop)
+                # A long stream on the old model, still running when the swap is done.
+                testhooks.slow_steps(d.daemon.pool, 0, 0.03)
+                long: list[tuple[set[str], str]] = []
+                nursery.start_soon(lambda: _long(c, long))
+                await until(lambda: len(results) >= 8)
+                r = await a.post("/models/swap", json={"path": str(other_model)})
+                assert r.status_code == 200, r.text
+                assert r.json()["ids"] == ["other", "tiny"]  # the old id is kept
+                # Both are listed while the old one drains its stream.
+                models = (await c.get("/v1/models")).json()["data"]
+                assert {(m["id"], m["status"]["value"]) for m in models} >= {
+                    ("other", "loaded"), ("tiny", "loaded"), ("tiny@g1", "unloading")}
+                metrics = (await a.get("/metrics")).text
+                assert model_samples(metrics, "forged_kv_cells_total") == {
+                    "other", "tiny@g1"}
+                new = await answer(c)
+                n = len(results)
+                await until(lambda: len(results) >= n + 8, 60)
+                stop.set()
+            assert not failures, failures[:3]
+            # Wholly one model or wholly the other, and the new one after the swap.
+            assert old[0] != new[0]
+            texts = {old[0]: old[1], new[0]: new[1]}
+            assert all(len(prints) == 1 for prints, _ in results)
+            made_by = [next(iter(prints)) for prints, _ in results]
+            assert all(text == texts[m] for m, (_, text) in zip(made_by, results,
+                                                                strict=True))
+            assert made_by[:8] == [old[0]] * 8 and made_by[-4:] == [new[0]] * 4
+            # The old group's stream finished, wholly on the old model.
+            assert long and long[0][0] == {old[0]} and len(long[0][1]) > 0
+            await until(lambda: len(d.daemon.models.all()) == 1, 30)
+            assert d.daemon.models.default.model_id == "other"
+
+
+async def _long(c: httpx.AsyncClient, out: list[tuple[set[str], str]]) -> None:
+    out.append(await streamed(c, max_tokens=150))
+
+
+async def test_a_swap_to_a_missing_or_corrupt_file_keeps_the_old_model(
+        tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + b"\xff" * 4096)
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            before = await answer(c)
+            for path, why in ((tmp_path / "missing.gguf", "cannot read"),
+                              (corrupt, "GGUF version")):
+                r = await a.post("/models/swap", json={"path": str(path)})
+                assert r.status_code == 409 and why in r.json()["error"], r.text
+            assert await answer(c) == before
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["tiny"]
+            bad = await a.post("/models/swap", json={"path": "relative.gguf"})
+            assert bad.status_code == 400
+
+
+async def test_a_swap_that_would_not_fit_in_memory_is_refused(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
+    # The tiny model and its 4,096-cell KV cache take about 2.5 MiB: one fits in 4.
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine={"memory_mib": 4}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            before = await answer(c)
+            r = await a.post("/models/swap", json={"path": str(other_model)})
+            assert r.status_code == 409, r.text
+            assert "not enough memory" in r.json()["error"]
+            assert await answer(c) == before
+            assert len(d.daemon.models.all()) == 1
+
+
+async def test_a_reload_swaps_a_model_file_replaced_at_the_same_path(
+        tiny_model: Path, other_model: Path, tmp_path: Path,
+        start_daemon: DaemonFactory) -> None:
+    """The .deb route: a model package's upgrade puts a new file at the same path
+    (dpkg writes it aside and renames it over), then `systemctl reload forged`."""
+    path = tmp_path / "served.gguf"
+    shutil.copy(tiny_model, path)
+    with trio.fail_after(90):
+        async with start_daemon(path) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            before = await answer(c)
+            d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
+            d.daemon.reload()  # the same file: nothing to swap
+            assert len(d.daemon.models.all()) == 1
+            shutil.copy(other_model, tmp_path / "served.gguf.dpkg-new")
+            os.replace(tmp_path / "served.gguf.dpkg-new", path)
+            d.daemon.reload()
+            await until(lambda: (d.daemon.models.default.status == "serving"
+                                 and d.daemon.models.default.number == 2), 60)
+            after = await answer(c)
+            assert after[0] != before[0]
+            assert d.daemon.models.default.model_id == "served"
+
+
+def as_toml(cfg: fc.Config) -> str:
+    """The config as a TOML file (JSON's scalars and lists are TOML's too)."""
+    raw = msgspec.to_builtins(cfg)
+    lines = [f"models = {json.dumps(raw.pop('models'))}"]
+    for section, values in raw.items():
+        lines += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in values.items())]
+    return "\n".join(lines) + "\n"
+
+
+def test_model_ids_must_differ_between_models(tmp_path: Path) -> None:
+    config = tmp_path / "forged.toml"
+    config.write_text('[model]\nname = "a"\n[[models]]\npath = "/m/b.gguf"\n'
+                      'aliases = ["a"]\n')
+    with pytest.raises(fc.ConfigError, match=r"models\[0\]: the model id 'a' is already"):
+        fc.load(config)
