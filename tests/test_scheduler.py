@@ -922,3 +922,37 @@ def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
     s.plan(0.0)
     s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
     assert s.statistics()["wait_estimate_s"] == 0.0
+
+
+# --- caches in the wait estimate (issue 17) -------------------------------------------------
+
+HEAD = list(range(1000, 2000))  # a long context: a repository, a document
+
+
+def admissions(s: Scheduler) -> dict[int, int]:
+    """The requests admitted since the last call, with their cached tokens."""
+    return {ev.rid: ev.cached for ev in s.drain_events() if isinstance(ev, Admitted)}
+
+
+@pytest.mark.parametrize("where", ["slot", "ram"])
+def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str) -> None:
+    """Twenty questions about one cached 1,000-token context queue behind each other.
+    Each costs the door a question's prefill, not the context's again: before the fix
+    the fifth was refused (four 1,001-token prefills ahead, ~4.9 s each at the seed's
+    pace, against a 20 s queue timeout)."""
+    s = Scheduler(limits(kv_cells=8192, slots=1, max_running=1, step_tokens=256,
+                         cache_ram_bytes=1 << 30))
+    s.submit(*seq(1, HEAD, 1), 0.0)
+    finish_all(s, 0.0)
+    if where == "ram":  # another context takes the only slot: HEAD's state goes to RAM
+        s.submit(*seq(2, list(range(5000, 5100)), 1), 0.0)
+        finish_all(s, 0.0)
+        assert [len(e.tokens) for e in s.tiers.recent_first()] == [len(HEAD)]
+    admissions(s)
+    for rid in range(10, 30):
+        s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=20.0), 1.0)
+    assert s.early_rejections == 0 and s.n_queued == 20
+    assert s.wait_estimate(0, 2.0) < 5.0  # the estimate a status poll shows
+    # and the estimate was right: every one of them is served from the cache
+    finish_all(s, 1.0)
+    assert admissions(s) == {rid: len(HEAD) for rid in range(10, 30)}

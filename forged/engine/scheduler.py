@@ -30,7 +30,10 @@ arrives on an idle worker is planned in the very next step.
 Admission knows capacity: ``submit`` estimates how long a request would wait for its
 first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
 the wait for a slot at the rate slots have been freed) and refuses it at once,
-with that estimate, when the estimate is beyond its queue timeout.
+with that estimate, when the estimate is beyond its queue timeout. A queued prompt's
+work is only what the caches will not serve (``_Queued.to_compute``): the prefix that
+admission would take from a slot or a saved state is matched once, when it is queued,
+and the same figure places it in the shortest-first order.
 
 Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
 when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
@@ -144,6 +147,24 @@ class _Queued:
     vstart: float
     deadline: float
     index: int = 0  # the first of its req.n choices (a preempted choice keeps its own)
+    # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``):
+    # matched once, when it is queued, and not refreshed (see there why).
+    cached: int = 0
+
+    @property
+    def to_compute(self) -> int:
+        """The prompt work it brings: what the caches will not serve."""
+        return len(self.req.prompt) - self.cached
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """Where a prompt would start if admitted now: ``cached`` tokens restored from the
+    saved ``entry``, or else shared with slot ``src`` (none when ``src`` is None)."""
+
+    src: int | None
+    entry: Entry | None
+    cached: int
 
 
 # --- what the scheduler tells the worker ------------------------------------------
@@ -314,14 +335,17 @@ class Scheduler:
         most = lim.max_choices(len(req.prompt), req.max_tokens)
         if req.n > most:  # it would wait for room that never comes
             raise ValueError(f"n: at most {most} choices of this request can run at once")
-        vstart = self._virtual_start(now, len(req.prompt))
+        # Shortest first means least work first: a long prompt the caches serve is short.
+        cached = self._expected_cached(req)
+        vstart = self._virtual_start(now, len(req.prompt) - cached)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
             self.early_rejections += 1
             raise QueueFull(f"the server is at capacity: this request would wait about "
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
-        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout))
+        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout,
+                                              cached=cached))
         self._queued_tokens += len(req.prompt)
 
     def drop(self, rid: int) -> bool:
@@ -549,9 +573,10 @@ class Scheduler:
             again = msgspec.structs.replace(run.req, n=1 + len(run.forks))
         for index in (run.index, *run.forks):
             self._unslot(self._running.pop((run.rid, index)))
+        # Matched after its state was saved: a swap's resume is a restore, not a prefill.
         self._queues[run.req.rank].append(_Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
-            run.index))
+            run.index, cached=self._expected_cached(again)))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
@@ -631,10 +656,10 @@ class Scheduler:
 
     def _try_admit(self, item: _Queued, now: float) -> bool:
         req = item.req
-        src, n = self._best_prefix(req)
-        entry, m = self._best_saved(req)
-        if entry is not None and m >= n + self.limits.min_copy_tokens:
-            return self._admit_restored(item, entry, m, now)
+        reuse = self._reuse(req)
+        if reuse.entry is not None:
+            return self._admit_restored(item, reuse.entry, reuse.cached, now)
+        src, n = reuse.src, reuse.cached
         dst = self._destination(req, src, n)
         if dst is None:
             return False
@@ -770,19 +795,52 @@ class Scheduler:
         """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
         leaving one token to compute."""
         best, best_key = None, (0, False, False)
-        if req.prompt_logprobs:
-            return None, 0  # the cache's positions kept no logits to score them with
-        limit = len(req.prompt) - 1  # the last prompt token must run to give logits
         for slot in self._slots:
-            if slot.tenant != req.tenant:
-                continue  # another tenant's prompt: never reused, never revealed
             # On equal length the caller's own session wins, then an idle slot: it is
             # reused in place, with no copy.
-            key = (min(common_prefix(slot.tokens, req.prompt), limit),
+            key = (self._shared(req, slot.tenant, slot.tokens),
                    req.session is not None and slot.session == req.session, slot.rid is None)
             if key[0] and key > best_key:
                 best, best_key = slot.sid, key
         return best, best_key[0]
+
+    @staticmethod
+    def _shared(req: Request, tenant: str, tokens: list[int]) -> int:
+        """How much of ``req``'s prompt ``tenant``'s ``tokens`` (a slot's, or a prompt
+        being computed) may serve: their common prefix, leaving one token to compute."""
+        if tenant != req.tenant or req.prompt_logprobs:
+            # Another tenant's prompt is never reused, never revealed; and a scored
+            # prompt needs logits that the cache's positions did not keep.
+            return 0
+        # The last prompt token must run to give logits.
+        return min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
+
+    def _reuse(self, req: Request) -> _Reuse:
+        """What admission would reuse for ``req`` now: the longest prefix a slot holds,
+        or a saved state's when that is longer by at least ``min_copy_tokens`` (a
+        restore costs a copy). The one match that both admission and the wait
+        estimate (``_expected_cached``) make."""
+        src, n = self._best_prefix(req)
+        entry, m = self._best_saved(req)
+        if entry is not None and m >= n + self.limits.min_copy_tokens:
+            return _Reuse(None, entry, m)
+        return _Reuse(src, None, n)
+
+    def _expected_cached(self, req: Request) -> int:
+        """Prompt tokens ``req`` should not compute itself: the prefix the caches would
+        serve it now (``_reuse``, the match admission makes).
+
+        Matched once, when it is queued, and not refreshed: the estimate sums every
+        queued request at each submit and each ``statistics()`` (up to max_queued of
+        them), and a match is a pass over the slots and the saved states. Slots
+        change at every step, so a cached match would be invalid at every step
+        anyway. Staleness errs both ways (a cache evicted after it was queued, one
+        computed since) and is bounded: the queue timeout still expires what waits
+        too long, and admission matches afresh. In the per-slot layout a slot prefix
+        under ``min_copy_tokens`` may be recomputed after all (``_try_admit``); the
+        estimate is then off by less than that.
+        """
+        return self._reuse(req).cached
 
     def _reusable(self, slot: _Slot, req: Request) -> bool:
         """May ``req`` take over ``slot`` in place (truncating what it does not share)?
@@ -860,8 +918,8 @@ class Scheduler:
                  if cls < rank or (cls == rank and q.vstart <= vstart)]
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
-        for q in ahead:
-            work = work.plus(chunk_shape(0, len(q.req.prompt)))
+        for q in ahead:  # only what the caches will not serve
+            work = work.plus(chunk_shape(q.cached, q.to_compute))
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
                 work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
