@@ -32,8 +32,16 @@ first token (the prompt work ahead of it, at the rate steps leave for prompts, p
 the wait for a slot at the rate slots have been freed) and refuses it at once,
 with that estimate, when the estimate is beyond its queue timeout. A queued prompt's
 work is only what the caches will not serve (``_Queued.to_compute``): the prefix that
-admission would take from a slot or a saved state is matched once, when it is queued,
-and the same figure places it in the shortest-first order.
+admission would take from a slot or a saved state, or that a request running or queued
+before it computes (below), is matched once, when it is queued, and the same figure
+places it in the shortest-first order.
+
+A prefix is computed once: a queued request whose prompt shares a long prefix (at
+least ``min_copy_tokens`` more than the caches hold) with a request of its class or a
+more urgent one that is still prefilling that prefix is held in the queue, without
+blocking those behind it, until that prefix is computed; it is then admitted and
+copies it like any cached prefix (``_holder``). A cancelled or preempted holder stops
+prefilling, which releases the held request.
 
 Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
 when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
@@ -75,6 +83,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -150,6 +159,7 @@ class _Queued:
     # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``):
     # matched once, when it is queued, and not refreshed (see there why).
     cached: int = 0
+    held: bool = False  # it has waited for a prefix being computed (_holder)
 
     @property
     def to_compute(self) -> int:
@@ -315,6 +325,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.session_resumes = 0
         self.early_rejections = 0
+        self.prefix_holds = 0
         self.last_plan_ms = 0.0
         self._now = 0.0
 
@@ -336,8 +347,8 @@ class Scheduler:
         if req.n > most:  # it would wait for room that never comes
             raise ValueError(f"n: at most {most} choices of this request can run at once")
         # Shortest first means least work first: a long prompt the caches serve is short.
-        cached = self._expected_cached(req)
-        vstart = self._virtual_start(now, len(req.prompt) - cached)
+        cached, after = self._expected_cached(req)
+        vstart = max(self._virtual_start(now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
             self.early_rejections += 1
@@ -576,7 +587,7 @@ class Scheduler:
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
         self._queues[run.req.rank].append(_Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
-            run.index, cached=self._expected_cached(again)))
+            run.index, cached=self._expected_cached(again)[0]))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
@@ -626,13 +637,13 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         for q in self._queues:
-            while q:
-                item = min(q, key=lambda it: (it.vstart, it.submitted_at))
-                if (len(self._running) + item.req.n > self.limits.max_running
+            for item in sorted(q, key=lambda it: (it.vstart, it.submitted_at)):
+                if self._hold(item, now):
+                    continue  # it needs no room yet, so it blocks nobody behind it
+                while (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
-                    if self._swap_for(item):
-                        continue
-                    return  # it waits for room; nothing behind it may pass meanwhile
+                    if not self._swap_for(item):
+                        return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
                 self._events.append(Admitted(item.rid,
@@ -826,21 +837,80 @@ class Scheduler:
             return _Reuse(None, entry, m)
         return _Reuse(src, None, n)
 
-    def _expected_cached(self, req: Request) -> int:
-        """Prompt tokens ``req`` should not compute itself: the prefix the caches would
-        serve it now (``_reuse``, the match admission makes).
+    def _expected_cached(self, req: Request) -> tuple[int, float]:
+        """Prompt tokens ``req`` should not compute itself, and the place in the aging
+        order it must not pass: the prefix the caches would serve it now
+        (``_reuse``), or a longer one (by ``min_copy_tokens``) that a request of its
+        class or a more urgent one is computing or is queued to compute. ``_hold``
+        makes it wait for that one and copy; so it is ordered after that one too,
+        or it could jump ahead as a short prompt and then compute the long prefix.
 
         Matched once, when it is queued, and not refreshed: the estimate sums every
         queued request at each submit and each ``statistics()`` (up to max_queued of
-        them), and a match is a pass over the slots and the saved states. Slots
-        change at every step, so a cached match would be invalid at every step
+        them), and a match is a pass over the slots, the saved states and the queue.
+        Slots change at every step, so a cached match would be invalid at every step
         anyway. Staleness errs both ways (a cache evicted after it was queued, one
         computed since) and is bounded: the queue timeout still expires what waits
         too long, and admission matches afresh. In the per-slot layout a slot prefix
         under ``min_copy_tokens`` may be recomputed after all (``_try_admit``); the
         estimate is then off by less than that.
         """
-        return self._reuse(req).cached
+        reuse = self._reuse(req).cached
+        best, after = reuse, -math.inf
+        pending = [(r.req, r.vstart) for r in self._prefilling()]
+        pending += [(q.req, q.vstart) for queue in self._queues for q in queue]
+        for other, vstart in pending:
+            n = self._computed_for(req, other)
+            if n > best and n >= reuse + self.limits.min_copy_tokens:
+                # Strictly after: on a tie the queue's order would not say who computes.
+                best, after = n, math.nextafter(vstart, math.inf)
+        return best, after
+
+    def _computed_for(self, req: Request, other: Request) -> int:
+        """How much of ``req``'s prompt ``other`` computes that ``req`` may wait for: not
+        behind a less urgent class (``_holder`` says why), nor behind a request that
+        keeps no cache (it may drop its cells in the step it passes the prefix)."""
+        if other.rank > req.rank or not other.cache:
+            return 0
+        return self._shared(req, other.tenant, other.prompt)
+
+    def _hold(self, item: _Queued, now: float) -> bool:
+        """Whether ``item`` waits in the queue, this step, for ``_holder`` to compute
+        the prefix it shares. Such a wait is for work done on its behalf, not for
+        capacity: its queue timeout starts again (as a preempted request's does), so
+        it cannot expire for having been held."""
+        if self._holder(item) is None:
+            return False
+        if not item.held:
+            item.held = True
+            self.prefix_holds += 1
+        item.deadline = max(item.deadline, now + item.req.queue_timeout)
+        return True
+
+    def _holder(self, item: _Queued) -> _Running | None:
+        """The running request computing a prefix of ``item``'s prompt that ``item``
+        should wait for, to copy it once computed, rather than compute it a second
+        time in parallel (what vLLM and SGLang do for in-flight prefixes).
+
+        Only while that request has not yet passed the shared part (it then holds it
+        in its slot, and ``_try_admit`` copies it from there), only when the prefix
+        gives at least ``min_copy_tokens`` more than the caches give now, and only
+        behind a request of the same class or a more urgent one. Batch prefill yields
+        every step to interactive prompts, so an interactive request held behind it
+        could wait as long as the interactive load lasts: it computes the prefix
+        itself instead. Behind its own class the wait is bounded: the holder runs,
+        and the aging order gives it each step's room once it is the oldest. A holder
+        that is cancelled or preempted stops prefilling, which ends the hold: the
+        request is then admitted on whatever the caches hold.
+        """
+        best, best_n = None, 0
+        for run in self._prefilling():
+            n = self._computed_for(item.req, run.req) if run.rid != item.rid else 0
+            if n > max(run.next_prompt, best_n):
+                best, best_n = run, n
+        if best is None or best_n < self._reuse(item.req).cached + self.limits.min_copy_tokens:
+            return None
+        return best
 
     def _reusable(self, slot: _Slot, req: Request) -> bool:
         """May ``req`` take over ``slot`` in place (truncating what it does not share)?
@@ -1045,6 +1115,7 @@ class Scheduler:
             "prefix_cache_tokens_saved": self.cache_tokens_saved,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "early_rejections": self.early_rejections,
+            "prefix_holds": self.prefix_holds,
             # What a one-token interactive request submitted now would wait: the daemon
             # refuses at the door when even that exceeds the queue timeout.
             "wait_estimate_s": self.wait_estimate(0, self._now),
