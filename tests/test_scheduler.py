@@ -247,6 +247,13 @@ def test_common_prefix() -> None:
     assert common_prefix(a, [*a[:700], -1]) == 700
     assert common_prefix([], a) == 0
     assert common_prefix([1, 2], [1, 3]) == 1
+    rng = random.Random(17)
+    for _ in range(500):  # against the definition, around the slice boundaries
+        x = [rng.randrange(3) for _ in range(rng.randrange(700))]
+        y = x[: rng.randrange(len(x) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(300))]
+        pairs = enumerate(zip(x, y, strict=False))
+        naive = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
+        assert common_prefix(x, y) == common_prefix(y, x) == naive
 
 
 # --- per-slot streams (kv_layout = "per_slot") -------------------------------------------

@@ -156,9 +156,11 @@ class _Queued:
     vstart: float
     deadline: float
     index: int = 0  # the first of its req.n choices (a preempted choice keeps its own)
-    # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``):
-    # matched once, when it is queued, and not refreshed (see there why).
+    # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``), and
+    # of those what the slots and saved states held for it (``_reuse``): matched once,
+    # when it is queued, and not refreshed (see there why).
     cached: int = 0
+    reused: int = 0
     held: bool = False  # it has waited for a prefix being computed (_holder)
 
     @property
@@ -347,7 +349,8 @@ class Scheduler:
         if req.n > most:  # it would wait for room that never comes
             raise ValueError(f"n: at most {most} choices of this request can run at once")
         # Shortest first means least work first: a long prompt the caches serve is short.
-        cached, after = self._expected_cached(req)
+        reused = self._reuse(req).cached
+        cached, after = self._expected_cached(req, reused)
         vstart = max(self._virtual_start(now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
@@ -356,7 +359,7 @@ class Scheduler:
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
         self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout,
-                                              cached=cached))
+                                              cached=cached, reused=reused))
         self._queued_tokens += len(req.prompt)
 
     def drop(self, rid: int) -> bool:
@@ -585,9 +588,10 @@ class Scheduler:
         for index in (run.index, *run.forks):
             self._unslot(self._running.pop((run.rid, index)))
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
+        reused = self._reuse(again).cached
         self._queues[run.req.rank].append(_Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
-            run.index, cached=self._expected_cached(again)[0]))
+            run.index, cached=self._expected_cached(again, reused)[0], reused=reused))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
@@ -837,10 +841,10 @@ class Scheduler:
             return _Reuse(None, entry, m)
         return _Reuse(src, None, n)
 
-    def _expected_cached(self, req: Request) -> tuple[int, float]:
+    def _expected_cached(self, req: Request, reused: int) -> tuple[int, float]:
         """Prompt tokens ``req`` should not compute itself, and the place in the aging
-        order it must not pass: the prefix the caches would serve it now
-        (``_reuse``), or a longer one (by ``min_copy_tokens``) that a request of its
+        order it must not pass: the prefix the caches would serve it now (``reused``,
+        from ``_reuse``), or a longer one (by ``min_copy_tokens``) that a request of its
         class or a more urgent one is computing or is queued to compute. ``_hold``
         makes it wait for that one and copy; so it is ordered after that one too,
         or it could jump ahead as a short prompt and then compute the long prefix.
@@ -855,13 +859,17 @@ class Scheduler:
         under ``min_copy_tokens`` may be recomputed after all (``_try_admit``); the
         estimate is then off by less than that.
         """
-        reuse = self._reuse(req).cached
-        best, after = reuse, -math.inf
+        best, after = reused, -math.inf
         pending = [(r.req, r.vstart) for r in self._prefilling()]
-        pending += [(q.req, q.vstart) for queue in self._queues for q in queue]
+        # A queued request that computes less than a copy's worth itself can give no
+        # more: what the caches serve it, they serve ``req`` too, and what it copies
+        # from another, ``req`` finds in that other. Skipping those keeps a queue of
+        # requests on cached contexts from costing a full match each.
+        pending += [(q.req, q.vstart) for queue in self._queues for q in queue
+                    if q.to_compute >= self.limits.min_copy_tokens]
         for other, vstart in pending:
             n = self._computed_for(req, other)
-            if n > best and n >= reuse + self.limits.min_copy_tokens:
+            if n > best and n >= reused + self.limits.min_copy_tokens:
                 # Strictly after: on a tie the queue's order would not say who computes.
                 best, after = n, math.nextafter(vstart, math.inf)
         return best, after
@@ -902,13 +910,22 @@ class Scheduler:
         and the aging order gives it each step's room once it is the oldest. A holder
         that is cancelled or preempted stops prefilling, which ends the hold: the
         request is then admitted on whatever the caches hold.
+
+        What the caches give is the match made when ``item`` was queued (``reused``)
+        or what the running requests have computed of its prefix so far, not a fresh
+        ``_reuse``: that is a pass over every slot and saved state, for every held
+        request at every step. A cache that appeared since can only make it wait for
+        what it would have had at once (then admission matches afresh and takes the
+        best); one that went since can only make it compute a prefix itself, as it
+        did before holds existed.
         """
-        best, best_n = None, 0
+        best, best_n, done = None, 0, item.reused
         for run in self._prefilling():
             n = self._computed_for(item.req, run.req) if run.rid != item.rid else 0
+            done = max(done, min(n, run.next_prompt))  # in that run's slot already
             if n > max(run.next_prompt, best_n):
                 best, best_n = run, n
-        if best is None or best_n < self._reuse(item.req).cached + self.limits.min_copy_tokens:
+        if best is None or best_n < done + self.limits.min_copy_tokens:
             return None
         return best
 
