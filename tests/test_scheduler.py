@@ -959,7 +959,7 @@ def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str
     for rid in range(10, 30):
         s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=20.0), 1.0)
     assert s.early_rejections == 0 and s.n_queued == 20
-    assert s.wait_estimate(0, 2.0) < 5.0  # the estimate a status poll shows
+    assert s.wait_estimate(0, 2.0) < 5.0  # for one more, placed behind all twenty
     # and the estimate was right: every one of them is served from the cache
     finish_all(s, 1.0)
     assert admissions(s) == {rid: len(HEAD) for rid in range(10, 30)}
