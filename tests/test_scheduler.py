@@ -247,6 +247,13 @@ def test_common_prefix() -> None:
     assert common_prefix(a, [*a[:700], -1]) == 700
     assert common_prefix([], a) == 0
     assert common_prefix([1, 2], [1, 3]) == 1
+    rng = random.Random(17)
+    for _ in range(500):  # against the definition, around the slice boundaries
+        x = [rng.randrange(3) for _ in range(rng.randrange(700))]
+        y = x[: rng.randrange(len(x) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(300))]
+        pairs = enumerate(zip(x, y, strict=False))
+        naive = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
+        assert common_prefix(x, y) == common_prefix(y, x) == naive
 
 
 # --- per-slot streams (kv_layout = "per_slot") -------------------------------------------
@@ -922,3 +929,128 @@ def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
     s.plan(0.0)
     s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
     assert s.statistics()["wait_estimate_s"] == 0.0
+
+
+# --- caches in the wait estimate; a shared cold prefix computed once (issue 17) ----------
+
+HEAD = list(range(1000, 2000))  # a long context: a repository, a document
+
+
+def admissions(s: Scheduler) -> dict[int, int]:
+    """The requests admitted since the last call, with their cached tokens."""
+    return {ev.rid: ev.cached for ev in s.drain_events() if isinstance(ev, Admitted)}
+
+
+@pytest.mark.parametrize("where", ["slot", "ram"])
+def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str) -> None:
+    """Twenty questions about one cached 1,000-token context queue behind each other.
+    Each costs the door a question's prefill, not the context's again: before the fix
+    the fifth was refused (four 1,001-token prefills ahead, ~4.9 s each at the seed's
+    pace, against a 20 s queue timeout)."""
+    s = Scheduler(limits(kv_cells=8192, slots=1, max_running=1, step_tokens=256,
+                         cache_ram_bytes=1 << 30))
+    s.submit(*seq(1, HEAD, 1), 0.0)
+    finish_all(s, 0.0)
+    if where == "ram":  # another context takes the only slot: HEAD's state goes to RAM
+        s.submit(*seq(2, list(range(5000, 5100)), 1), 0.0)
+        finish_all(s, 0.0)
+        assert [len(e.tokens) for e in s.tiers.recent_first()] == [len(HEAD)]
+    admissions(s)
+    for rid in range(10, 30):
+        s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=20.0), 1.0)
+    assert s.early_rejections == 0 and s.n_queued == 20
+    assert s.wait_estimate(0, 2.0) < 5.0  # for one more, placed behind all twenty
+    # and the estimate was right: every one of them is served from the cache
+    finish_all(s, 1.0)
+    assert admissions(s) == {rid: len(HEAD) for rid in range(10, 30)}
+
+
+def test_the_wait_estimate_counts_a_cold_prefix_shared_by_queued_requests_once() -> None:
+    """Four questions about one cold context, queued together: the first computes the
+    context and the others copy it (``_hold``), so the door counts it once. Before the
+    fix the fourth was refused (three 1,001-token prefills ahead, ~14.6 s > 10 s)."""
+    s = Scheduler(limits(kv_cells=8192, step_tokens=256))
+    for rid in range(1, 5):
+        s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=10.0), 0.0)
+    assert s.early_rejections == 0 and s.n_queued == 4
+    finish_all(s, 0.0)
+    assert s.prompt_tokens_computed == len(HEAD) + 4
+
+
+@pytest.mark.parametrize("lim", [limits(kv_cells=8192, step_tokens=64),
+                                 per_slot(per_slot_cells=2048, kv_cells=8 * 2048)],
+                         ids=["unified", "per_slot"])
+def test_a_cold_prefix_shared_by_two_requests_is_computed_once(lim: SchedulerLimits) -> None:
+    """Two questions about one cold 1,000-token context, submitted together: the second
+    waits while the first computes the context, then copies it. It does not expire
+    meanwhile, though the wait (16 steps of 1 s: a slow machine) is past its queue
+    timeout: it waits for work done for it, not for capacity. Before the fix both
+    computed the context at once."""
+    s = Scheduler(lim)
+    s.submit(*seq(1, [*HEAD, 1, 2, 3], 2), 0.0)
+    s.submit(*seq(2, [*HEAD, 4, 5, 6], 2, queue_timeout=10.0), 0.0)
+    admitted: dict[int, int] = {}
+    now = 0.0
+    while s.n_running or s.n_queued:
+        assert s.expire(now) == []
+        run_step(s, now)
+        admitted.update(admissions(s))
+        now += 1.0
+    # admitted once the first had computed the whole context, which it copied
+    assert admitted == {1: 0, 2: len(HEAD)}
+    assert s.prompt_tokens_computed == len(HEAD) + 3 + 3
+    assert s.statistics()["prefix_holds"] == 1
+
+
+def test_cancelling_the_request_computing_a_shared_prefix_releases_the_one_waiting() -> None:
+    s = Scheduler(limits(kv_cells=8192, step_tokens=64))
+    s.submit(*seq(1, [*HEAD, 1], 2), 0.0)
+    s.submit(*seq(2, [*HEAD, 2], 2), 0.0)
+    run_step(s, 0.0)
+    assert admissions(s) == {1: 0} and s.n_queued == 1  # 2 waits for 1's context
+    s.drop(1)
+    run_step(s, 0.1)
+    # admitted at once, on what 1 had computed (kept as cache); it computes the rest
+    assert admissions(s) == {2: 64}
+    finish_all(s, 0.2)
+    assert s.prompt_tokens_computed == 64 + len(HEAD) + 1 - 64
+
+
+def test_an_interactive_request_does_not_wait_for_a_batch_prefill() -> None:
+    """A batch prefill yields every step to interactive prompts, so an interactive
+    request held behind it could wait as long as they keep coming: it computes the
+    rest of the prefix itself. The other way round, batch waits for interactive."""
+    s = Scheduler(limits(kv_cells=8192, step_tokens=64))
+    s.submit(*seq(1, [*HEAD, 1], 2, priority="batch"), 0.0)
+    run_step(s, 0.0)
+    s.submit(*seq(2, [*HEAD, 2], 2), 0.1)
+    s.submit(*seq(3, [*HEAD, 3], 2, priority="batch"), 0.1)
+    run_step(s, 0.1)
+    assert admissions(s) == {1: 0, 2: 64}  # 2 copies what 1 has so far; 3 waits
+    assert s.n_queued == 1
+
+
+def test_a_request_waiting_for_a_shared_prefix_lets_others_pass() -> None:
+    s = Scheduler(limits(kv_cells=8192, step_tokens=64, max_running=4))
+    s.submit(*seq(1, [*HEAD, 1], 2), 0.0)
+    s.submit(*seq(2, [*HEAD, 2], 2), 0.0)
+    s.submit(*seq(3, list(range(5000, 6000)), 2), 0.1)  # as long, and later
+    run_step(s, 0.1)
+    assert admissions(s) == {1: 0, 3: 0} and s.n_queued == 1
+
+
+def test_a_preempted_holder_releases_the_one_waiting_and_nothing_deadlocks() -> None:
+    s = Scheduler(limits(kv_cells=8192, step_tokens=64, max_running=4))
+    s.submit(*seq(9, list(range(5000, 5004)), 50), 0.0)  # decoding beside them
+    run_step(s, 0.0)
+    s.submit(*seq(1, [*HEAD, 1], 2), 0.1)
+    s.submit(*seq(2, [*HEAD, 2], 2), 0.1)
+    run_step(s, 0.1)
+    assert set(admissions(s)) == {9, 1} and s.n_queued == 1
+    assert s.preempt_one()  # the newest, 1, goes back to the queue (no RAM: recomputed)
+    assert s.drain_events() == [Preempted(1)]
+    # 1 keeps its place ahead of 2, runs again, and 2 waits for it again
+    run_step(s, 0.2)
+    assert admissions(s) == {1: 0} and s.n_queued == 1
+    finish_all(s, 0.3)
+    assert admissions(s) == {2: len(HEAD)}

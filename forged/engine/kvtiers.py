@@ -80,16 +80,25 @@ class TierStats:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix, comparing slices in C before going token by token."""
+    """Length of the common prefix, comparing slices in C: 256 tokens, then twice as
+    many each time they match, then halving the slice that differs. The scheduler
+    matches every request it queues against the slots, the saved states and the queue
+    (``Scheduler._expected_cached``), so a pair costs a few slice compares, whether
+    they share a long context or only a header (a chat template, a repository's
+    name), which token by token cost a Python loop over the header."""
     n = min(len(a), len(b))
     lo, step = 0, 256
     while lo < n:
         hi = min(n, lo + step)
         if a[lo:hi] != b[lo:hi]:
-            while a[lo] == b[lo]:
-                lo += 1
+            while hi - lo > 1:  # a[:lo] == b[:lo] and a[lo:hi] != b[lo:hi]
+                mid = (lo + hi) // 2
+                if a[lo:mid] == b[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
             return lo
-        lo = hi
+        lo, step = hi, 2 * step
     return n
 
 

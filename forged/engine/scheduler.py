@@ -30,7 +30,18 @@ arrives on an idle worker is planned in the very next step.
 Admission knows capacity: ``submit`` estimates how long a request would wait for its
 first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
 the wait for a slot at the rate slots have been freed) and refuses it at once,
-with that estimate, when the estimate is beyond its queue timeout.
+with that estimate, when the estimate is beyond its queue timeout. A queued prompt's
+work is only what the caches will not serve (``_Queued.to_compute``): the prefix that
+admission would take from a slot or a saved state, or that a request running or queued
+before it computes (below), is matched once, when it is queued, and the same figure
+places it in the shortest-first order.
+
+A prefix is computed once: a queued request whose prompt shares a long prefix (at
+least ``min_copy_tokens`` more than the caches hold) with a request of its class or a
+more urgent one that is still prefilling that prefix is held in the queue, without
+blocking those behind it, until that prefix is computed; it is then admitted and
+copies it like any cached prefix (``_holder``). A cancelled or preempted holder stops
+prefilling, which releases the held request.
 
 Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
 when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
@@ -72,6 +83,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -144,6 +156,27 @@ class _Queued:
     vstart: float
     deadline: float
     index: int = 0  # the first of its req.n choices (a preempted choice keeps its own)
+    # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``), and
+    # of those what the slots and saved states held for it (``_reuse``): matched once,
+    # when it is queued, and not refreshed (see there why).
+    cached: int = 0
+    reused: int = 0
+    held: bool = False  # it has waited for a prefix being computed (_holder)
+
+    @property
+    def to_compute(self) -> int:
+        """The prompt work it brings: what the caches will not serve."""
+        return len(self.req.prompt) - self.cached
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """Where a prompt would start if admitted now: ``cached`` tokens restored from the
+    saved ``entry``, or else shared with slot ``src`` (none when ``src`` is None)."""
+
+    src: int | None
+    entry: Entry | None
+    cached: int
 
 
 # --- what the scheduler tells the worker ------------------------------------------
@@ -294,6 +327,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.session_resumes = 0
         self.early_rejections = 0
+        self.prefix_holds = 0
         self.last_plan_ms = 0.0
         self._now = 0.0
 
@@ -314,14 +348,18 @@ class Scheduler:
         most = lim.max_choices(len(req.prompt), req.max_tokens)
         if req.n > most:  # it would wait for room that never comes
             raise ValueError(f"n: at most {most} choices of this request can run at once")
-        vstart = self._virtual_start(now, len(req.prompt))
+        # Shortest first means least work first: a long prompt the caches serve is short.
+        reused = self._reuse(req).cached
+        cached, after = self._expected_cached(req, reused)
+        vstart = max(self._virtual_start(now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
             self.early_rejections += 1
             raise QueueFull(f"the server is at capacity: this request would wait about "
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
-        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout))
+        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout,
+                                              cached=cached, reused=reused))
         self._queued_tokens += len(req.prompt)
 
     def drop(self, rid: int) -> bool:
@@ -549,9 +587,11 @@ class Scheduler:
             again = msgspec.structs.replace(run.req, n=1 + len(run.forks))
         for index in (run.index, *run.forks):
             self._unslot(self._running.pop((run.rid, index)))
+        # Matched after its state was saved: a swap's resume is a restore, not a prefill.
+        reused = self._reuse(again).cached
         self._queues[run.req.rank].append(_Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
-            run.index))
+            run.index, cached=self._expected_cached(again, reused)[0], reused=reused))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
@@ -601,13 +641,13 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         for q in self._queues:
-            while q:
-                item = min(q, key=lambda it: (it.vstart, it.submitted_at))
-                if (len(self._running) + item.req.n > self.limits.max_running
+            for item in sorted(q, key=lambda it: (it.vstart, it.submitted_at)):
+                if self._hold(item, now):
+                    continue  # it needs no room yet, so it blocks nobody behind it
+                while (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
-                    if self._swap_for(item):
-                        continue
-                    return  # it waits for room; nothing behind it may pass meanwhile
+                    if not self._swap_for(item):
+                        return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
                 self._events.append(Admitted(item.rid,
@@ -631,10 +671,10 @@ class Scheduler:
 
     def _try_admit(self, item: _Queued, now: float) -> bool:
         req = item.req
-        src, n = self._best_prefix(req)
-        entry, m = self._best_saved(req)
-        if entry is not None and m >= n + self.limits.min_copy_tokens:
-            return self._admit_restored(item, entry, m, now)
+        reuse = self._reuse(req)
+        if reuse.entry is not None:
+            return self._admit_restored(item, reuse.entry, reuse.cached, now)
+        src, n = reuse.src, reuse.cached
         dst = self._destination(req, src, n)
         if dst is None:
             return False
@@ -770,19 +810,124 @@ class Scheduler:
         """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
         leaving one token to compute."""
         best, best_key = None, (0, False, False)
-        if req.prompt_logprobs:
-            return None, 0  # the cache's positions kept no logits to score them with
-        limit = len(req.prompt) - 1  # the last prompt token must run to give logits
         for slot in self._slots:
-            if slot.tenant != req.tenant:
-                continue  # another tenant's prompt: never reused, never revealed
             # On equal length the caller's own session wins, then an idle slot: it is
             # reused in place, with no copy.
-            key = (min(common_prefix(slot.tokens, req.prompt), limit),
+            key = (self._shared(req, slot.tenant, slot.tokens),
                    req.session is not None and slot.session == req.session, slot.rid is None)
             if key[0] and key > best_key:
                 best, best_key = slot.sid, key
         return best, best_key[0]
+
+    @staticmethod
+    def _shared(req: Request, tenant: str, tokens: list[int]) -> int:
+        """How much of ``req``'s prompt ``tenant``'s ``tokens`` (a slot's, or a prompt
+        being computed) may serve: their common prefix, leaving one token to compute."""
+        if tenant != req.tenant or req.prompt_logprobs:
+            # Another tenant's prompt is never reused, never revealed; and a scored
+            # prompt needs logits that the cache's positions did not keep.
+            return 0
+        # The last prompt token must run to give logits.
+        return min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
+
+    def _reuse(self, req: Request) -> _Reuse:
+        """What admission would reuse for ``req`` now: the longest prefix a slot holds,
+        or a saved state's when that is longer by at least ``min_copy_tokens`` (a
+        restore costs a copy). The one match that both admission and the wait
+        estimate (``_expected_cached``) make."""
+        src, n = self._best_prefix(req)
+        entry, m = self._best_saved(req)
+        if entry is not None and m >= n + self.limits.min_copy_tokens:
+            return _Reuse(None, entry, m)
+        return _Reuse(src, None, n)
+
+    def _expected_cached(self, req: Request, reused: int) -> tuple[int, float]:
+        """Prompt tokens ``req`` should not compute itself, and the place in the aging
+        order it must not pass: the prefix the caches would serve it now (``reused``,
+        from ``_reuse``), or a longer one (by ``min_copy_tokens``) that a request of its
+        class or a more urgent one is computing or is queued to compute. ``_hold``
+        makes it wait for that one and copy; so it is ordered after that one too,
+        or it could jump ahead as a short prompt and then compute the long prefix.
+
+        Matched once, when it is queued, and not refreshed: the estimate sums every
+        queued request at each submit and each ``statistics()`` (up to max_queued of
+        them), and a match is a pass over the slots, the saved states and the queue.
+        Slots change at every step, so a cached match would be invalid at every step
+        anyway. Staleness errs both ways (a cache evicted after it was queued, one
+        computed since) and is bounded: the queue timeout still expires what waits
+        too long, and admission matches afresh. In the per-slot layout a slot prefix
+        under ``min_copy_tokens`` may be recomputed after all (``_try_admit``); the
+        estimate is then off by less than that.
+        """
+        best, after = reused, -math.inf
+        pending = [(r.req, r.vstart) for r in self._prefilling()]
+        # A queued request that computes less than a copy's worth itself can give no
+        # more: what the caches serve it, they serve ``req`` too, and what it copies
+        # from another, ``req`` finds in that other. Skipping those keeps a queue of
+        # requests on cached contexts from costing a full match each.
+        pending += [(q.req, q.vstart) for queue in self._queues for q in queue
+                    if q.to_compute >= self.limits.min_copy_tokens]
+        for other, vstart in pending:
+            n = self._computed_for(req, other)
+            if n > best and n >= reused + self.limits.min_copy_tokens:
+                # Strictly after: on a tie the queue's order would not say who computes.
+                best, after = n, math.nextafter(vstart, math.inf)
+        return best, after
+
+    def _computed_for(self, req: Request, other: Request) -> int:
+        """How much of ``req``'s prompt ``other`` computes that ``req`` may wait for: not
+        behind a less urgent class (``_holder`` says why), nor behind a request that
+        keeps no cache (it may drop its cells in the step it passes the prefix)."""
+        if other.rank > req.rank or not other.cache:
+            return 0
+        return self._shared(req, other.tenant, other.prompt)
+
+    def _hold(self, item: _Queued, now: float) -> bool:
+        """Whether ``item`` waits in the queue, this step, for ``_holder`` to compute
+        the prefix it shares. Such a wait is for work done on its behalf, not for
+        capacity: its queue timeout starts again (as a preempted request's does), so
+        it cannot expire for having been held."""
+        if self._holder(item) is None:
+            return False
+        if not item.held:
+            item.held = True
+            self.prefix_holds += 1
+        item.deadline = max(item.deadline, now + item.req.queue_timeout)
+        return True
+
+    def _holder(self, item: _Queued) -> _Running | None:
+        """The running request computing a prefix of ``item``'s prompt that ``item``
+        should wait for, to copy it once computed, rather than compute it a second
+        time in parallel (what vLLM and SGLang do for in-flight prefixes).
+
+        Only while that request has not yet passed the shared part (it then holds it
+        in its slot, and ``_try_admit`` copies it from there), only when the prefix
+        gives at least ``min_copy_tokens`` more than the caches give now, and only
+        behind a request of the same class or a more urgent one. Batch prefill yields
+        every step to interactive prompts, so an interactive request held behind it
+        could wait as long as the interactive load lasts: it computes the prefix
+        itself instead. Behind its own class the wait is bounded: the holder runs,
+        and the aging order gives it each step's room once it is the oldest. A holder
+        that is cancelled or preempted stops prefilling, which ends the hold: the
+        request is then admitted on whatever the caches hold.
+
+        What the caches give is the match made when ``item`` was queued (``reused``)
+        or what the running requests have computed of its prefix so far, not a fresh
+        ``_reuse``: that is a pass over every slot and saved state, for every held
+        request at every step. A cache that appeared since can only make it wait for
+        what it would have had at once (then admission matches afresh and takes the
+        best); one that went since can only make it compute a prefix itself, as it
+        did before holds existed.
+        """
+        best, best_n, done = None, 0, item.reused
+        for run in self._prefilling():
+            n = self._computed_for(item.req, run.req) if run.rid != item.rid else 0
+            done = max(done, min(n, run.next_prompt))  # in that run's slot already
+            if n > max(run.next_prompt, best_n):
+                best, best_n = run, n
+        if best is None or best_n < done + self.limits.min_copy_tokens:
+            return None
+        return best
 
     def _reusable(self, slot: _Slot, req: Request) -> bool:
         """May ``req`` take over ``slot`` in place (truncating what it does not share)?
@@ -860,8 +1005,8 @@ class Scheduler:
                  if cls < rank or (cls == rank and q.vstart <= vstart)]
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
-        for q in ahead:
-            work = work.plus(chunk_shape(0, len(q.req.prompt)))
+        for q in ahead:  # only what the caches will not serve
+            work = work.plus(chunk_shape(q.cached, q.to_compute))
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
                 work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
@@ -987,6 +1132,7 @@ class Scheduler:
             "prefix_cache_tokens_saved": self.cache_tokens_saved,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "early_rejections": self.early_rejections,
+            "prefix_holds": self.prefix_holds,
             # What a one-token interactive request submitted now would wait: the daemon
             # refuses at the door when even that exceeds the queue timeout.
             "wait_estimate_s": self.wait_estimate(0, self._now),
