@@ -79,6 +79,9 @@ def _engine_metrics(t: dict[str, float], restarts: int) -> Iterator[Metric]:
                   "prefix_cache_hits")
     yield counter("forged_prefix_cache_tokens_saved",
                   "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
+    yield counter("forged_prefix_holds", "Queued requests held while another computed the "
+                  "long prefix they share (then copied instead of computed).",
+                  "prefix_holds")
     yield gauge("forged_sessions_pinned", "Idle conversations whose KV is pinned.",
                 "sessions_pinned")
     yield counter("forged_session_resumes",

@@ -81,7 +81,8 @@ def render(stats: dict[str, Any]) -> str:
         f"{int(t.get('kv_cells_cached', 0))} held as prefix cache)",
         f"reuse       prefix cache {int(t.get('prefix_cache_hits', 0))} hits in "
         f"{int(t.get('prefix_cache_queries', 0))} requests "
-        f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved); sessions "
+        f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved, "
+        f"{int(t.get('prefix_holds', 0))} held for a shared prefix); sessions "
         f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
         *_models(stats),
         *_tiers(t),
