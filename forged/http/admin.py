@@ -44,11 +44,17 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
         return Response(_json.encode(status), status=200 if status["ready"] else 503,
                         content_type="application/json")
 
-    app.add_url_rule("/models/swap", "swap", lambda: _swap(state), methods=["POST"])
+    _add_swap(app, state)
 
     if test_hooks:
         _add_test_hooks(app, state)
     return app
+
+
+def _add_swap(app: QuartTrio, state: AppState) -> None:
+    @app.post("/models/swap")
+    async def swap() -> Response:
+        return await _swap(state)
 
 
 class SwapRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
