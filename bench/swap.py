@@ -36,6 +36,7 @@ from bench.tinymodel import write_tiny_llama
 from forged.observe.stats import percentile
 
 Sample = dict[str, Any]
+STALL = 0.5  # seconds between two tokens of a stream that count as a pause
 
 
 async def one(c: httpx.AsyncClient, i: int, max_tokens: int) -> Sample:
@@ -59,7 +60,7 @@ async def one(c: httpx.AsyncClient, i: int, max_tokens: int) -> Sample:
         return {"ok": False, "why": repr(exc)}
     return {"ok": True, "ttft": (times[0] if times else time.monotonic()) - t0,
             "gaps": [b - a for a, b in itertools.pairwise(times)], "models": len(prints),
-            "start": t0}
+            "stalls": [(a, b - a) for a, b in itertools.pairwise(times) if b - a > STALL]}
 
 
 async def window(url: str, admin_sock: str, args: argparse.Namespace,
@@ -79,7 +80,7 @@ async def window(url: str, admin_sock: str, args: argparse.Namespace,
         transport = httpx.AsyncHTTPTransport(uds=admin_sock)
         async with httpx.AsyncClient(transport=transport, base_url="http://admin",
                                      timeout=600) as a:
-            t0 = time.monotonic()
+            t0 = swap["t0"] = time.monotonic()
             r = await a.post("/models/swap", json={"path": str(swap_to)})
             swap.update(status=r.status_code, seconds=time.monotonic() - t0,
                         answer=r.text[:300])
@@ -105,6 +106,9 @@ def summary(samples: list[Sample], swap: dict[str, Any]) -> dict[str, Any]:
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = percentile(values, q) or 0.0
     if swap:
+        # When streams paused, from the swap's start: loading, or the switch, or after.
+        out["stalls"] = sorted({(round(t - swap["t0"], 1), round(g, 2))
+                                for s in ok for t, g in s["stalls"]})
         out["swap"] = {"status": swap["status"], "seconds": round(swap["seconds"], 2),
                        **({} if swap["status"] == 200 else {"answer": swap["answer"]})}
     return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,10 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
                 assert model_samples(metrics, "forged_kv_cells_total") == {
                     "other", "tiny@g1"}
                 new = await answer(c)
+                # It loaded at LOAD_NICE beside the serving model; it serves at nice 0.
+                (worker,) = d.daemon.models.default.pool.workers
+                assert worker.pid is not None
+                await until(lambda: set(thread_nices(worker.pid)) == {0})
                 n = len(results)
                 await until(lambda: len(results) >= n + 8, 60)
                 stop.set()
@@ -147,6 +153,26 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
             assert long and long[0][0] == {old[0]} and len(long[0][1]) > 0
             await until(lambda: len(d.daemon.models.all()) == 1, 30)
             assert d.daemon.models.default.model_id == "other"
+
+
+def thread_nices(pid: int) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, int(tid))
+            for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def test_renice_sets_every_thread_of_the_process() -> None:
+    """Linux's nice is per thread: a worker's llama.cpp threads already run when it is
+    told to serve at nice 0."""
+    code = ("import os, threading, time\n"
+            "from forged.engine.worker import renice\n"
+            "renice(3)\n"
+            "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+            "renice(7)\n"
+            "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t))"
+            " for t in os.listdir('/proc/self/task')}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[7]"
 
 
 async def _long(c: httpx.AsyncClient, out: list[tuple[set[str], str]]) -> None:

@@ -40,6 +40,8 @@ from forged.engine.request import Request, Sampling
 from forged.errors import ForgedError, Unavailable
 
 log = logging.getLogger("forged")
+# The nice value a swap's new model loads at, beside the serving one (frames.Init.nice).
+LOAD_NICE = 10
 
 
 class SwapRefused(Exception):
@@ -106,6 +108,7 @@ class Swapper:
             new = await self._start(cfg, place, model)
         finally:
             self.busy = False
+        new.pool.renice(0)
         old = self.models.replace(place, new)
         log.info("model swap: %s (%s) serves; %s drains", new.model_id, new.model.path,
                  old.listed_id)
@@ -122,6 +125,7 @@ class Swapper:
         except fc.ConfigError as exc:
             raise SwapRefused(f"the new model cannot be loaded: {exc}") from exc
         self._check_memory(cfg, new)
+        new.pool.nice = LOAD_NICE
         self.models.add_loading(new)
         log.info("model swap: loading %s beside %s", model.path,
                  self.models.serving[place].model_id)

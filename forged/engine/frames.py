@@ -38,6 +38,11 @@ class Init(_Frame, tag="init"):
     test_hooks: bool = False
     # The disk tier's folder (sessions' KV states across restarts); "": none.
     cache_dir: str = ""
+    # The nice value to load at. A swap's new model loads beside a serving one: nice,
+    # its loading and calibration take the CPU only where the serving workers leave
+    # it (llama.cpp's threads spin, and two sets of them on the same cores stall
+    # both). Renice brings it back once it serves.
+    nice: int = 0
 
 
 class Submit(_Frame, tag="submit"):
@@ -47,6 +52,12 @@ class Submit(_Frame, tag="submit"):
 
 class Cancel(_Frame, tag="cancel"):
     rid: int
+
+
+class Renice(_Frame, tag="renice"):
+    """Every thread of the worker to this nice value (a swap's new model serves)."""
+
+    nice: int
 
 
 class SetLimits(_Frame, tag="limits"):
@@ -81,7 +92,8 @@ class CrashOn(_Frame, tag="crash"):
     token: int
 
 
-ToWorker = Init | Submit | Cancel | SetLimits | Shutdown | Hang | SlowSteps | CrashOn
+ToWorker = (Init | Submit | Cancel | SetLimits | Renice | Shutdown | Hang | SlowSteps
+            | CrashOn)
 
 
 # --- worker -> daemon ------------------------------------------------------------------

@@ -133,6 +133,7 @@ class EnginePool:
         self.cfg = cfg
         self.model = model
         self.cache_dir = cache_dir
+        self.nice = 0  # what new processes load at (a swap's new model: nicer)
         self.n_ctx_train = n_ctx_train
         self.limits = scheduler_limits(cfg, n_ctx_train)
         self.test_hooks = test_hooks
@@ -170,7 +171,8 @@ class EnginePool:
         cache_dir = str(self.cache_dir / f"worker-{index}") if e.cache_disk_mib else ""
         return fr.Init(model_path=self.model.path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
-                       limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir)
+                       limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
+                       nice=self.nice)
 
     def supervisor(self, index: int) -> WorkerSupervisor:
         return self.workers[index]
@@ -326,6 +328,13 @@ class EnginePool:
             yield rs
         finally:
             self._close(rs)
+
+    def renice(self, nice: int) -> None:
+        """Every worker process (and those started later) to ``nice``."""
+        self.nice = nice
+        for w in self.workers:
+            if w.outbox is not None:
+                w.outbox.put(fr.Renice(nice=nice))
 
     def fail_all(self, error: ForgedError) -> None:
         """End every open request with ``error``: the pool is being stopped (a swap's

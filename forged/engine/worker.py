@@ -63,6 +63,8 @@ class WorkerShell:
         match frame:
             case fr.Submit() | fr.Cancel() | fr.SetLimits():
                 self.core.handle(frame, time.monotonic())
+            case fr.Renice(nice=n):
+                renice(n)
             case fr.Shutdown():
                 self.running = False
             case fr.Hang(seconds=s) if self.hooks is not None:
@@ -113,6 +115,17 @@ def _disk_tier(init: fr.Init) -> DiskStore | None:
         return None
 
 
+def renice(nice: int) -> None:
+    """Every thread of this process to ``nice`` (Linux's nice is per thread, and
+    llama.cpp's compute threads are already running). Lowering it needs RLIMIT_NICE
+    (forged.service's LimitNICE=); without, the worker stays nicer, and says so."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    except OSError as exc:
+        print(f"forged worker: cannot set nice {nice}: {exc}", file=sys.stderr, flush=True)
+
+
 def _read_init(sock: socket.socket) -> fr.Init:
     buf = fr.FrameBuffer()
     while True:
@@ -132,6 +145,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[1]))
     init = _read_init(sock)
+    if init.nice:
+        renice(init.nice)  # before llama.cpp starts threads: they inherit it
     try:
         shell = WorkerShell(sock, init)
     except Exception as exc:
