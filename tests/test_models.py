@@ -20,7 +20,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from forged import config as fc
+from forged.daemon.lifespan import _keep_restart_keys
 from forged.engine import testhooks
+from forged.observe.status import render
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.test_api import until
 from tests.tinymodel import write_tiny_llama
@@ -132,6 +134,9 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
                 metrics = (await a.get("/metrics")).text
                 assert model_samples(metrics, "forged_kv_cells_total") == {
                     "other", "tiny@g1"}
+                status = render((await a.get("/stats")).json())
+                assert "model       other serving" in status
+                assert "model       tiny@g1 draining" in status
                 new = await answer(c)
                 # It loaded at LOAD_NICE beside the serving model; it serves at nice 0.
                 (worker,) = d.daemon.models.default.pool.workers
@@ -250,3 +255,14 @@ def test_model_ids_must_differ_between_models(tmp_path: Path) -> None:
                       'aliases = ["a"]\n')
     with pytest.raises(fc.ConfigError, match=r"models\[0\]: the model id 'a' is already"):
         fc.load(config)
+
+
+def test_a_reload_that_changes_the_models_list_keeps_the_running_one() -> None:
+    """[[models]] is one key, and needs a restart: a reload leaves the list alone."""
+    old = fc.Config()
+    new = msgspec.structs.replace(old, models=[fc.ModelConfig(path="/m/b.gguf")],
+                                  model=fc.ModelConfig(path="/m/a.gguf"))
+    assert fc.changed_keys(old, new) == ["model.path", "models"]
+    assert "models" in fc.RESTART_KEYS and "model.path" not in fc.RESTART_KEYS
+    kept = _keep_restart_keys(old, new)
+    assert kept.models == [] and kept.model.path == "/m/a.gguf"
