@@ -79,9 +79,10 @@ def _vocab(fim: bool = False, tools: bool = False
 
 
 def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False,
-                     tools: bool = False) -> Path:
+                     tools: bool = False, broken: bool = False) -> Path:
     """With ``fim``, the vocabulary ends with FIM_TOKENS, named in the metadata; with
-    ``tools``, with TOOL_TOKENS, and the chat template is HERMES_TOOLS."""
+    ``tools``, with TOOL_TOKENS, and the chat template is HERMES_TOOLS. ``broken``
+    leaves a tensor out: the vocabulary loads, the model does not."""
     rng = np.random.default_rng(seed)
     toks, scores, types = _vocab(fim, tools)
     n_vocab = len(toks)
@@ -122,7 +123,8 @@ def write_tiny_llama(path: Path, seed: int = 0, *, fim: bool = False,
         t(f"blk.{i}.ffn_gate.weight", N_FF, N_EMBD)
         t(f"blk.{i}.ffn_up.weight", N_FF, N_EMBD)
         t(f"blk.{i}.ffn_down.weight", N_EMBD, N_FF)
-    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    if not broken:
+        w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     # Large output weights make sampling decisive, so greedy runs are long and varied.
     t("output.weight", n_vocab, N_EMBD, scale=1.0)
     w.write_header_to_file()

@@ -35,7 +35,7 @@ def real_model() -> Path:
     return REAL_MODEL
 
 
-def make_config(model: Path, tmp: Path, **sections: Any) -> fc.Config:
+def make_config(model: Path, tmp: Path, /, **sections: Any) -> fc.Config:
     """A config on loopback with ephemeral ports; ``sections`` override keys."""
     raw: dict[str, Any] = {
         "server": {"listen": "127.0.0.1:0", "admin_listen": f"unix:{tmp}/admin.sock",
@@ -74,8 +74,8 @@ DaemonFactory = Callable[..., AbstractAsyncContextManager[RunningDaemon]]
 @pytest.fixture
 def start_daemon(tmp_path: Path) -> DaemonFactory:
     @asynccontextmanager
-    async def start(model: Path, **sections: Any) -> AsyncIterator[RunningDaemon]:
-        cfg = make_config(model, tmp_path, **sections)
+    async def start(model_path: Path, /, **sections: Any) -> AsyncIterator[RunningDaemon]:
+        cfg = make_config(model_path, tmp_path, **sections)
         daemon = Daemon(cfg, tmp_path / "forged.toml", test_hooks=True)
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(daemon.run)

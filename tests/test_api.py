@@ -286,8 +286,10 @@ async def test_a_short_prompt_overtakes_queued_long_prompts(
                 hogs.start_soon(hog)
                 hogs.start_soon(hog)
                 await until(lambda: d.stats().get("running", 0) == 2)
-                for i in range(3):  # ~800 tokens each, one after another
-                    n.start_soon(gen, f"long{i}", "word " * 160, 8)
+                # ~800 tokens each, one after another; each its own (the scheduler holds
+                # a request whose prompt another is computing, and lets others pass).
+                for i in range(3):
+                    n.start_soon(gen, f"long{i}", f"{i} " + "word " * 160, 8)
                     await until(lambda i=i: queued() == i + 1)
                 n.start_soon(gen, "short", "short", 4)
                 await until(lambda: queued() == 4)

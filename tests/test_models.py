@@ -243,9 +243,11 @@ async def test_a_reload_swaps_a_model_file_replaced_at_the_same_path(
 def as_toml(cfg: fc.Config) -> str:
     """The config as a TOML file (JSON's scalars and lists are TOML's too)."""
     raw = msgspec.to_builtins(cfg)
-    lines = [f"models = {json.dumps(raw.pop('models'))}"]
-    for section, values in raw.items():
-        lines += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in values.items())]
+    tables = [(f"[{name}]", values) for name, values in raw.items() if name != "models"]
+    tables += [("[[models]]", model) for model in raw["models"]]
+    lines = []
+    for header, values in tables:
+        lines += [header, *(f"{k} = {json.dumps(v)}" for k, v in values.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -266,3 +268,120 @@ def test_a_reload_that_changes_the_models_list_keeps_the_running_one() -> None:
     assert "models" in fc.RESTART_KEYS and "model.path" not in fc.RESTART_KEYS
     kept = _keep_restart_keys(old, new)
     assert kept.models == [] and kept.model.path == "/m/a.gguf"
+
+
+# --- what a review of the swap found --------------------------------------------------
+
+
+async def test_a_model_whose_workers_fail_to_load_is_refused_and_forgotten(
+        tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    """Its vocabulary loads, its weights do not: the worker's failure reached the
+    swap wrapped in the pools' exception groups, was not caught, and (on a reload)
+    took the daemon down."""
+    broken = write_tiny_llama(tmp_path / "broken.gguf", broken=True)
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            before = await answer(c)
+            r = await a.post("/models/swap", json={"path": str(broken)})
+            assert r.status_code == 409, r.text
+            assert "failed to start" in r.json()["error"]
+            assert len(d.daemon.models.all()) == 1
+            assert await answer(c) == before
+
+
+async def test_a_swap_cancelled_while_loading_leaves_nothing_behind(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
+    """An admin's client that leaves mid-swap cancels it: the new group is stopped
+    and forgotten, not left loading for the daemon's life."""
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            models = d.daemon.models
+            model = msgspec.structs.replace(d.daemon.cfg.model, path=str(other_model))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(d.daemon.swapper.swap, d.daemon.cfg, 0, model)
+                await until(lambda: len(models.others) == 1)
+                (loading,) = models.others
+                nursery.cancel_scope.cancel()
+            assert models.all() == [models.default] and models.default.number == 1
+            assert loading.retired and loading.stopped.is_set()
+            assert loading.file.fd == -1  # its file and vocabulary were freed
+            await answer(c)
+
+
+async def test_a_restarted_worker_loads_the_file_its_group_opened(
+        tiny_model: Path, other_model: Path, tmp_path: Path,
+        start_daemon: DaemonFactory) -> None:
+    """A package put a new file at the path, and no swap took it (refused, or no
+    reload yet). A worker restarted then loaded the new file under the old vocabulary."""
+    path = tmp_path / "served.gguf"
+    shutil.copy(tiny_model, path)
+    with trio.fail_after(90):
+        async with start_daemon(path) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            before = await answer(c)
+            shutil.copy(other_model, tmp_path / "new")
+            os.replace(tmp_path / "new", path)
+            (worker,) = d.daemon.pool.workers
+            assert worker.pid is not None
+            os.kill(worker.pid, 9)
+            await until(lambda: worker.restarts == 1 and worker.ready, 60)
+            assert await answer(c) == before
+
+
+async def test_a_reload_swaps_a_replaced_file_of_a_further_model_too(
+        tiny_model: Path, other_model: Path, tmp_path: Path,
+        start_daemon: DaemonFactory) -> None:
+    path = tmp_path / "coder.gguf"
+    shutil.copy(tiny_model, path)
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[{"path": str(path)}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            before = await answer(c, model="coder")
+            d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
+            shutil.copy(other_model, tmp_path / "new")
+            os.replace(tmp_path / "new", path)
+            d.daemon.reload()
+            models = d.daemon.models
+            await until(lambda: models.serving[1].number == 3 and len(models.all()) == 2,
+                        60)
+            assert (await answer(c, model="coder"))[1] != before[1]
+            assert models.default.number == 1  # [model]'s file did not change
+
+
+async def test_a_swap_takes_the_current_aliases_and_no_other_model_s_id(
+        tiny_model: Path, fim_model: Path, other_model: Path,
+        start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, model={"aliases": ["gpt"]},
+                                models=[{"path": str(fim_model), "name": "coder"}]) as d, \
+                admin(d) as a:
+            cfg = d.daemon.cfg
+            cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(
+                cfg.model, aliases=[]))
+            d.daemon.config_path.write_text(as_toml(cfg))
+            d.daemon.reload()  # the alias is dropped
+            assert d.daemon.models.default.ids == ["tiny"]
+            # A file named like another model's id would shadow it: refused.
+            clash = other_model.parent / "coder.gguf"
+            shutil.copy(other_model, clash)
+            r = await a.post("/models/swap", json={"path": str(clash)})
+            assert r.status_code == 409 and "taken by the model 'coder'" in r.text
+            r = await a.post("/models/swap", json={"path": str(other_model)})
+            assert r.status_code == 200, r.text
+            assert r.json()["ids"] == ["other", "tiny"]  # not "gpt" again
+
+
+async def test_a_retired_vocabulary_is_freed_when_its_last_holder_leaves(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, server={"drain_timeout": 0.5}) as d, \
+                admin(d) as a:
+            old = d.daemon.models.default
+            with old.use():  # a request still tokenizing past the drain deadline
+                r = await a.post("/models/swap", json={"path": str(other_model)})
+                assert r.status_code == 200, r.text
+                await until(lambda: old.retired, 30)
+                assert old.file.fd >= 0  # held: not freed under it
+            assert old.file.fd == -1

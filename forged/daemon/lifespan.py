@@ -27,7 +27,7 @@ from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
 from forged.daemon.models import Swapper, SwapRefused, open_group, run_group
 from forged.daemon.notify import Notifier, watchdog_interval
-from forged.engine.groups import ModelGroup, Models, file_stamp
+from forged.engine.groups import ModelGroup, Models, Stamp, file_stamp
 from forged.engine.pool import EnginePool
 from forged.http.admin import create_admin_app
 from forged.http.api import configure, create_app
@@ -114,9 +114,10 @@ class Daemon:
         # Made by run(), once the models' vocabularies (and training contexts) are read.
         self.models: Models
         self.swapper: Swapper
-        # The model file the config named when it was last applied: a reload swaps only
-        # when that changes (so a `forged model swap` is not undone by the next reload).
-        self._applied_model = (cfg.model.path, file_stamp(cfg.model.path))
+        # Each place's model file (path and stamp) as the config last named it: a
+        # reload swaps a place only when that changes (so a `forged model swap` is not
+        # undone by the next reload).
+        self._applied: list[tuple[str, Stamp]] = []
         self._shutdown = trio.Event()
         self.state: AppState | None = None
         # Kept for reloads, which change some of their settings live.
@@ -144,6 +145,7 @@ class Daemon:
                         self.config_path, self.cfg, p, m, p + 1,
                         test_hooks=self.test_hooks)))
             self.models = Models(groups)
+            self._applied = [(g.model.path, g.file.stamp) for g in groups]
             await trio.to_thread.run_sync(prune_kv_caches, self.cfg.server.state_dir,
                                           self.models.cache_dirs(self.cfg.server.state_dir))
             await self._serve_models(task_status)
@@ -151,7 +153,7 @@ class Daemon:
             # Closing twice is harmless: a swap closes the vocabularies it retires.
             live = self.models.all() if hasattr(self, "models") else []
             for group in [*groups, *live]:
-                group.prompter.close()
+                group.close()
 
     async def _serve_models(self, task_status: trio.TaskStatus[list[str]]) -> None:
         metrics = Metrics(lambda: [(g.listed_id, g.pool.totals(), g.pool.restarts())
@@ -274,15 +276,15 @@ class Daemon:
             log.error("reload refused, keeping the running config and keys: %s", exc)
             self.notifier.ready(_status_line(self.state))
             return
-        swap = self._model_changed(new.model)
+        swaps = self._models_changed(new)
         self._rename_models(new)
         self.cfg = new
         self.state.cfg = new
         self.state.keys = keys
         for group in self.models.all():
             group.pool.set_limits(new)
-        if swap:
-            self.swapper.engine.start_soon(self._swap_on_reload, new)
+        if swaps:
+            self.swapper.engine.start_soon(self._swap_on_reload, new, swaps)
         if self._api_app is not None:
             configure(self._api_app, new)
         for hc in self._hyper_configs:
@@ -293,10 +295,12 @@ class Daemon:
                  ", ".join(live) or "nothing", len(keys.by_hash))
         self.notifier.ready(_status_line(self.state))
 
-    def _model_changed(self, model: fc.ModelConfig) -> bool:
-        """A reload swaps the model when the config names another file, or a new file
-        was put at the same path (a model package's upgrade)."""
-        return (model.path, file_stamp(model.path)) != self._applied_model
+    def _models_changed(self, new: fc.Config) -> list[int]:
+        """The places whose model a reload swaps: the config names another file, or a
+        new file was put at the same path (a model package's upgrade). ``new`` keeps
+        the running [[models]] list (a restart key)."""
+        return [place for place, model in enumerate(new.served)
+                if (model.path, file_stamp(model.path)) != self._applied[place]]
 
     def _rename_models(self, new: fc.Config) -> None:
         """Aliases are live: the default group answers to the new ones (and keeps the
@@ -306,13 +310,17 @@ class Daemon:
         kept = [i for i in group.ids if i not in dropped]
         group.ids = [*kept, *(a for a in new.model.aliases if a not in kept)]
 
-    async def _swap_on_reload(self, cfg: fc.Config) -> None:
-        try:
-            new = await self.swapper.swap(cfg, 0, cfg.model)
-        except SwapRefused as exc:
-            log.error("reload: model swap refused, the old model keeps serving: %s", exc)
-            return
-        self._applied_model = (new.model.path, new.file)
+    async def _swap_on_reload(self, cfg: fc.Config, places: list[int]) -> None:
+        """One swap after another; each waits for one under way (an admin's, say)."""
+        for place in places:
+            model = cfg.served[place]
+            try:
+                new = await self.swapper.swap(cfg, place, model, wait=True)
+            except SwapRefused as exc:
+                log.error("reload: the swap of %s was refused, the old model serves on: "
+                          "%s", model.path, exc)
+                continue
+            self._applied[place] = (new.model.path, new.file.stamp)
 
     async def _status_loop(self, state: AppState) -> None:
         last_tokens, last_t = 0.0, time.monotonic()

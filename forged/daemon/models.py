@@ -29,6 +29,7 @@ from forged.daemon.startup import model_key, open_prompter
 from forged.engine import frames as fr
 from forged.engine.groups import (
     MIB,
+    ModelFile,
     ModelGroup,
     Models,
     kv_cache_dir,
@@ -55,13 +56,18 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
     file is a ConfigError here. Blocking: run it in a thread."""
     prompter = open_prompter(config_path, model, model_key(place))
     try:
-        pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
-                          cache_dir=kv_cache_dir(cfg.server.state_dir, model.path))
-        return ModelGroup(number, model, prompter, pool,
-                          memory=memory_bytes(prompter, model.path, cfg.engine))
-    except BaseException:
+        # After the vocabulary, so that open_prompter says what is wrong with a bad
+        # file. A file replaced in the moment between the two would go unnoticed.
+        file = ModelFile(model.path)
+    except OSError as exc:
         prompter.close()
-        raise
+        raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
+                             f"cannot open: {exc.strerror}") from exc
+    pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
+                      cache_dir=kv_cache_dir(cfg.server.state_dir, file),
+                      model_fd=file.fd)
+    return ModelGroup(number, model, prompter, pool, file,
+                      memory=memory_bytes(prompter, model.path, cfg.engine))
 
 
 async def run_group(group: ModelGroup, *,
@@ -87,8 +93,23 @@ async def warm_up(group: ModelGroup) -> None:
                     raise Unavailable(f"its first request failed: {ev.message}", 1)
 
 
+def _start_fault(exc: BaseException) -> Exception | None:
+    """What made a new group fail to start, if that is all ``exc`` holds: a worker that
+    did not start (RuntimeError, wrapped in the pool's and the supervisor's nurseries'
+    groups), a failed first request, or the deadline; None for anything else (such as
+    ``Cancelled``), which must propagate."""
+    kinds = (RuntimeError, ForgedError, trio.TooSlowError)
+    while isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(kinds)
+        if match is None or rest is not None:
+            return None
+        exc = match.exceptions[0]
+    return exc if isinstance(exc, kinds) else None
+
+
 class Swapper:
-    """Swaps the model of a config place; one swap at a time."""
+    """Swaps the model of a config place; one swap at a time: a swap asked for while
+    another runs is refused (``wait``: it waits its turn, as a reload's does)."""
 
     def __init__(self, models: Models, engine: trio.Nursery, config_path: Path, *,
                  test_hooks: bool) -> None:
@@ -96,18 +117,20 @@ class Swapper:
         self.engine = engine
         self.config_path = config_path
         self.test_hooks = test_hooks
-        self.busy = False
+        self._lock = trio.Lock()
 
-    async def swap(self, cfg: fc.Config, place: int, model: fc.ModelConfig) -> ModelGroup:
+    async def swap(self, cfg: fc.Config, place: int, model: fc.ModelConfig, *,
+                   wait: bool = False) -> ModelGroup:
         """Serve ``model`` in ``place`` instead of its current group; the new group
         once it serves (the old one drains in the background). SwapRefused if not."""
-        if self.busy:
+        if self._lock.locked() and not wait:
             raise SwapRefused("a model swap is already under way")
-        self.busy = True
-        try:
+        async with self._lock:
+            self._check_ids(place, model)
             new = await self._start(cfg, place, model)
-        finally:
-            self.busy = False
+            if self.models.default.pool.draining:  # a stop began while it loaded
+                await self._stop(new)
+                raise SwapRefused("the server is shutting down")
         new.pool.renice(0)
         old = self.models.replace(place, new)
         log.info("model swap: %s (%s) serves; %s drains", new.model_id, new.model.path,
@@ -116,12 +139,21 @@ class Swapper:
                                cfg.limits.retry_after)
         return new
 
+    def _check_ids(self, place: int, model: fc.ModelConfig) -> None:
+        """The new model may not take an id another model answers to."""
+        for other, group in enumerate(self.models.serving):
+            taken = set(model.ids) & set(group.ids)
+            if other != place and taken:
+                raise SwapRefused(f"the model id {sorted(taken)[0]!r} is taken by the "
+                                  f"model {group.model_id!r}; set its name")
+
     async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig
                      ) -> ModelGroup:
+        number = self.models.next_number()
         try:
             new = await trio.to_thread.run_sync(
-                lambda: open_group(self.config_path, cfg, place, model,
-                                   self.models.next_number(), test_hooks=self.test_hooks))
+                lambda: open_group(self.config_path, cfg, place, model, number,
+                                   test_hooks=self.test_hooks))
         except fc.ConfigError as exc:
             raise SwapRefused(f"the new model cannot be loaded: {exc}") from exc
         self._check_memory(cfg, new)
@@ -133,15 +165,20 @@ class Swapper:
             with trio.fail_after(cfg.engine.startup_timeout):
                 await self.engine.start(run_group, new)
                 await warm_up(new)
-        except (RuntimeError, ForgedError, trio.TooSlowError) as exc:
+        except BaseException as exc:
+            # Whatever ends the load (a fault, or the admin's client leaving): the new
+            # group goes, and the old one serves on.
             await self._stop(new)
-            raise SwapRefused(f"the new model failed to start: {exc}") from exc
+            fault = _start_fault(exc)
+            if fault is None:
+                raise
+            raise SwapRefused(f"the new model failed to start: {fault}") from exc
         return new
 
     def _check_memory(self, cfg: fc.Config, new: ModelGroup) -> None:
         room = pick_memory(cfg.engine.memory_mib, self.models.memory_in_use())
         if new.memory > room:
-            new.prompter.close()
+            new.close()
             source = ("engine.memory_mib less the models running" if cfg.engine.memory_mib
                       else "available memory (MemAvailable)")
             raise SwapRefused(
@@ -163,17 +200,13 @@ class Swapper:
         log.info("model swap: %s stopped", old.listed_id)
 
     async def _stop(self, group: ModelGroup) -> None:
+        """Stop the group's workers and forget it; its vocabulary and file are freed
+        once no request holds it (ModelGroup.retire)."""
         group.scope.cancel()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(60):  # STOP_GRACE per worker, in parallel
-                await group.stopped.wait()
-            # Requests that held it have ended (failed above), but one may still be in
-            # a tokenizer thread: its vocabulary is freed only once nobody holds it.
-            with trio.move_on_after(10):
-                await group.wait_idle()
+        with trio.CancelScope(shield=True), trio.move_on_after(60):
+            await group.stopped.wait()  # STOP_GRACE per worker, in parallel
+        if not group.stopped.is_set():
+            log.error("model swap: the workers of %s did not stop within 60 s",
+                      group.listed_id)
         self.models.remove(group)
-        if group.users == 0:
-            group.prompter.close()
-        else:
-            log.warning("model swap: %s is still held; its vocabulary is left to the "
-                        "garbage collector", group.listed_id)
+        group.retire()

@@ -59,18 +59,21 @@ def available_bytes() -> int:
 
 
 class ModelGroup:
+    """``fd``: the model file, held open for the group's life (ModelFile)."""
+
     def __init__(self, number: int, model: ModelConfig, prompter: Prompter,
-                 pool: EnginePool, *, memory: int = 0) -> None:
+                 pool: EnginePool, file: ModelFile, *, memory: int = 0) -> None:
         self.number = number  # tells a swap's two groups of one model apart
         self.model = model
         self.prompter = prompter
         self.pool = pool
+        self.file = file
         self.memory = memory  # bytes, by memory_bytes
         self.ids = model.ids  # a swap's new group inherits the old one's too
         self.status: GroupStatus = "loading"
-        self.file = file_stamp(model.path)
         self.users = 0
         self._idle = trio.Event()
+        self.retired = False
         self.scope = trio.CancelScope()  # its pool's task: cancelled to stop it
         self.stopped = trio.Event()
 
@@ -98,15 +101,32 @@ class ModelGroup:
             self.users -= 1
             if self.users == 0:
                 self._idle.set()
+                self._idle = trio.Event()
+                if self.retired:
+                    self.close()
 
     async def wait_idle(self) -> None:
         """Until no request holds this group."""
         while self.users:
-            self._idle = trio.Event()
             await self._idle.wait()
 
+    def retire(self) -> None:
+        """Its workers are gone: free its vocabulary and file once no request holds it
+        (one may still be tokenizing in a thread)."""
+        self.retired = True
+        if self.users == 0:
+            self.close()
 
-def file_stamp(path: str) -> tuple[int, int, int, int]:
+    def close(self) -> None:
+        """Idempotent, as the prompter's and the file's own are."""
+        self.prompter.close()
+        self.file.close()
+
+
+Stamp = tuple[int, int, int, int]
+
+
+def file_stamp(path: str) -> Stamp:
     """What tells a new model file at the same path from the old one (a package
     upgrade writes a new file and renames it over the old)."""
     try:
@@ -114,6 +134,29 @@ def file_stamp(path: str) -> tuple[int, int, int, int]:
     except OSError:
         return (0, 0, 0, 0)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class ModelFile:
+    """A group's model file, held open: its workers load it through the descriptor
+    (``/proc/self/fd/N``, which follows the inode), so a worker restarted after a
+    package put a new file at the path (a swap refused for memory, say) still loads
+    the model the group's vocabulary belongs to."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.stamp: Stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @property
+    def worker_path(self) -> str:
+        """The path a worker given ``fd`` (pass_fds keeps its number) opens."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Models:
@@ -186,17 +229,17 @@ class Models:
         return sum(g.memory for g in self.all())
 
     def cache_dirs(self, state_dir: str) -> set[Path]:
-        return {kv_cache_dir(state_dir, g.model.path) for g in self.all()}
+        return {g.pool.cache_dir for g in self.all()}
 
 
-def kv_cache_dir(state_dir: str, model_path: str) -> Path:
-    """Where a model's workers keep saved KV states: one folder per model file path,
-    so that two models served at once (or a swap's two) never share one. A file
-    replaced at the same path shares its folder; its states then fail the identity
-    check and are dropped (forged.engine.kvdisk)."""
-    name = Path(model_path).name.removesuffix(".gguf")
-    digest = hashlib.sha256(str(Path(model_path).absolute()).encode()).hexdigest()[:8]
-    return Path(state_dir) / "kvcache" / f"{name}-{digest}"
+def kv_cache_dir(state_dir: str, file: ModelFile) -> Path:
+    """Where a model's workers keep saved KV states: one folder per model file (its
+    path and its inode), so that two models served at once, or a swap's two (even of
+    one path, as a package upgrade leaves it), never share one; a restart of the same
+    file finds its folder again."""
+    name = Path(file.path).name.removesuffix(".gguf")
+    key = f"{Path(file.path).absolute()}\0{file.stamp[:2]}"
+    return Path(state_dir) / "kvcache" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def pick_memory(limit_mib: int, in_use: int) -> float:

@@ -126,13 +126,16 @@ class RequestStream:
 
 class EnginePool:
     """The workers of one model (its :class:`~forged.engine.groups.ModelGroup`).
-    ``cache_dir``: the folder of its workers' saved KV states (a folder per worker)."""
+    ``cache_dir``: the folder of its workers' saved KV states (a folder per worker);
+    ``model_fd``: the model file, open, that workers inherit and load (-1: they open
+    ``model.path``)."""
 
     def __init__(self, cfg: Config, model: ModelConfig, n_ctx_train: int, *,
-                 cache_dir: Path, test_hooks: bool = False) -> None:
+                 cache_dir: Path, model_fd: int = -1, test_hooks: bool = False) -> None:
         self.cfg = cfg
         self.model = model
         self.cache_dir = cache_dir
+        self.model_fd = model_fd
         self.nice = 0  # what new processes load at (a swap's new model: nicer)
         self.n_ctx_train = n_ctx_train
         self.limits = scheduler_limits(cfg, n_ctx_train)
@@ -157,6 +160,7 @@ class EnginePool:
     def _supervisor(self, index: int) -> WorkerSupervisor:
         return WorkerSupervisor(
             index, self.cfg.engine, self._outbox_limit(),
+            pass_fds=(self.model_fd,) if self.model_fd >= 0 else (),
             make_init=functools.partial(self._init, index),
             on_step=lambda step: self._deliver(index, step),
             on_lost=lambda why: self._lose(index, why),
@@ -169,7 +173,8 @@ class EnginePool:
         e = self.cfg.engine
         # Each worker its own folder: a session's state is restored where it was saved.
         cache_dir = str(self.cache_dir / f"worker-{index}") if e.cache_disk_mib else ""
-        return fr.Init(model_path=self.model.path, threads=e.threads,
+        path = f"/proc/self/fd/{self.model_fd}" if self.model_fd >= 0 else self.model.path
+        return fr.Init(model_path=path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
                        nice=self.nice)

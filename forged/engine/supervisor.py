@@ -72,6 +72,7 @@ class WorkerSupervisor:
 
     def __init__(self, index: int, engine: EngineConfig, outbox_limit: int, *,
                  make_init: Callable[[], fr.Init], on_step: Callable[[fr.Step], None],
+                 pass_fds: tuple[int, ...] = (),
                  on_lost: Callable[[str], None],
                  on_ready: Callable[[], None] = lambda: None) -> None:
         self.index = index
@@ -79,6 +80,7 @@ class WorkerSupervisor:
         self.outbox_limit = outbox_limit
         self._make_init, self._on_step, self._on_lost = make_init, on_step, on_lost
         self._on_ready = on_ready
+        self._pass_fds = pass_fds  # the model file, open, for Init.model_path
         self.pid: int | None = None
         self.ready = False
         self.restarts = 0
@@ -138,7 +140,7 @@ class WorkerSupervisor:
             try:
                 proc = await trio.lowlevel.open_process(
                     [sys.executable, "-m", "forged.engine.worker", str(child.fileno())],
-                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                    pass_fds=(child.fileno(), *self._pass_fds), stdin=subprocess.DEVNULL,
                 )
             finally:
                 child.close()

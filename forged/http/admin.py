@@ -25,9 +25,7 @@ _json = msgspec.json.Encoder()
 
 def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
     app = QuartTrio("forged-admin")
-    # A swap answers once the new model serves: loading may take startup_timeout.
-    app.config.update(RESPONSE_TIMEOUT=state.cfg.engine.startup_timeout + 60,
-                      MAX_CONTENT_LENGTH=64 * 1024)
+    app.config.update(RESPONSE_TIMEOUT=30, MAX_CONTENT_LENGTH=64 * 1024)
 
     @app.get("/stats")
     async def stats() -> Response:
@@ -80,7 +78,9 @@ async def _swap(state: AppState) -> Response:
         return _answer({"error": "the server is shutting down"}, 409)
     if not req.path.startswith("/"):
         return _answer({"error": f"path must be absolute: {req.path!r}"}, 400)
-    model = msgspec.structs.replace(state.models.serving[place].model, path=req.path)
+    # The place's current config (its name, its aliases as the last reload left them),
+    # with the new file.
+    model = msgspec.structs.replace(state.cfg.served[place], path=req.path)
     try:
         group = await state.swapper.swap(state.cfg, place, model)
     except SwapRefused as exc:
@@ -101,7 +101,8 @@ def _engine(state: AppState) -> dict[str, object]:
     workers = [{**w, "model": g.listed_id} for g, s in each
                for w in s["workers"]]  # type: ignore[attr-defined]
     first = each[0][1]
-    return {**first, "workers": workers, "totals": state.totals(),
+    return {**first, "uptime": time.time() - state.started, "workers": workers,
+            "totals": state.totals(),
             "in_flight": sum(g.pool.in_flight() for g in groups),
             "parked": sum(s["parked"] for _, s in each)}  # type: ignore[misc]
 

@@ -153,8 +153,9 @@ class AppState:
 
     def agent_reply(self) -> str:
         """The line HAProxy's agent check gets now (forged.agent.weight): over the
-        workers of every model, serving or not (a swap's two groups share the node)."""
-        pools = [g.pool for g in self.models.all()]
+        workers of every model serving or draining (a swap's two share the node)."""
+        # Not a swap's group still loading: its workers are no capacity yet.
+        pools = [g.pool for g in self.models.all() if g.status != "loading"]
         lim = self.models.default.pool.limits
         load = node_load([w.stats for p in pools for w in p.workers if w.ready],
                          workers=sum(len(p.workers) for p in pools),
