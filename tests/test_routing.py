@@ -29,7 +29,7 @@ from forged.engine.routing import (
     matched_tokens,
 )
 from forged.engine.supervisor import WorkerSupervisor
-from forged.errors import WorkerLost
+from forged.errors import Unavailable, WorkerLost
 
 SYSTEM = list(range(1000, 1000 + 2 * BLOCK))  # a shared prefix of two whole blocks
 
@@ -233,3 +233,13 @@ async def test_a_heartbeat_turning_late_during_the_door_check_changes_nothing() 
     pool._routable = lambda: looks.pop(0)  # type: ignore[method-assign]
     async with pool.open_request(request(1, 2)) as rs:
         assert rs.worker == 0
+
+
+def test_a_pool_ended_by_a_swap_tells_latecomers_why() -> None:
+    """A request that held a swap's old model past its drain deadline, and only then
+    asks its pool for a place, hears that the model was replaced, not that the server
+    is shutting down."""
+    pool = pool_of(1)
+    pool.fail_all(Unavailable("the model was replaced", 1))
+    with pytest.raises(Unavailable, match="the model was replaced"):
+        pool.check_capacity()

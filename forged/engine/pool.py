@@ -48,7 +48,7 @@ from forged.errors import BadRequest, ForgedError, Overloaded, Unavailable, Work
 # Statistics that describe one worker (a step's time, its cost model, its wait) and
 # would mean nothing summed over workers.
 _PER_WORKER = ("step_ms", "step_plan_ms", "step_prompt_room_ms", "wait_estimate_s",
-               "target_step_ms")
+               "target_step_ms", "nice")
 
 # A prompt that was running in two worker crashes is refused from then on.
 CRASHES_TO_REFUSE = 2
@@ -137,6 +137,7 @@ class EnginePool:
         self.cache_dir = cache_dir
         self.model_fd = model_fd
         self.nice = 0  # what new processes load at (a swap's new model: nicer)
+        self.ended = ""  # why fail_all ended it (a swap's old model): said to latecomers
         self.n_ctx_train = n_ctx_train
         self.limits = scheduler_limits(cfg, n_ctx_train)
         self.test_hooks = test_hooks
@@ -284,7 +285,7 @@ class EnginePool:
         the workers it may go to (computed once: a heartbeat may turn late meanwhile)."""
         lim = self.cfg.limits
         if self.draining:
-            raise Unavailable("the server is shutting down", lim.retry_after)
+            raise Unavailable(self.ended or "the server is shutting down", lim.retry_after)
         routable = self._routable()
         if not routable:
             raise Unavailable("no model worker is ready; retry shortly", lim.retry_after)
@@ -345,6 +346,7 @@ class EnginePool:
         """End every open request with ``error``: the pool is being stopped (a swap's
         old model past its drain deadline)."""
         self.draining = True
+        self.ended = str(error)
         for pending in self.pending:
             for rs in pending.values():
                 rs.fail(error)

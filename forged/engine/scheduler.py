@@ -31,7 +31,7 @@ Admission knows capacity: ``submit`` estimates how long a request would wait for
 first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
 the wait for a slot at the rate slots have been freed) and refuses it at once,
 with that estimate, when the estimate is beyond its queue timeout. A queued prompt's
-work is only what the caches will not serve (``_Queued.to_compute``): the prefix that
+work is only what the caches will not serve (``Queued.to_compute``): the prefix that
 admission would take from a slot or a saved state, or that a request running or queued
 before it computes (below), is matched once, when it is queued, and the same figure
 places it in the shortest-first order.
@@ -82,212 +82,38 @@ recompute, never a wrong answer, because the prompt always carries the full hist
 from __future__ import annotations
 
 import copy
-import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import msgspec
 
 from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, chunk_shape, decode_shape
 from forged.engine.kvledger import KVLedger
-from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, TierOp, Tiers, common_prefix
+from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tiers, common_prefix
 from forged.engine.limits import SchedulerLimits
+from forged.engine.plan import (
+    Admitted,
+    Chunk,
+    Expired,
+    Key,
+    MemOp,
+    Preempted,
+    QueueFull,
+    SchedEvent,
+    SeqCp,
+    SeqLoad,
+    SeqRm,
+    SeqSave,
+    StepPlan,
+)
 from forged.engine.request import Request
+from forged.engine.seqstate import Phase, Queued, Reuse, Running, Slot
 
-
-class Phase(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FORK = "fork"  # a choice waiting for its leader to compute the shared prompt
-
-
-# A running sequence: its request's routing id and its choice's index (OpenAI's ``n``).
-Key = tuple[int, int]
-
-
-@dataclass
-class _Running:
-    rid: int
-    # After a preemption: what it produced so far is its prompt, and less is left.
-    req: Request
-    slot: int
-    admitted_at: float
-    submitted_at: float  # when its caller's request first queued: the age that counts
-    vstart: float  # its place in the aging order (see _Queued)
-    next_prompt: int  # index of the first prompt token not yet in the KV cache
-    cached: int  # prompt tokens reused from the prefix cache
-    phase: Phase = Phase.PREFILL
-    last_token: int = -1  # sampled but not yet fed back
-    generated: int = 0
-    index: int = 0  # its choice
-    # A leader's choices waiting for its prompt (in Phase.FORK), until it forks them.
-    forks: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> Key:
-        return self.rid, self.index
-
-    def reserved_length(self, decode_reservation: int) -> int:
-        decode = min(self.req.max_tokens, decode_reservation)
-        # A choice waiting for its prompt gets the prompt's cells by a copy: in the
-        # unified cache those are the leader's, shared, so only its decode cells count.
-        return decode if self.phase is Phase.FORK else len(self.req.prompt) + decode
-
-
-@dataclass
-class _Slot:
-    sid: int
-    tokens: list[int] = field(default_factory=list)
-    rid: int | None = None
-    last_used: float = 0.0
-    session: str | None = None  # the session whose latest turn this KV holds
-    tenant: str = ""  # whose prompt this KV holds
-
-
-@dataclass
-class _Queued:
-    rid: int
-    req: Request
-    submitted_at: float  # when its caller's request first queued
-    # Its place in the shortest-first-with-aging order, fixed at submission so that a
-    # preempted request, queued again with a longer prompt, keeps it.
-    vstart: float
-    deadline: float
-    index: int = 0  # the first of its req.n choices (a preempted choice keeps its own)
-    # Prompt tokens it is expected not to compute (``Scheduler._expected_cached``), and
-    # of those what the slots and saved states held for it (``_reuse``): matched once,
-    # when it is queued, and not refreshed (see there why).
-    cached: int = 0
-    reused: int = 0
-    held: bool = False  # it has waited for a prefix being computed (_holder)
-
-    @property
-    def to_compute(self) -> int:
-        """The prompt work it brings: what the caches will not serve."""
-        return len(self.req.prompt) - self.cached
-
-
-@dataclass(frozen=True)
-class _Reuse:
-    """Where a prompt would start if admitted now: ``cached`` tokens restored from the
-    saved ``entry``, or else shared with slot ``src`` (none when ``src`` is None)."""
-
-    src: int | None
-    entry: Entry | None
-    cached: int
-
-
-# --- what the scheduler tells the worker ------------------------------------------
-
-
-@dataclass(frozen=True)
-class SeqRm:
-    """``llama_memory_seq_rm(seq, p0, -1)``."""
-
-    seq: int
-    p0: int
-
-
-@dataclass(frozen=True)
-class SeqCp:
-    """``llama_memory_seq_cp(src, dst, 0, n)``; with ``whole``, a per-slot copy: the
-    entire stream of ``src`` (llama.cpp copies streams only whole), then
-    ``seq_rm(dst, n, -1)``."""
-
-    src: int
-    dst: int
-    n: int
-    whole: bool = False
-
-
-@dataclass(frozen=True)
-class SeqSave:
-    """Copy ``seq``'s state (``llama_state_seq_get_data``) to RAM as entry ``eid``."""
-
-    seq: int
-    eid: int
-
-
-@dataclass(frozen=True)
-class SeqLoad:
-    """Write ``entry``'s saved state into the empty ``seq`` (``llama_state_seq_set_data``);
-    with ``keep``, the entry stays in its tier too (the slot uses only part of it)."""
-
-    seq: int
-    entry: Entry
-    keep: bool = False
-
-
-MemOp = SeqRm | SeqCp | SeqSave | SeqLoad | TierOp
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Consecutive tokens of one sequence in the batch; logits for the last if ``sample``."""
-
-    rid: int
-    seq: int
-    pos: int
-    tokens: list[int]
-    sample: bool
-    index: int = 0  # the choice whose sequence this is
-    # The end of a prompt shared by several choices: the others, which sample their
-    # first token from the same logits, each with its own sampler.
-    forks: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> Key:
-        return self.rid, self.index
-
-    @property
-    def choices(self) -> tuple[int, ...]:
-        """The choices that sample from this chunk's last logits."""
-        return (self.index, *self.forks) if self.sample else ()
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    ops: list[MemOp]
-    chunks: list[Chunk]
-    shape: StepShape = field(default_factory=StepShape)  # what the cost model learns from
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class Admitted:
-    rid: int
-    cached: int
-    queue_time: float
-
-
-@dataclass(frozen=True)
-class Expired:
-    rid: int
-
-
-@dataclass(frozen=True)
-class Preempted:
-    """``rid`` lost its cells to memory pressure; it is re-queued to be recomputed."""
-
-    rid: int
-
-
-SchedEvent = Admitted | Expired | Preempted
-
-
-class QueueFull(Exception):
-    """A queue bound would be passed, or the request would wait past its deadline;
-    ``retry_after`` is when the work ahead should have drained enough (seconds)."""
-
-    def __init__(self, message: str = "the request queue is full",
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+# The plan's values are the scheduler's vocabulary: callers import them from here too.
+__all__ = ["Admitted", "Chunk", "Expired", "Key", "MemOp", "Preempted", "QueueFull",
+           "SchedEvent", "Scheduler", "SeqCp", "SeqLoad", "SeqRm", "SeqSave", "StepPlan",
+           "common_prefix"]
 
 
 # When the decoders alone fill the time target (a slow spell, a big model, many
@@ -310,10 +136,10 @@ class Scheduler:
         self.cost = cost or CostModel()
         self.ledger = KVLedger()
         self.tiers = Tiers(limits.cache_ram_bytes, limits.cache_disk_bytes)
-        self._slots = [_Slot(sid) for sid in range(limits.slots)]
-        self._queues: tuple[list[_Queued], ...] = tuple([] for _ in PRIORITIES)
+        self._slots = [Slot(sid) for sid in range(limits.slots)]
+        self._queues: tuple[list[Queued], ...] = tuple([] for _ in PRIORITIES)
         self._queued_tokens = 0
-        self._running: dict[Key, _Running] = {}
+        self._running: dict[Key, Running] = {}
         self._ops: list[MemOp] = []
         self._events: list[SchedEvent] = []
         # The pace of slot turnover, measured only while requests wait for one: when
@@ -358,7 +184,7 @@ class Scheduler:
             raise QueueFull(f"the server is at capacity: this request would wait about "
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
-        self._queues[req.rank].append(_Queued(rid, req, now, vstart, now + req.queue_timeout,
+        self._queues[req.rank].append(Queued(rid, req, now, vstart, now + req.queue_timeout,
                                               cached=cached, reused=reused))
         self._queued_tokens += len(req.prompt)
 
@@ -489,7 +315,7 @@ class Scheduler:
         return max(self.limits.target_step_ms - decode,
                    decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
 
-    def _prefill_sequence(self, room: float, max_chunks: int) -> list[_Running]:
+    def _prefill_sequence(self, room: float, max_chunks: int) -> list[Running]:
         """The prompts in the order they get this step's room.
 
         The aging order (``_prefill_order``), except that prompts of the leading class
@@ -501,7 +327,7 @@ class Scheduler:
         order = sorted(self._prefilling(), key=self._prefill_order)
         if not order:
             return order
-        quick: list[_Running] = []
+        quick: list[Running] = []
         half = room / 2
         for run in order:
             if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
@@ -535,15 +361,15 @@ class Scheduler:
         self._evict(min(idle, key=self._eviction_order))
         return True
 
-    def _pinned(self, slot: _Slot) -> bool:
+    def _pinned(self, slot: Slot) -> bool:
         return slot.session is not None and (
             self._now - slot.last_used < self.limits.session_ttl)
 
-    def _eviction_order(self, slot: _Slot) -> tuple[bool, float]:
+    def _eviction_order(self, slot: Slot) -> tuple[bool, float]:
         """Idle caches go before pinned sessions, each least recently used first."""
         return self._pinned(slot), slot.last_used
 
-    def _swap_for(self, item: _Queued) -> bool:
+    def _swap_for(self, item: Queued) -> bool:
         """Interactive work waits for a slot that batch work holds: swap the batch
         request with the most work left out to the RAM tier. It is queued again and
         resumes from its saved state (its client sees a pause), instead of the
@@ -576,7 +402,7 @@ class Scheduler:
         self._preempt(max(candidates, key=lambda r: (r.req.rank, r.admitted_at, r.index)))
         return True
 
-    def _preempt(self, run: _Running) -> None:
+    def _preempt(self, run: Running) -> None:
         """Queue ``run`` again with what it has so far; its slot's state is saved to the
         RAM tier on the way out, when there is one, so it resumes without recomputing."""
         done = self._slots[run.slot].tokens[: self.ledger.length(run.slot)]
@@ -589,13 +415,13 @@ class Scheduler:
             self._unslot(self._running.pop((run.rid, index)))
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
         reused = self._reuse(again).cached
-        self._queues[run.req.rank].append(_Queued(
+        self._queues[run.req.rank].append(Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
             run.index, cached=self._expected_cached(again, reused)[0], reused=reused))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
-    def _unslot(self, run: _Running) -> None:
+    def _unslot(self, run: Running) -> None:
         slot = self._slots[run.slot]
         slot.rid = None
         self._evict(slot)
@@ -618,7 +444,7 @@ class Scheduler:
                 run.forks = ()
             self._slots[run.slot].last_used = now
 
-    def _fork(self, leader: _Running, run: _Running, token: int) -> None:
+    def _fork(self, leader: Running, run: Running, token: int) -> None:
         """``run`` takes the prompt its leader has just computed (a copy of its KV, made
         before the next decode) and the first token its own sampler drew from the
         leader's logits."""
@@ -669,7 +495,7 @@ class Scheduler:
         share = prompt_tokens / max(1, lim.max_context)
         return submitted_at + lim.overtake_window * min(1.0, share)
 
-    def _try_admit(self, item: _Queued, now: float) -> bool:
+    def _try_admit(self, item: Queued, now: float) -> bool:
         req = item.req
         reuse = self._reuse(req)
         if reuse.entry is not None:
@@ -697,7 +523,7 @@ class Scheduler:
         self._start(item, [dst, *forks], n, now)
         return True
 
-    def _admit_restored(self, item: _Queued, entry: Entry, m: int, now: float) -> bool:
+    def _admit_restored(self, item: Queued, entry: Entry, m: int, now: float) -> bool:
         """Admit ``item`` into a free slot that gets ``entry``'s saved state, truncated
         to the ``m`` tokens its prompt shares: a restore instead of a recompute."""
         req = item.req
@@ -763,14 +589,14 @@ class Scheduler:
             if req.session is not None and own_session:
                 self.session_resumes += 1
 
-    def _start(self, item: _Queued, slots: list[int], cached: int, now: float) -> None:
+    def _start(self, item: Queued, slots: list[int], cached: int, now: float) -> None:
         """Run ``item``'s choices in ``slots``: the first computes the prompt, the others
         wait for it."""
         forks = tuple(item.index + j for j in range(1, len(slots)))
         for j, sid in enumerate(slots):
             slot = self._slots[sid]
             slot.rid, slot.last_used, slot.tenant = item.rid, now, item.req.tenant
-            run = _Running(item.rid, item.req, sid, now, item.submitted_at, item.vstart,
+            run = Running(item.rid, item.req, sid, now, item.submitted_at, item.vstart,
                            next_prompt=cached, cached=cached, index=item.index + j)
             if j:
                 run.phase = Phase.FORK
@@ -830,7 +656,7 @@ class Scheduler:
         # The last prompt token must run to give logits.
         return min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
 
-    def _reuse(self, req: Request) -> _Reuse:
+    def _reuse(self, req: Request) -> Reuse:
         """What admission would reuse for ``req`` now: the longest prefix a slot holds,
         or a saved state's when that is longer by at least ``min_copy_tokens`` (a
         restore costs a copy). The one match that both admission and the wait
@@ -838,8 +664,8 @@ class Scheduler:
         src, n = self._best_prefix(req)
         entry, m = self._best_saved(req)
         if entry is not None and m >= n + self.limits.min_copy_tokens:
-            return _Reuse(None, entry, m)
-        return _Reuse(src, None, n)
+            return Reuse(None, entry, m)
+        return Reuse(src, None, n)
 
     def _expected_cached(self, req: Request, reused: int) -> tuple[int, float]:
         """Prompt tokens ``req`` should not compute itself, and the place in the aging
@@ -882,7 +708,7 @@ class Scheduler:
             return 0
         return self._shared(req, other.tenant, other.prompt)
 
-    def _hold(self, item: _Queued, now: float) -> bool:
+    def _hold(self, item: Queued, now: float) -> bool:
         """Whether ``item`` waits in the queue, this step, for ``_holder`` to compute
         the prefix it shares. Such a wait is for work done on its behalf, not for
         capacity: its queue timeout starts again (as a preempted request's does), so
@@ -895,7 +721,7 @@ class Scheduler:
         item.deadline = max(item.deadline, now + item.req.queue_timeout)
         return True
 
-    def _holder(self, item: _Queued) -> _Running | None:
+    def _holder(self, item: Queued) -> Running | None:
         """The running request computing a prefix of ``item``'s prompt that ``item``
         should wait for, to copy it once computed, rather than compute it a second
         time in parallel (what vLLM and SGLang do for in-flight prefixes).
@@ -929,7 +755,7 @@ class Scheduler:
             return None
         return best
 
-    def _reusable(self, slot: _Slot, req: Request) -> bool:
+    def _reusable(self, slot: Slot, req: Request) -> bool:
         """May ``req`` take over ``slot`` in place (truncating what it does not share)?
         Not while it runs, nor while it holds another live session's conversation."""
         return slot.rid is None and (not self._pinned(slot) or slot.session == req.session)
@@ -1037,14 +863,14 @@ class Scheduler:
 
     # --- slots and cells ---------------------------------------------------------------
 
-    def _save(self, slot: _Slot) -> None:
+    def _save(self, slot: Slot) -> None:
         """Save ``slot``'s state to the RAM tier, if that is worth it."""
         if self.tiers.worth_saving(slot.tokens, slot.session):
             entry, ops = self.tiers.save(slot.tokens, slot.tenant, slot.session)
             self._ops.extend(ops)
             self._ops.append(SeqSave(slot.sid, entry.eid))
 
-    def _evict(self, slot: _Slot, keep: bool = True) -> None:
+    def _evict(self, slot: Slot, keep: bool = True) -> None:
         """Empty ``slot``; with ``keep``, its state goes to the RAM tier first."""
         if keep:
             self._save(slot)
@@ -1054,7 +880,7 @@ class Scheduler:
         slot.tokens = []
         slot.session = None
 
-    def _truncate(self, slot: _Slot, n: int, keep: bool = True) -> None:
+    def _truncate(self, slot: Slot, n: int, keep: bool = True) -> None:
         """Cut ``slot`` to ``n`` tokens; with ``keep``, a tail worth saving is saved
         (with what precedes it) to the RAM tier first."""
         if keep and len(slot.tokens) - n >= MIN_SAVED_TOKENS:
@@ -1079,14 +905,14 @@ class Scheduler:
                                  index=run.index))
         return out
 
-    def _prefilling(self) -> list[_Running]:
+    def _prefilling(self) -> list[Running]:
         return [r for r in self._running.values() if r.phase is Phase.PREFILL]
 
     @staticmethod
-    def _left(run: _Running) -> int:
+    def _left(run: Running) -> int:
         return len(run.req.prompt) - run.next_prompt
 
-    def _prefill_order(self, run: _Running) -> tuple[int, float]:
+    def _prefill_order(self, run: Running) -> tuple[int, float]:
         """Interactive first; then by virtual start on what is left of the prompt, so the
         same aging that orders the queue keeps a steady trickle of short prompts from
         holding a long prefill back forever."""

@@ -99,6 +99,8 @@ def render(stats: dict[str, Any]) -> str:
     for w in eng["workers"]:
         ready = "ready" if w["ready"] else "starting"
         model = f" ({w['model']})" if len(stats.get("models", [])) > 1 else ""
+        if w["stats"].get("nice"):
+            ready += f" at nice {int(w['stats']['nice'])}"
         lines.append(f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
                      f"{w['pending']} requests, {w['restarts']} restarts, "
                      f"{w.get('digests', 0)} prefix digests")
