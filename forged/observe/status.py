@@ -97,15 +97,18 @@ def render(stats: dict[str, Any]) -> str:
     if "agent" in stats:
         lines.append(f"agent       {stats['agent']}")
     for w in eng["workers"]:
-        ready = "ready" if w["ready"] else "starting"
-        model = f" ({w['model']})" if len(stats.get("models", [])) > 1 else ""
-        if w["stats"].get("nice"):
-            ready += f" at nice {int(w['stats']['nice'])}"
-        lines.append(f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
-                     f"{w['pending']} requests, {w['restarts']} restarts, "
-                     f"{w.get('digests', 0)} prefix digests")
-        lines += _steps(w["stats"])
+        lines += _worker(w, several_models=len(stats.get("models", [])) > 1)
     return "\n".join(lines)
+
+
+def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
+    ready = "ready" if w["ready"] else "starting"
+    if w["stats"].get("nice"):  # a swap's new model not yet (or not allowed) back at 0
+        ready += f" at nice {int(w['stats']['nice'])}"
+    model = f" ({w['model']})" if several_models else ""
+    return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
+            f"{w['pending']} requests, {w['restarts']} restarts, "
+            f"{w.get('digests', 0)} prefix digests", *_steps(w["stats"])]
 
 
 def _models(stats: dict[str, Any]) -> list[str]:
