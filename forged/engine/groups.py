@@ -130,9 +130,12 @@ def file_stamp(path: str) -> Stamp:
     """What tells a new model file at the same path from the old one (a package
     upgrade writes a new file and renames it over the old)."""
     try:
-        st = os.stat(path)
+        return _stamp(os.stat(path))
     except OSError:
         return (0, 0, 0, 0)
+
+
+def _stamp(st: os.stat_result) -> Stamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -145,8 +148,7 @@ class ModelFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        st = os.fstat(self.fd)
-        self.stamp: Stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.stamp = _stamp(os.fstat(self.fd))
 
     @property
     def worker_path(self) -> str:

@@ -15,6 +15,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
+from forged.daemon.models import SwapRefused
 from forged.engine import testhooks
 from forged.engine.groups import ModelGroup
 from forged.errors import ModelNotFound
@@ -67,8 +68,6 @@ def _answer(body: dict[str, object], status: int = 200) -> Response:
 async def _swap(state: AppState) -> Response:
     """``forged model swap PATH``: serve the model in PATH instead of a running one.
     200 once it serves; 409 with the reason when refused (the old model serves on)."""
-    from forged.daemon.models import SwapRefused  # the daemon imports this module
-
     try:
         req = msgspec.json.decode(await request.get_data(), type=SwapRequest)
         place = state.models.place_of(state.models.resolve(req.model))

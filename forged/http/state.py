@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -20,6 +20,9 @@ from forged.errors import ForgedError
 from forged.observe.metrics import Metrics
 from forged.observe.telemetry import Recorder, telemetry_path
 from forged.retrieval.query import Searcher
+
+if TYPE_CHECKING:
+    from forged.daemon.models import Swapper
 
 
 @dataclass
@@ -119,8 +122,8 @@ class AppState:
     search_limiter: trio.CapacityLimiter = field(init=False)
     # Completion telemetry; its writer task runs in the daemon's nursery.
     telemetry: Recorder = field(init=False)
-    # Model swaps (forged.daemon.models.Swapper), once the engine runs.
-    swapper: Any = None
+    # Model swaps, once the engine runs.
+    swapper: Swapper | None = None
 
     def __post_init__(self) -> None:
         self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
