@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -81,6 +82,62 @@ def per_slot_step(model: Model, threads: int, flash_attn: bool, chunks: list[int
         times.append(time.perf_counter() - t0)
     ctx.close()
     return statistics.median(times) * 1000
+
+
+def deep_prompt(model: Model) -> list[int]:
+    return model.tokenize("def quicksort(items):\n" * 400, add_special=True,
+                          parse_special=True)
+
+
+def per_slot_context(model: Model, threads: int, depth: int) -> Context:
+    """The shipped layout (16 streams of 2,048 cells, flash attention) with every
+    sequence holding ``depth`` tokens."""
+    ctx = Context(model, ContextParams(n_ctx=32768, n_seq_max=16, n_batch=512,
+                                      threads=threads, flash_attn=True, kv_unified=False))
+    for s in range(16):
+        for a in range(0, depth, 512):
+            ctx.decode([(s, a, deep_prompt(model)[a:min(depth, a + 512)], False)])
+    return ctx
+
+
+def timed_step(ctx: Context, items: list[tuple[int, int, list[int], bool]],
+               reps: int = 6) -> float:
+    """Median ms of one ``decode(items)``, each rep on the same cells (the first rep,
+    which may build the graph, is not counted)."""
+    times = []
+    for i in range(reps + 1):
+        for s, pos, _, _ in items:
+            ctx.seq_rm(s, pos)
+        t0 = time.perf_counter()
+        ctx.decode(items)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def batch_order(model: Model, threads: int, depth: int) -> tuple[float, float]:
+    """Ms of a decode step of 16 sequences listed in slot order, and shuffled: llama.cpp
+    makes one micro-batch of each run of consecutive sequence ids in batch order."""
+    ctx = per_slot_context(model, threads, depth)
+    order = list(range(16))
+    random.Random(1).shuffle(order)
+    out = (timed_step(ctx, [(s, depth, [42], True) for s in range(16)]),
+           timed_step(ctx, [(s, depth, [42], True) for s in order]))
+    ctx.close()
+    return out
+
+
+def deep_chunks(model: Model, threads: int, depth: int, sizes: list[int]) -> list[float]:
+    """What a prompt chunk of each size at ``depth`` adds to a step of 15 decoders at
+    ``depth``: below 64 rows per stream flash attention goes one query at a time."""
+    ctx = per_slot_context(model, threads, depth)
+    decoders = [(s, depth, [42], True) for s in range(15)]
+    alone = timed_step(ctx, decoders)
+    deep = deep_prompt(model)
+    out = [timed_step(ctx, [*decoders, (15, depth, deep[depth:depth + n], True)]) - alone
+           for n in sizes]
+    ctx.close()
+    return out
 
 
 def single_stream_backend(model: Model, threads: int, n: int = 128) -> float:
@@ -160,6 +217,15 @@ def main() -> None:
         save, load, size = state_copy(model, args.threads, tokens)
         print(f"KV state of {tokens} tokens ({size / 1e6:.1f} MB): save {save:5.1f} ms, "
               f"restore {load:5.1f} ms")
+    for depth in (128, 1000):
+        ordered, shuffled = batch_order(model, args.threads, depth)
+        print(f"per-slot decode of 16 at depth {depth}: in slot order {ordered:6.1f} ms, "
+              f"shuffled {shuffled:6.1f} ms")
+    for depth in (0, 1000):
+        sizes = [16, 32, 63, 64, 65, 80, 128]
+        added = deep_chunks(model, args.threads, depth, sizes)
+        print(f"a chunk at depth {depth} beside 15 decoders adds: " + ", ".join(
+            f"{n}: {ms:.0f} ms" for n, ms in zip(sizes, added, strict=True)))
     backend = single_stream_backend(model, args.threads)
     model.close()
     print(f"single stream, backend only: {backend:6.1f} tok/s")

@@ -7,11 +7,19 @@ import random
 
 import pytest
 
-from forged.engine.costmodel import SEED, CostModel, StepShape, chunk_shape, decode_shape
+from forged.engine.costmodel import (
+    SEED,
+    TILE_ROWS,
+    CostModel,
+    StepShape,
+    chunk_shape,
+    decode_shape,
+)
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 from forged.engine.scheduler import (
     MIN_PREFILL_TOKENS,
+    TILED_FLOOR_GAIN,
     Admitted,
     Expired,
     Preempted,
@@ -540,7 +548,7 @@ def test_decoders_over_the_target_still_leave_minimum_prompt_progress() -> None:
 
 
 def test_decoders_over_the_target_leave_prompts_a_quarter_of_the_step() -> None:
-    cost = CostModel((8.0, 20.0, 3.0, 3.0, 3.0))  # a slow machine: 20 ms per decoder
+    cost = CostModel((8.0, 20.0, 3.0, 3.0, 3.0, 1.1))  # a slow machine: 20 ms per decoder
     s = Scheduler(geometry(kv_cells=16 * 1024, slots=16, max_running=16,
                                   step_tokens=512, per_slot_cells=1024, target_step_ms=100),
                   cost)
@@ -563,13 +571,14 @@ def test_a_step_without_prompt_work_is_decode_only() -> None:
 
 def random_shape(rng: random.Random) -> StepShape:
     return StepShape(decoders=rng.randint(0, 16), prompt_tokens=rng.choice(
-        [0, rng.randint(1, 300)]), chunks=rng.randint(0, 4), kpairs=rng.uniform(0, 60))
+        [0, rng.randint(1, 300)]), chunks=rng.randint(0, 4), kpairs=rng.uniform(0, 60),
+        tiled_kpairs=rng.choice([0, rng.uniform(0, 200)]))
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.05])
 def test_the_cost_model_fit_converges_on_synthetic_steps(noise: float) -> None:
     rng = random.Random(7)
-    true = CostModel((11.0, 1.7, 2.2, 4.5, 1.2))
+    true = CostModel((11.0, 1.7, 2.2, 4.5, 9.5, 1.2))
     model = CostModel()  # seeded with other values
     for _ in range(400):
         shape = random_shape(rng)
@@ -654,9 +663,9 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     assert wait > 30
     assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
     assert s.early_rejections == 1 and s.n_queued == rid - 10
-    # each 600-token request ahead costs ~2.6 s of prefill beside two decoders and
-    # 1 s of slot turnover: the tenth would have waited past 30 s
-    assert rid - 10 == 9
+    # each 600-token request ahead costs ~2.3 s of prefill beside two decoders and
+    # 1 s of slot turnover: the eleventh would have waited past 30 s
+    assert rid - 10 == 10
     assert s.statistics()["wait_estimate_s"] > 0
 
 
@@ -924,7 +933,7 @@ def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
     """On a tiny model the clamped fit can put every prompt coefficient at zero; the
     wait estimate (in every statistics frame) must not divide by that (it killed a
     worker in tests/test_logprobs.py)."""
-    s = Scheduler(limits(), CostModel((1.0, 1.0, 0.0, 0.0, 0.0)))
+    s = Scheduler(limits(), CostModel((1.0, 1.0, 0.0, 0.0, 0.0, 0.0)))
     s.submit(1, Request(prompt=[1] * 40, max_tokens=4), 0.0)
     s.plan(0.0)
     s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
@@ -1072,3 +1081,32 @@ def test_the_batch_is_in_slot_order_whatever_the_admission_order() -> None:
     assert plan is not None
     assert [c.rid for c in plan.chunks] == [5, 4, 3]
     assert [c.seq for c in plan.chunks] == [0, 1, 2]
+
+
+def test_the_cost_model_takes_a_tiled_chunk_where_a_shorter_one_costs_more() -> None:
+    cost = CostModel(SEED)
+    # Far into a context one-query-at-a-time attention (the short chunk's) dominates.
+    assert cost.predict_extra(chunk_shape(1000, TILE_ROWS + 1)) < cost.predict_extra(
+        chunk_shape(1000, TILE_ROWS))
+    take = cost.max_prompt_tokens(1000, 300.0, 500)
+    assert take > TILE_ROWS and cost.predict_extra(chunk_shape(1000, take)) <= 300.0
+    assert cost.predict_extra(chunk_shape(1000, take + 1)) > 300.0
+    # Near the start the two paths cost about the same, and the search is plain.
+    assert cost.max_prompt_tokens(0, 30.0, 500) == 8  # 27 ms; 9 tokens would take 30.5
+
+
+def test_a_floor_chunk_far_into_a_context_is_long_enough_for_tiled_attention() -> None:
+    s, cost = costed(per_slot_cells=2048, max_context=2048)
+    s.submit(*req(1, n=1000, max_tokens=1), 0.0)  # leaves its slot 1,000 cached tokens
+    finish_all(s, 0.0)
+    decoding(s, 15)  # 15 short streams: the step's room fits neither path's chunk at 1,000
+    s.submit(*req(2, n=1300, max_tokens=5), 1.0)  # continues that cache
+    plan = s.plan(1.0)
+    assert plan is not None
+    chunk = next(c for c in plan.chunks if c.rid == 2)
+    assert chunk.pos == 1000 and len(chunk.tokens) == TILE_ROWS + 1
+    # near the start, the floor stays MIN_PREFILL_TOKENS (test above): a tiled chunk
+    # there costs four times as much for about the same price per token
+    per_token = [cost.predict_extra(chunk_shape(0, n)) / n
+                 for n in (MIN_PREFILL_TOKENS, TILE_ROWS + 1)]
+    assert per_token[1] > per_token[0] / TILED_FLOOR_GAIN

@@ -11,7 +11,14 @@ as linear in five features of its batch (:class:`StepShape`):
 * ``prompt_tokens``: prompt tokens computed (chunked prefill);
 * ``chunks``: prompt chunks; with per-slot KV streams llama.cpp runs one extra pass
   over the weights for each distinct chunk length (docs/engine.md);
-* ``kpairs``: thousands of query-key pairs attended, the part that grows with context.
+* ``kpairs``: thousands of query-key pairs attended by decoders and short chunks, the
+  part that grows with context;
+* ``tiled_kpairs``: the same for chunks of more than ``TILE_ROWS`` tokens. llama.cpp's
+  CPU flash attention computes a micro-batch's rows of one stream as tiles of 64
+  queries (a small matrix product per tile) when it has at least 64 of them, and one
+  query at a time otherwise. The second way costs about ten times as much per pair
+  (12 against 1.1 ms per thousand here): at position 1,000, beside 15 decoders, a
+  63-token chunk added 882 ms to a step and an 80-token one 343 ms (docs/engine.md).
 
 The coefficients start from a seed and are refitted after every step by exponentially
 weighted least squares (recent steps count more: the machine is shared and its speed
@@ -26,15 +33,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms")
+FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms",
+            "tiled_kpair_ms")
+
+# ggml's GGML_FA_TILE_Q: the fewest query rows of one stream that take the tiled path.
+# A chunk beside other sequences gives its first token to their micro-batch (llama.cpp
+# splits per-slot batches into equal shares per sequence), so it needs one row more.
+TILE_ROWS = 64
 
 # Measured on the reference machine kind (2 cores) with SmolLM2-135M Q4_1, flash
 # attention, per-slot streams (docs/benchmarks.md). Any other machine or model corrects
 # them within a few dozen steps; the start-up calibration does most of that at once.
-SEED = (8.0, 2.6, 3.0, 3.0, 3.0)
+SEED = (8.0, 2.6, 3.0, 3.0, 12.0, 1.1)
 # A typical size of each feature: the prior's weight is one pseudo-step of this shape,
 # so that it is equally strong, relative to the data, for every coefficient.
-_SCALE = np.array([1.0, 8.0, 48.0, 2.0, 20.0])
+_SCALE = np.array([1.0, 8.0, 48.0, 2.0, 20.0, 30.0])
 _PRIOR_STEPS = 0.5
 # Weight of the past after each new step: an effective memory of about 100 steps.
 _DECAY = 0.99
@@ -46,14 +59,17 @@ class StepShape:
     prompt_tokens: int = 0
     chunks: int = 0
     kpairs: float = 0.0
+    tiled_kpairs: float = 0.0
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.decoders, self.prompt_tokens, self.chunks, self.kpairs])
+        return np.array([1.0, self.decoders, self.prompt_tokens, self.chunks, self.kpairs,
+                         self.tiled_kpairs])
 
     def plus(self, other: StepShape) -> StepShape:
         return StepShape(self.decoders + other.decoders,
                          self.prompt_tokens + other.prompt_tokens,
-                         self.chunks + other.chunks, self.kpairs + other.kpairs)
+                         self.chunks + other.chunks, self.kpairs + other.kpairs,
+                         self.tiled_kpairs + other.tiled_kpairs)
 
 
 def decode_shape(positions: list[int]) -> StepShape:
@@ -63,7 +79,10 @@ def decode_shape(positions: list[int]) -> StepShape:
 
 def chunk_shape(pos: int, n: int) -> StepShape:
     """``n`` prompt tokens written at ``pos``: token ``i`` attends over ``pos + i + 1``."""
-    return StepShape(prompt_tokens=n, chunks=1, kpairs=(n * pos + n * (n + 1) / 2) / 1000)
+    pairs = (n * pos + n * (n + 1) / 2) / 1000
+    if n > TILE_ROWS:
+        return StepShape(prompt_tokens=n, chunks=1, tiled_kpairs=pairs)
+    return StepShape(prompt_tokens=n, chunks=1, kpairs=pairs)
 
 
 class CostModel:
@@ -95,8 +114,16 @@ class CostModel:
 
     def max_prompt_tokens(self, pos: int, room_ms: float, cap: int) -> int:
         """The most prompt tokens (at most ``cap``) a chunk at ``pos`` may take so that it
-        costs no more than ``room_ms``. Binary search: cost grows with the length."""
-        lo, hi = 0, cap
+        costs no more than ``room_ms``. Cost grows with the length within each attention
+        path, not across them (a tiled chunk can cost less than a shorter one), so each
+        path is searched on its own, the tiled one first."""
+        tiled = self._longest_within(pos, room_ms, TILE_ROWS + 1, cap)
+        return tiled or self._longest_within(pos, room_ms, 0, min(cap, TILE_ROWS))
+
+    def _longest_within(self, pos: int, room_ms: float, lo: int, hi: int) -> int:
+        """Binary search in ``lo..hi`` (0 if even ``lo`` does not fit)."""
+        if hi < lo or self.predict_extra(chunk_shape(pos, lo)) > room_ms:
+            return 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.predict_extra(chunk_shape(pos, mid)) <= room_ms:

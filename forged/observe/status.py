@@ -160,7 +160,8 @@ def _steps(s: dict[str, float]) -> list[str]:
         f"prompts beside today's decoders {max(0.0, s.get('step_prompt_room_ms', 0)):.0f} ms",
         f"  cost      {s['cost_fixed_ms']:.1f} ms + {s['cost_decoder_ms']:.2f} /decoder + "
         f"{s['cost_prompt_token_ms']:.2f} /prompt token + {s['cost_chunk_ms']:.2f} /chunk + "
-        f"{s['cost_kpair_ms']:.2f} /1k attended pairs (fitted on "
+        f"{s['cost_kpair_ms']:.2f} /1k attended pairs, "
+        f"{s.get('cost_tiled_kpair_ms', 0):.2f} tiled (fitted on "
         f"{int(s['cost_steps_observed'])} steps)",
         f"  admission wait estimate {s.get('wait_estimate_s', 0):.1f} s; "
         f"{int(s.get('early_rejections', 0))} refused at once",
