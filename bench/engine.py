@@ -89,11 +89,12 @@ def deep_prompt(model: Model) -> list[int]:
                           parse_special=True)
 
 
-def per_slot_context(model: Model, threads: int, depth: int) -> Context:
-    """The shipped layout (16 streams of 2,048 cells, flash attention) with every
-    sequence holding ``depth`` tokens."""
+def per_slot_context(model: Model, threads: int, depth: int, flash_attn: bool) -> Context:
+    """The shipped layout (16 streams of 2,048 cells) with every sequence holding
+    ``depth`` tokens."""
     ctx = Context(model, ContextParams(n_ctx=32768, n_seq_max=16, n_batch=512,
-                                      threads=threads, flash_attn=True, kv_unified=False))
+                                      threads=threads, flash_attn=flash_attn,
+                                      kv_unified=False))
     for s in range(16):
         for a in range(0, depth, 512):
             ctx.decode([(s, a, deep_prompt(model)[a:min(depth, a + 512)], False)])
@@ -118,7 +119,7 @@ def timed_step(ctx: Context, items: list[tuple[int, int, list[int], bool]],
 def batch_order(model: Model, threads: int, depth: int) -> tuple[float, float]:
     """Ms of a decode step of 16 sequences listed in slot order, and shuffled: llama.cpp
     makes one micro-batch of each run of consecutive sequence ids in batch order."""
-    ctx = per_slot_context(model, threads, depth)
+    ctx = per_slot_context(model, threads, depth, flash_attn=False)
     order = list(range(16))
     random.Random(1).shuffle(order)
     out = (timed_step(ctx, [(s, depth, [42], True) for s in range(16)]),
@@ -127,17 +128,19 @@ def batch_order(model: Model, threads: int, depth: int) -> tuple[float, float]:
     return out
 
 
-def deep_chunks(model: Model, threads: int, depth: int, sizes: list[int]) -> list[float]:
-    """What a prompt chunk of each size at ``depth`` adds to a step of 15 decoders at
-    ``depth``: below 64 rows per stream flash attention goes one query at a time."""
-    ctx = per_slot_context(model, threads, depth)
+def deep_chunks(model: Model, threads: int, depth: int, sizes: list[int],
+                flash_attn: bool) -> list[float]:
+    """A step of 15 decoders at ``depth``, then what a prompt chunk of each size at
+    ``depth`` adds to it: below 64 rows per stream flash attention goes one query at a
+    time."""
+    ctx = per_slot_context(model, threads, depth, flash_attn)
     decoders = [(s, depth, [42], True) for s in range(15)]
     alone = timed_step(ctx, decoders)
     deep = deep_prompt(model)
     out = [timed_step(ctx, [*decoders, (15, depth, deep[depth:depth + n], True)]) - alone
            for n in sizes]
     ctx.close()
-    return out
+    return [alone, *out]
 
 
 def single_stream_backend(model: Model, threads: int, n: int = 128) -> float:
@@ -221,11 +224,13 @@ def main() -> None:
         ordered, shuffled = batch_order(model, args.threads, depth)
         print(f"per-slot decode of 16 at depth {depth}: in slot order {ordered:6.1f} ms, "
               f"shuffled {shuffled:6.1f} ms")
-    for depth in (0, 1000):
-        sizes = [16, 32, 63, 64, 65, 80, 128]
-        added = deep_chunks(model, args.threads, depth, sizes)
-        print(f"a chunk at depth {depth} beside 15 decoders adds: " + ", ".join(
-            f"{n}: {ms:.0f} ms" for n, ms in zip(sizes, added, strict=True)))
+    for fa in (False, True):
+        for depth in (128, 1000):
+            sizes = [16, 32, 63, 64, 65, 80, 128, 256]
+            alone, *added = deep_chunks(model, args.threads, depth, sizes, fa)
+            print(f"flash attention {'on' if fa else 'off'}, depth {depth}: 15 decoders "
+                  f"{alone:.0f} ms; a chunk beside them adds " + ", ".join(
+                      f"{n}: {ms:.0f} ms" for n, ms in zip(sizes, added, strict=True)))
     backend = single_stream_backend(model, args.threads)
     model.close()
     print(f"single stream, backend only: {backend:6.1f} tok/s")

@@ -98,7 +98,10 @@ class EngineConfig(_Section, frozen=True):
     # within this: it bounds every stream's inter-token latency while prompts are
     # computed beside it, and how long a new short prompt waits for the step to end.
     target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 300.0
-    flash_attn: bool = True
+    # Off: on CPUs llama.cpp's flash attention takes one query at a time for decoding
+    # streams and short chunks, which made a step of 15 streams 1,000 tokens deep twice
+    # as long (239 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
+    flash_attn: bool = False
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every
     # decode step attends over all cells in use). See docs/engine.md.

@@ -281,7 +281,7 @@ def _reference(model: Path, tokens: list[int]) -> np.ndarray[Any, Any]:
     """llama-cpp-python's own logprobs of every position of ``tokens``: row i is the
     log-softmax of the logits after token i."""
     llm = llama_cpp.Llama(str(model), n_ctx=2048, n_batch=64, n_ubatch=64, logits_all=True,
-                          n_threads=2, flash_attn=True, verbose=False)
+                          n_threads=2, flash_attn=False, verbose=False)
     try:
         llm.eval(tokens)
         return np.asarray(llama_cpp.Llama.logits_to_logprobs(llm.scores[: len(tokens)]))

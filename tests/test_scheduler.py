@@ -8,11 +8,9 @@ import random
 import pytest
 
 from forged.engine.costmodel import (
-    SEED,
     TILE_ROWS,
     CostModel,
     StepShape,
-    chunk_shape,
     decode_shape,
 )
 from forged.engine.limits import SchedulerLimits
@@ -492,14 +490,15 @@ def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
 # --- steps bounded by time (engine.target_step_ms) ------------------------------------
 
 
-def costed(**kw: float) -> tuple[Scheduler, CostModel]:
+def costed(flash_attn: bool = False, **kw: float) -> tuple[Scheduler, CostModel]:
     """A per-slot scheduler whose cost model is the seed exactly (no observations):
-    fixed 8 ms, 2.6 ms per decoder, 3 ms per prompt token, 3 ms per chunk, 3 ms per
-    thousand query-key pairs."""
+    fixed 8 ms, 2.6 ms per decoder, 3 ms per prompt token, 3 ms per chunk, and per
+    thousand query-key pairs 3.4 ms for decoders, 1.2 ms for chunks (with flash
+    attention: 12 ms for decoders and chunks of 64 tokens or fewer, 1.1 ms for longer)."""
     base: dict[str, float] = dict(kv_cells=16 * 1024, slots=16, max_running=16,
                                   step_tokens=512, per_slot_cells=1024, target_step_ms=150)
     base.update(kw)
-    cost = CostModel(SEED)
+    cost = CostModel(flash_attn=flash_attn)
     return Scheduler(geometry(**base), cost), cost  # type: ignore[arg-type]
 
 
@@ -629,8 +628,8 @@ def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -
     room = 150 - cost.predict(decode_shape([c.pos for c in plan.chunks if len(c.tokens) == 1
                                             and c.rid >= 100]))
     long_chunk = next(c for c in plan.chunks if c.rid == 1)
-    assert cost.predict_extra(chunk_shape(long_chunk.pos, len(long_chunk.tokens))
-                              ) >= room / 2 - cost.predict_extra(chunk_shape(0, 12))
+    assert cost.predict_extra(cost.chunk(long_chunk.pos, len(long_chunk.tokens))
+                              ) >= room / 2 - cost.predict_extra(cost.chunk(0, 12))
 
 
 def test_the_aged_long_prefill_keeps_a_chunk_when_short_prompts_could_take_them_all(
@@ -1084,19 +1083,21 @@ def test_the_batch_is_in_slot_order_whatever_the_admission_order() -> None:
 
 
 def test_the_cost_model_takes_a_tiled_chunk_where_a_shorter_one_costs_more() -> None:
-    cost = CostModel(SEED)
+    cost = CostModel(flash_attn=True)
     # Far into a context one-query-at-a-time attention (the short chunk's) dominates.
-    assert cost.predict_extra(chunk_shape(1000, TILE_ROWS + 1)) < cost.predict_extra(
-        chunk_shape(1000, TILE_ROWS))
+    assert cost.predict_extra(cost.chunk(1000, TILE_ROWS + 1)) < cost.predict_extra(
+        cost.chunk(1000, TILE_ROWS))
     take = cost.max_prompt_tokens(1000, 300.0, 500)
-    assert take > TILE_ROWS and cost.predict_extra(chunk_shape(1000, take)) <= 300.0
-    assert cost.predict_extra(chunk_shape(1000, take + 1)) > 300.0
+    assert take > TILE_ROWS and cost.predict_extra(cost.chunk(1000, take)) <= 300.0
+    assert cost.predict_extra(cost.chunk(1000, take + 1)) > 300.0
     # Near the start the two paths cost about the same, and the search is plain.
     assert cost.max_prompt_tokens(0, 30.0, 500) == 8  # 27 ms; 9 tokens would take 30.5
+    # Without flash attention every chunk of two tokens or more is a matrix product.
+    assert CostModel().chunk(1000, 16).tiled_kpairs > 0 == CostModel().chunk(1000, 1).tiled_kpairs
 
 
 def test_a_floor_chunk_far_into_a_context_is_long_enough_for_tiled_attention() -> None:
-    s, cost = costed(per_slot_cells=2048, max_context=2048)
+    s, cost = costed(per_slot_cells=2048, max_context=2048, flash_attn=True)
     s.submit(*req(1, n=1000, max_tokens=1), 0.0)  # leaves its slot 1,000 cached tokens
     finish_all(s, 0.0)
     decoding(s, 15)  # 15 short streams: the step's room fits neither path's chunk at 1,000
@@ -1107,6 +1108,6 @@ def test_a_floor_chunk_far_into_a_context_is_long_enough_for_tiled_attention() -
     assert chunk.pos == 1000 and len(chunk.tokens) == TILE_ROWS + 1
     # near the start, the floor stays MIN_PREFILL_TOKENS (test above): a tiled chunk
     # there costs four times as much for about the same price per token
-    per_token = [cost.predict_extra(chunk_shape(0, n)) / n
+    per_token = [cost.predict_extra(cost.chunk(0, n)) / n
                  for n in (MIN_PREFILL_TOKENS, TILE_ROWS + 1)]
     assert per_token[1] > per_token[0] / TILED_FLOOR_GAIN

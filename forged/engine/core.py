@@ -33,7 +33,7 @@ from typing import Protocol, TypeVar
 import msgspec
 
 from forged.engine import frames as fr
-from forged.engine.costmodel import CostModel, chunk_shape, decode_shape
+from forged.engine.costmodel import CostModel, decode_shape
 from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
@@ -610,12 +610,12 @@ def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
     return sampled, failed
 
 
-def calibrate(backend: Backend, slots: int, *,
+def calibrate(backend: Backend, slots: int, *, flash_attn: bool,
               clock: Callable[[], float] = time.perf_counter) -> CostModel:
     """A cost model seeded from a few steps of typical shapes run now, on empty
     sequences that are removed afterwards, so that the first real steps are already
     bounded by this machine's and this model's speed rather than by the built-in seed."""
-    model = CostModel()
+    model = CostModel(flash_attn=flash_attn)
     n_batch = backend.n_batch
     # (decoders, prompt tokens in place of one of them), each within one batch
     shapes = [(d, min(p, n_batch - d + 1)) for d, p in
@@ -628,7 +628,7 @@ def calibrate(backend: Backend, slots: int, *,
             shape = decode_shape([0] * decoders)
             if prompt:
                 items[0] = (0, 0, [0] * prompt, True)
-                shape = decode_shape([0] * (decoders - 1)).plus(chunk_shape(0, prompt))
+                shape = decode_shape([0] * (decoders - 1)).plus(model.chunk(0, prompt))
             t0 = clock()
             backend.decode(items)
             model.observe(shape, (clock() - t0) * 1000)

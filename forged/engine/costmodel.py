@@ -13,12 +13,13 @@ as linear in five features of its batch (:class:`StepShape`):
   over the weights for each distinct chunk length (docs/engine.md);
 * ``kpairs``: thousands of query-key pairs attended by decoders and short chunks, the
   part that grows with context;
-* ``tiled_kpairs``: the same for chunks of more than ``TILE_ROWS`` tokens. llama.cpp's
-  CPU flash attention computes a micro-batch's rows of one stream as tiles of 64
-  queries (a small matrix product per tile) when it has at least 64 of them, and one
-  query at a time otherwise. The second way costs about ten times as much per pair
-  (12 against 1.1 ms per thousand here): at position 1,000, beside 15 decoders, a
-  63-token chunk added 882 ms to a step and an 80-token one 343 ms (docs/engine.md).
+* ``tiled_kpairs``: the same for chunks computed as matrices. Whether a chunk is depends
+  on the attention: llama.cpp's CPU flash attention takes one query at a time unless a
+  micro-batch holds at least 64 rows of one stream (then tiles of 64 queries), and at
+  position 1,000 beside 15 decoders a 63-token chunk added 882 ms to a step and an
+  80-token one 343 ms; without flash attention every chunk is a matrix product
+  (docs/engine.md). One query at a time costs about three times as much per pair
+  without flash attention and ten times as much with it.
 
 The coefficients start from a seed and are refitted after every step by exponentially
 weighted least squares (recent steps count more: the machine is shared and its speed
@@ -36,15 +37,18 @@ import numpy as np
 FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms",
             "tiled_kpair_ms")
 
-# ggml's GGML_FA_TILE_Q: the fewest query rows of one stream that take the tiled path.
-# A chunk beside other sequences gives its first token to their micro-batch (llama.cpp
-# splits per-slot batches into equal shares per sequence), so it needs one row more.
+# ggml's GGML_FA_TILE_Q: the fewest query rows of one stream that flash attention
+# computes as tiles. A chunk beside other sequences gives its first token to their
+# micro-batch (llama.cpp splits per-slot batches into equal shares per sequence), so a
+# chunk is tiled from TILE_ROWS + 1 tokens on.
 TILE_ROWS = 64
 
-# Measured on the reference machine kind (2 cores) with SmolLM2-135M Q4_1, flash
-# attention, per-slot streams (docs/benchmarks.md). Any other machine or model corrects
-# them within a few dozen steps; the start-up calibration does most of that at once.
-SEED = (8.0, 2.6, 3.0, 3.0, 12.0, 1.1)
+# Measured on the reference machine kind (2 cores) with SmolLM2-135M Q4_1 and per-slot
+# streams, by bench.engine (docs/engine.md): without flash attention (the default) and
+# with it. Any other machine or model corrects them within a few dozen steps; the
+# start-up calibration does most of that at once.
+SEED = (8.0, 2.6, 3.0, 3.0, 3.4, 1.2)
+SEED_FLASH = (8.0, 2.6, 3.0, 3.0, 12.0, 1.1)
 # A typical size of each feature: the prior's weight is one pseudo-step of this shape,
 # so that it is equally strong, relative to the data, for every coefficient.
 _SCALE = np.array([1.0, 8.0, 48.0, 2.0, 20.0, 30.0])
@@ -77,10 +81,11 @@ def decode_shape(positions: list[int]) -> StepShape:
     return StepShape(decoders=len(positions), kpairs=sum(p + 1 for p in positions) / 1000)
 
 
-def chunk_shape(pos: int, n: int) -> StepShape:
-    """``n`` prompt tokens written at ``pos``: token ``i`` attends over ``pos + i + 1``."""
+def chunk_shape(pos: int, n: int, tile_rows: int = TILE_ROWS) -> StepShape:
+    """``n`` prompt tokens written at ``pos``: token ``i`` attends over ``pos + i + 1``;
+    as matrices if there are more than ``tile_rows`` of them."""
     pairs = (n * pos + n * (n + 1) / 2) / 1000
-    if n > TILE_ROWS:
+    if n > tile_rows:
         return StepShape(prompt_tokens=n, chunks=1, tiled_kpairs=pairs)
     return StepShape(prompt_tokens=n, chunks=1, kpairs=pairs)
 
@@ -88,8 +93,11 @@ def chunk_shape(pos: int, n: int) -> StepShape:
 class CostModel:
     """Predicts a step's milliseconds from its shape; ``observe`` refits it."""
 
-    def __init__(self, seed: tuple[float, ...] = SEED) -> None:
-        self._seed = np.array(seed, dtype=float)
+    def __init__(self, seed: tuple[float, ...] | None = None, *,
+                 flash_attn: bool = False) -> None:
+        self._seed = np.array(seed or (SEED_FLASH if flash_attn else SEED), dtype=float)
+        # Without flash attention any chunk of two rows or more is a matrix product.
+        self.tile_rows = TILE_ROWS if flash_attn else 1
         self._prior = np.diag(_PRIOR_STEPS * _SCALE**2)
         self._xtx = np.zeros((len(FEATURES), len(FEATURES)))
         self._xty = np.zeros(len(FEATURES))
@@ -117,20 +125,24 @@ class CostModel:
         costs no more than ``room_ms``. Cost grows with the length within each attention
         path, not across them (a tiled chunk can cost less than a shorter one), so each
         path is searched on its own, the tiled one first."""
-        tiled = self._longest_within(pos, room_ms, TILE_ROWS + 1, cap)
-        return tiled or self._longest_within(pos, room_ms, 0, min(cap, TILE_ROWS))
+        tiled = self._longest_within(pos, room_ms, self.tile_rows + 1, cap)
+        return tiled or self._longest_within(pos, room_ms, 0, min(cap, self.tile_rows))
 
     def _longest_within(self, pos: int, room_ms: float, lo: int, hi: int) -> int:
         """Binary search in ``lo..hi`` (0 if even ``lo`` does not fit)."""
-        if hi < lo or self.predict_extra(chunk_shape(pos, lo)) > room_ms:
+        if hi < lo or self.predict_extra(self.chunk(pos, lo)) > room_ms:
             return 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.predict_extra(chunk_shape(pos, mid)) <= room_ms:
+            if self.predict_extra(self.chunk(pos, mid)) <= room_ms:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+    def chunk(self, pos: int, n: int) -> StepShape:
+        """:func:`chunk_shape` with this machine's attention."""
+        return chunk_shape(pos, n, self.tile_rows)
 
     def predict_extra(self, shape: StepShape) -> float:
         """What adding ``shape`` to a step costs (no fixed part)."""

@@ -88,7 +88,7 @@ from collections import deque
 import msgspec
 
 from forged.config import PRIORITIES
-from forged.engine.costmodel import TILE_ROWS, CostModel, StepShape, chunk_shape, decode_shape
+from forged.engine.costmodel import CostModel, StepShape, decode_shape
 from forged.engine.kvledger import KVLedger
 from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tiers, common_prefix
 from forged.engine.limits import SchedulerLimits
@@ -311,7 +311,7 @@ class Scheduler:
             done = run.next_prompt + take == len(run.req.prompt)
             chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done,
                                 index=run.index, forks=run.forks if done else ()))
-            room -= self.cost.predict_extra(chunk_shape(run.next_prompt, take))
+            room -= self.cost.predict_extra(self.cost.chunk(run.next_prompt, take))
             cap -= take
             first = False
         return chunks
@@ -321,12 +321,13 @@ class Scheduler:
         chunk long enough for tiled attention where that is clearly cheaper per token.
         Far into a context one-query-at-a-time attention dominates: at position 1,000,
         16 tokens cost about 15 ms each and 65 tokens about 4 ms each."""
-        small, tiled = min(most, MIN_PREFILL_TOKENS), min(most, TILE_ROWS + 1)
-        if tiled <= TILE_ROWS:
-            return small  # what is left of the prompt is too short for tiles
+        rows = self.cost.tile_rows
+        small, tiled = min(most, MIN_PREFILL_TOKENS), min(most, rows + 1)
+        if tiled <= rows or tiled <= small:
+            return small  # too short for tiles, or the small chunk is tiled already
 
         def per_token(n: int) -> float:
-            return self.cost.predict_extra(chunk_shape(pos, n)) / n
+            return self.cost.predict_extra(self.cost.chunk(pos, n)) / n
 
         return tiled if TILED_FLOOR_GAIN * per_token(tiled) <= per_token(small) else small
 
@@ -354,7 +355,7 @@ class Scheduler:
         for run in order:
             if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
                 break  # the last chunk of the step is the aging order's
-            cost = self.cost.predict_extra(chunk_shape(run.next_prompt, self._left(run)))
+            cost = self.cost.predict_extra(self.cost.chunk(run.next_prompt, self._left(run)))
             if cost <= half:
                 quick.append(run)
                 half -= cost
@@ -366,7 +367,7 @@ class Scheduler:
         shape = decode_shape(decode)
         for c in chunks:
             if self._running[c.key].phase is Phase.PREFILL:
-                shape = shape.plus(chunk_shape(c.pos, len(c.tokens)))
+                shape = shape.plus(self.cost.chunk(c.pos, len(c.tokens)))
         return shape
 
     def _overflows(self, chunks: list[Chunk]) -> bool:
@@ -854,10 +855,10 @@ class Scheduler:
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
         for q in ahead:  # only what the caches will not serve
-            work = work.plus(chunk_shape(q.cached, q.to_compute))
+            work = work.plus(self.cost.chunk(q.cached, q.to_compute))
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
-                work = work.plus(chunk_shape(r.next_prompt, self._left(r)))
+                work = work.plus(self.cost.chunk(r.next_prompt, self._left(r)))
         return self._slot_wait(sum(q.req.n for q in ahead) + wanted) + self._prefill_seconds(
             self.cost.predict_extra(work))
 
@@ -876,8 +877,8 @@ class Scheduler:
         step fills the room its decoders leave, up to ``step_tokens``."""
         positions = [self.ledger.length(r.slot) for r in self._running.values()
                      if r.phase is Phase.DECODE]
-        full = self.cost.predict_extra(chunk_shape(0, self.limits.step_tokens - len(positions)))
-        floor = self.cost.predict_extra(chunk_shape(0, MIN_PREFILL_TOKENS))
+        full = self.cost.predict_extra(self.cost.chunk(0, self.limits.step_tokens - len(positions)))
+        floor = self.cost.predict_extra(self.cost.chunk(0, MIN_PREFILL_TOKENS))
         room = max(floor, min(self._prompt_room_ms(positions), full))
         if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
             return 0.0

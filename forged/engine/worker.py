@@ -43,7 +43,8 @@ class WorkerShell:
         self.hooks = HookedBackend(self.llama) if init.test_hooks else None
         backend: Backend = self.hooks or self.llama
         disk = _disk_tier(init)
-        self.core = WorkerCore(backend, lim, calibrate(backend, lim.slots), disk=disk,
+        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn)
+        self.core = WorkerCore(backend, lim, cost, disk=disk,
                                saved=disk.scan() if disk is not None else ())
         self.inbuf = fr.FrameBuffer()
         self.running = True
