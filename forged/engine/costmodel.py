@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The scheduler bounds every step by time (``engine.target_step_ms``), not by a token
 count, so it must predict a step's time before running it. A step's time is modelled
-as linear in five features of its batch (:class:`StepShape`):
+as linear in six features of its batch (:class:`StepShape`):
 
 * ``fixed``: 1 per step (graph build, a pass over the weights, synchronisation);
 * ``decoders``: sequences decoding one token each;
@@ -81,7 +81,7 @@ def decode_shape(positions: list[int]) -> StepShape:
     return StepShape(decoders=len(positions), kpairs=sum(p + 1 for p in positions) / 1000)
 
 
-def chunk_shape(pos: int, n: int, tile_rows: int = TILE_ROWS) -> StepShape:
+def chunk_shape(pos: int, n: int, *, tile_rows: int) -> StepShape:
     """``n`` prompt tokens written at ``pos``: token ``i`` attends over ``pos + i + 1``;
     as matrices if there are more than ``tile_rows`` of them."""
     pairs = (n * pos + n * (n + 1) / 2) / 1000
@@ -142,7 +142,7 @@ class CostModel:
 
     def chunk(self, pos: int, n: int) -> StepShape:
         """:func:`chunk_shape` with this machine's attention."""
-        return chunk_shape(pos, n, self.tile_rows)
+        return chunk_shape(pos, n, tile_rows=self.tile_rows)
 
     def predict_extra(self, shape: StepShape) -> float:
         """What adding ``shape`` to a step costs (no fixed part)."""
