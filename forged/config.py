@@ -100,7 +100,7 @@ class EngineConfig(_Section, frozen=True):
     target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 300.0
     # Off: on CPUs llama.cpp's flash attention takes one query at a time for decoding
     # streams and short chunks, which made a step of 15 streams 1,000 tokens deep twice
-    # as long (239 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
+    # as long (237 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
     flash_attn: bool = False
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every

@@ -610,12 +610,12 @@ def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
     return sampled, failed
 
 
-def calibrate(backend: Backend, slots: int, *, flash_attn: bool,
+def calibrate(backend: Backend, slots: int, *, flash_attn: bool, per_slot: bool,
               clock: Callable[[], float] = time.perf_counter) -> CostModel:
     """A cost model seeded from a few steps of typical shapes run now, on empty
     sequences that are removed afterwards, so that the first real steps are already
     bounded by this machine's and this model's speed rather than by the built-in seed."""
-    model = CostModel(flash_attn=flash_attn)
+    model = CostModel(flash_attn=flash_attn, per_slot=per_slot)
     n_batch = backend.n_batch
     # (decoders, prompt tokens in place of one of them), each within one batch
     shapes = [(d, min(p, n_batch - d + 1)) for d, p in

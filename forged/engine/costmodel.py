@@ -16,10 +16,13 @@ as linear in six features of its batch (:class:`StepShape`):
 * ``tiled_kpairs``: the same for chunks computed as matrices. Whether a chunk is depends
   on the attention: llama.cpp's CPU flash attention takes one query at a time unless a
   micro-batch holds at least 64 rows of one stream (then tiles of 64 queries), and at
-  position 1,000 beside 15 decoders a 63-token chunk added 882 ms to a step and an
-  80-token one 343 ms; without flash attention every chunk is a matrix product
+  position 1,000 beside 15 decoders a 63-token chunk added 899 ms to a step and an
+  80-token one 377 ms; without flash attention every chunk is a matrix product
   (docs/engine.md). One query at a time costs about three times as much per pair
-  without flash attention and ten times as much with it.
+  without flash attention and ten times as much with it. With flash attention and
+  several chunks in one run of consecutive slots this is approximate: llama.cpp gives
+  each of them the rows of the shortest in a shared micro-batch, so a long chunk's
+  first rows may go one query at a time although it is priced as tiled.
 
 The coefficients start from a seed and are refitted after every step by exponentially
 weighted least squares (recent steps count more: the machine is shared and its speed
@@ -94,10 +97,13 @@ class CostModel:
     """Predicts a step's milliseconds from its shape; ``observe`` refits it."""
 
     def __init__(self, seed: tuple[float, ...] | None = None, *,
-                 flash_attn: bool = False) -> None:
+                 flash_attn: bool = False, per_slot: bool = True) -> None:
         self._seed = np.array(seed or (SEED_FLASH if flash_attn else SEED), dtype=float)
-        # Without flash attention any chunk of two rows or more is a matrix product.
-        self.tile_rows = TILE_ROWS if flash_attn else 1
+        # Without flash attention any chunk of two rows or more is a matrix product. In
+        # the unified layout a micro-batch is one stream holding every sequence's rows,
+        # so flash attention tiles a step's chunks (and its decoders) together once the
+        # step has 64 rows: chunks are priced as matrices there, which is rough.
+        self.tile_rows = TILE_ROWS if flash_attn and per_slot else 1
         self._prior = np.diag(_PRIOR_STEPS * _SCALE**2)
         self._xtx = np.zeros((len(FEATURES), len(FEATURES)))
         self._xty = np.zeros(len(FEATURES))

@@ -147,7 +147,7 @@ class DiskStore:
             self._reject(path, "its header is damaged")
             return None
         if header.model != self.model:
-            self._reject(path, "saved by another model or llama.cpp version")
+            self._reject(path, "saved by another model, llama.cpp version or flash_attn")
             return None
         return header
 

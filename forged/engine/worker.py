@@ -43,7 +43,7 @@ class WorkerShell:
         self.hooks = HookedBackend(self.llama) if init.test_hooks else None
         backend: Backend = self.hooks or self.llama
         disk = _disk_tier(init)
-        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn)
+        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn, per_slot=lim.per_slot)
         self.core = WorkerCore(backend, lim, cost, disk=disk,
                                saved=disk.scan() if disk is not None else ())
         self.inbuf = fr.FrameBuffer()
