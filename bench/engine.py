@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from forged.engine.backend import Context, ContextParams, Model, Sampler
+from forged.engine.core import DecodeItem
 from forged.engine.request import Sampling
 
 MODEL = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -95,14 +96,14 @@ def per_slot_context(model: Model, threads: int, depth: int, flash_attn: bool) -
     ctx = Context(model, ContextParams(n_ctx=32768, n_seq_max=16, n_batch=512,
                                       threads=threads, flash_attn=flash_attn,
                                       kv_unified=False))
+    prompt = deep_prompt(model)[:depth]
     for s in range(16):
         for a in range(0, depth, 512):
-            ctx.decode([(s, a, deep_prompt(model)[a:min(depth, a + 512)], False)])
+            ctx.decode([(s, a, prompt[a:a + 512], False)])
     return ctx
 
 
-def timed_step(ctx: Context, items: list[tuple[int, int, list[int], bool]],
-               reps: int = 6) -> float:
+def timed_step(ctx: Context, items: list[DecodeItem], reps: int = 6) -> float:
     """Median ms of one ``decode(items)``, each rep on the same cells (the first rep,
     which may build the graph, is not counted)."""
     times = []
