@@ -17,6 +17,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar, get_args
 
 import msgspec
@@ -48,6 +49,7 @@ from forged.http.lifetime import RequestResources, resources
 from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.models import model_list, model_object, system_fingerprint
 from forged.http.responses import (
+    HTTPError,
     error_response,
     from_exception,
     http_error,
@@ -79,8 +81,10 @@ from forged.http.tools import ToolPlan
 from forged.retrieval.store import cursor_names
 
 access_log = logging.getLogger("forged.access")
-# llama.cpp's routes outside /v1/: they need an API key as /v1/ does.
-_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize")
+# Routes outside /v1/ that need an API key as /v1/ does: llama.cpp's and Ollama's (/api/).
+_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize", "/completion", "/props",
+                "/apply-template", "/embedding")
+_KEYED_PREFIXES = ("/v1/", "/api/")
 T = TypeVar("T")
 
 
@@ -97,7 +101,31 @@ def create_app(state: AppState) -> QuartTrio:
     _add_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    _add_dialects(app, state)
     return app
+
+
+# How a dialect (Ollama's, Anthropic's) renders an error, by the path prefix of its routes;
+# every other path gets OpenAI's error body.
+ErrorShape = Callable[[HTTPError], Response]
+_SHAPES = "FORGED_ERROR_SHAPES"
+
+
+def add_error_shape(app: QuartTrio, prefix: str, shape: ErrorShape) -> None:
+    app.config.setdefault(_SHAPES, []).append((prefix, shape))
+
+
+def _error_shape(app: QuartTrio) -> ErrorShape:
+    for prefix, shape in app.config.get(_SHAPES, []):
+        if request.path.startswith(prefix):
+            return shape  # type: ignore[no-any-return]
+    return error_response
+
+
+def _add_dialects(app: QuartTrio, state: AppState) -> None:
+    """The other APIs' routes: each dialect is a module that translates its bodies to
+    the one engine request (through :func:`run_chat` and :func:`run_completion`) and
+    back. They import this module, so they are imported here, not at its top."""
 
 
 def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
@@ -108,7 +136,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
     async def _request_id() -> None:
         g.request_id = uuid.uuid4().hex
         g.started = time.monotonic()
-        if state.keys.enabled and (request.path.startswith("/v1/")
+        if state.keys.enabled and (request.path.startswith(_KEYED_PREFIXES)
                                    or request.path in _KEYED_PATHS):
             g.key = await _authenticate(state)
 
@@ -131,11 +159,15 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
 
 
 async def _authenticate(state: AppState) -> KeyEntry:
-    key = state.keys.lookup(request.headers.get("Authorization"))
+    # Anthropic's clients send the key as x-api-key; every other client as a Bearer token.
+    given = request.headers.get("Authorization")
+    if given is None and (x_api_key := request.headers.get("x-api-key")) is not None:
+        given = f"Bearer {x_api_key}"
+    key = state.keys.lookup(given)
     if key is None:
         await _drain_body()  # keep the client's keep-alive connection usable
         raise e.Unauthorized("Incorrect or missing API key: send "
-                             "'Authorization: Bearer <key>'.")
+                             "'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
     return key
 
 
@@ -154,8 +186,8 @@ def _add_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 400
-        resp = error_response(http_error(status, exc.description or exc.name,
-                                         "invalid_request_error"))
+        resp = _error_shape(app)(http_error(status, exc.description or exc.name,
+                                            "invalid_request_error"))
         if status in (408, 413):
             # The rest of the body was never read: this connection cannot be reused.
             resp.headers["Connection"] = "close"
@@ -163,7 +195,7 @@ def _add_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(e.ForgedError)
     async def _domain_error(exc: e.ForgedError) -> Response:
-        return error_response(from_exception(exc))
+        return _error_shape(app)(from_exception(exc))
 
 
 def _add_info_routes(app: QuartTrio, state: AppState) -> None:
@@ -208,29 +240,11 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
         req = await _decoded(state, completion_decoder, refuse=True)
-        group = _use_model(state, req.model)
-        asked = completion_asked(req)
-        prompt, found = await _completion_prompt(state, group, req)
-        fmt = with_retrieved(_completion_format(group, req, prompt, asked), found)
-        try:
-            return await _run(state, group, req, prompt, req.max_tokens, fmt, asked=asked)
-        except e.ContextTooLong as exc:
-            exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
-            raise
+        return await run_completion(state, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        req = await _decoded(state, chat_decoder, refuse=True)
-        group = _use_model(state, req.model)
-        found = await context(state, group.prompter, req.repo, g.get("key"),
-                              last_user_text(req))
-        req = chat_with_context(req, found)
-        prompt = await chat_prompt(state, group, req)
-        plan, asked = prompt.tools, chat_asked(req)
-        return await _run(state, group, req, prompt.tokens,
-                          req.max_completion_tokens or req.max_tokens,
-                          with_retrieved(_chat_format(group, req, plan, asked), found),
-                          grammar=plan.grammar if plan else None, asked=asked)
+        return await run_chat(state, await _decoded(state, chat_decoder, refuse=True))
 
     @app.post("/infill")
     async def infill() -> Response:
@@ -244,6 +258,37 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         except e.ContextTooLong as exc:
             exc.param = "input_prefix"
             raise
+
+
+async def run_chat(state: AppState, req: ChatRequest,
+                   shape: type[sse.ChatFormat] = sse.ChatFormat) -> Response:
+    """A chat completion of ``req``, answered in ``shape``: OpenAI's chat objects by
+    default; a dialect that translated its body to a ChatRequest passes its own."""
+    group = _use_model(state, req.model)
+    found = await context(state, group.prompter, req.repo, g.get("key"),
+                          last_user_text(req))
+    req = chat_with_context(req, found)
+    prompt = await chat_prompt(state, group, req)
+    plan, asked = prompt.tools, chat_asked(req)
+    return await _run(state, group, req, prompt.tokens,
+                      req.max_completion_tokens or req.max_tokens,
+                      with_retrieved(_chat_format(group, req, plan, asked, shape), found),
+                      grammar=plan.grammar if plan else None, asked=asked)
+
+
+async def run_completion(state: AppState, req: CompletionRequest,
+                         shape: type[sse.CompletionFormat] = sse.CompletionFormat
+                         ) -> Response:
+    """A completion of ``req``, answered in ``shape`` (as :func:`run_chat`)."""
+    group = _use_model(state, req.model)
+    asked = completion_asked(req)
+    prompt, found = await _completion_prompt(state, group, req)
+    fmt = with_retrieved(_completion_format(group, req, prompt, asked, shape), found)
+    try:
+        return await _run(state, group, req, prompt, req.max_tokens, fmt, asked=asked)
+    except e.ContextTooLong as exc:
+        exc.param = "prompt"  # a completion's prompt is `prompt`, not chat's `messages`
+        raise
 
 
 def configure(app: QuartTrio, cfg: Config) -> None:
@@ -334,7 +379,7 @@ def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int]:
 
 
 def _completion_format(group: ModelGroup, req: CompletionRequest, tokens: list[int],
-                       asked: Asked) -> sse.MakeFormat:
+                       asked: Asked, shape: type[sse.CompletionFormat]) -> sse.MakeFormat:
     """The answer's shape: with logprobs, and with ``echo``, the prompt as given (or the
     text of the token ids given) before the completion."""
     echo = None
@@ -342,20 +387,20 @@ def _completion_format(group: ModelGroup, req: CompletionRequest, tokens: list[i
         given = _one_prompt(req.prompt)
         text = given if isinstance(given, str) else group.prompter.detokenize(tokens)
         echo = sse.Echo(text, tokens, asked.prompt)
-    return functools.partial(sse.CompletionFormat, echo=echo,
+    return functools.partial(shape, echo=echo,
                              fingerprint=system_fingerprint(group),
                              vocab=None if asked.top is None else group.prompter)
 
 
 def _chat_format(group: ModelGroup, req: ChatRequest, plan: ToolPlan | None,
-                 asked: Asked) -> sse.MakeFormat:
+                 asked: Asked, shape: type[sse.ChatFormat]) -> sse.MakeFormat:
     """The answer's shape: the calls parsed out when the model may make them, and
     logprobs when asked."""
     calls = plan is not None and plan.parse
     if calls and request_grammar(req) is not None:
         raise e.BadRequest("response_format cannot be combined with tool calls "
                            "(tool_choice 'none' allows it)", param="response_format")
-    return functools.partial(sse.ChatFormat, tools=calls,
+    return functools.partial(shape, tools=calls,
                              fingerprint=system_fingerprint(group),
                              vocab=None if asked.top is None else group.prompter)
 

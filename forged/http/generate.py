@@ -158,7 +158,7 @@ async def generate(state: AppState, group: ModelGroup, req: Any, request: Reques
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = _stream(state, rs, first, out, include_usage, outcome)
-            return Response(body, content_type="text/event-stream",
+            return Response(body, content_type=out.content_type,
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         whole = await _collect(state, rs, first, out, outcome, keep=req.n)
         return json_response(whole)
@@ -317,13 +317,13 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                             return
                     case fr.Failed():
                         outcome.end = "error"
-                        yield sse.error_event(from_exception(_failure(state, ev)))
+                        yield out.error(from_exception(_failure(state, ev)))
                         return
             events = await _next_events(state, rs)
         outcome.end = "drain"
-        yield sse.error_event(http_error(
+        yield out.error(http_error(
             503, "the server is shutting down; the stream was cut short",
             "server_error", None, "draining", state.cfg.limits.retry_after))
     except e.ForgedError as exc:
         outcome.end = "error"
-        yield sse.error_event(from_exception(exc))
+        yield out.error(from_exception(exc))

@@ -48,6 +48,8 @@ class Format:
     object_whole: ClassVar[str]
     object_chunk: ClassVar[str]
     id_prefix: ClassVar[str]
+    # A dialect whose stream is not SSE (Ollama's NDJSON) says so here.
+    content_type: ClassVar[str] = "text/event-stream"
     # The repository chunks the prompt drew on (forged.http.retrieve), when it did:
     # named in the whole response, and in a chunk of their own before [DONE].
     retrieved: list[dict[str, Any]] | None = None
@@ -72,6 +74,10 @@ class Format:
 
     def start(self) -> bytes:
         return b""
+
+    def error(self, err: HTTPError) -> bytes:
+        """The stream's last frame when it fails after it began, in the dialect's shape."""
+        return error_event(err)
 
     def delta(self, text: str, index: int = 0,
               logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
