@@ -150,7 +150,8 @@ def cmd_model_swap(args: argparse.Namespace) -> int:
     body = {"path": str(Path(args.path).absolute()), "model": args.model}
     try:
         status, answer = admin_call(admin, "POST", "/models/swap", body,
-                                    timeout=cfg.engine.startup_timeout + 90)
+                                    timeout=cfg.engine.startup_timeout + 90,
+                                    token=cfg.server.admin_token)
     except ForgedError as exc:
         print(f"forged: {exc}", file=sys.stderr)
         return 1

@@ -34,6 +34,14 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
+    # TLS on the API listener: a PEM certificate chain and its key. Both empty: plain
+    # HTTP. A reload (SIGHUP) reads the files again, so a renewed certificate is used
+    # from the next connection on.
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The token that admin actions (a model swap) need when the admin listener is on
+    # TCP; empty: on TCP, actions are refused and only statistics and metrics are served.
+    admin_token: str = ""
     # HAProxy's agent check (HOST:PORT, never the API's): one line per connection, the
     # node's weight or its state (docs/operations.md). Empty: no agent.
     agent_listen: str = ""
@@ -51,6 +59,11 @@ class ServerConfig(_Section, frozen=True):
     # Seconds allowed to receive a request body.
     read_timeout: Seconds = 30.0
     max_body_bytes: Positive = 4 * 1024 * 1024
+    # Threads for the door's CPU work that grows with a request (large JSON bodies,
+    # tokenizing, chat templates, grammars, pieces), so the event loop never does it.
+    # A request waits at most door_timeout seconds for one, then gets a 503.
+    door_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    door_timeout: Seconds = 10.0
     status_interval: Seconds = 5.0
     # Where forged keeps state; checked to be writable at startup (exit 73 if not).
     state_dir: str = "/var/lib/forged"
@@ -283,6 +296,9 @@ def _check(path: Path, cfg: Config) -> None:
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
     _check_agent_listen(path, cfg.server)
     _check_model_ids(path, cfg)
+    if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
+        raise ConfigError(f"{path}: server.tls_cert and server.tls_key: set both (TLS) "
+                          "or neither (plain HTTP)")
 
 
 def _check_model_ids(path: Path, cfg: Config) -> None:
@@ -363,13 +379,14 @@ def with_overrides(
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
     "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
+    "server.tls_cert", "server.tls_key",
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
     "engine.flash_attn", "engine.max_running",
     "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
     "engine.cache_disk_mib",
-    "retrieval.search_threads",
+    "retrieval.search_threads", "server.door_threads",
 )
 
 

@@ -100,6 +100,10 @@ def test_1_install(box: BootedContainer) -> None:
     assert box.run("systemctl is-active forged", check=False).stdout.strip() == "inactive"
     stat = box.run("stat -c '%U:%G %a' /etc/forged/forged.toml").stdout.strip()
     assert stat == "root:forged 640"
+    # A self-signed TLS pair for a fresh appliance, its key readable by the daemon only.
+    stat = box.run("stat -c '%U:%G %a' /etc/forged/tls/forged.key").stdout.strip()
+    assert stat == "root:forged 640"
+    box.run("openssl x509 -noout -in /etc/forged/tls/forged.crt")
     # The HAProxy configuration for a pool (README, "More than one node").
     box.run("grep -q 'agent-check' /usr/share/forged/haproxy/forged.cfg")
     # The hourly index update: the timer runs, and its service succeeds as the daemon's

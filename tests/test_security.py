@@ -3,6 +3,7 @@ and a fuzzer posting thousands of generated bodies to every endpoint."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -314,16 +316,37 @@ code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
                                       "content": st.one_of(st.text(max_size=30), values)})
+# Issue 30: what took the daemon down or gave a 500. Every repetition keyword at 10^5 to
+# 10^9, deep nesting, huge enums; llama.cpp's grammar nested deeper than its parser
+# recurses; digits that are not ASCII; JSON nested deep inside a string that is parsed.
+_huge = st.sampled_from([10**5, 10**6, 10**7, 10**9])
+schema_bombs = st.one_of(
+    st.builds(lambda k, n: {"type": "string", k: n},
+              st.sampled_from(["minLength", "maxLength"]), _huge),
+    st.builds(lambda k, n: {"type": "array", "items": {"type": "integer"}, k: n},
+              st.sampled_from(["minItems", "maxItems"]), _huge),
+    st.builds(lambda n: {"type": "string", "pattern": f"^a{{{n}}}$"}, _huge),
+    st.builds(lambda n: {"enum": list(range(n))}, st.sampled_from([10**4, 10**5])),
+    st.integers(33, 200).map(lambda n: functools.reduce(
+        lambda inner, _: {"type": "array", "items": inner}, range(n), {"type": "null"})),
+)
+gbnf_bombs = st.integers(2000, 60000).map(lambda n: "root ::= " + "(" * n + '"a"' + ")" * n)
+# Superscript two, Arabic-Indic three, Devanagari one two, mathematical bold nine.
+unicode_digits = st.sampled_from(["\u00b2", "\u0663", "\u0967\u0968", "\U0001d7d7", "4\u00b2"])
+_deep_json = st.integers(65, 3000).map(lambda n: "[" * n + "]" * n)
+deep_call = st.builds(lambda args: {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]},
+    _deep_json)
 structured = st.fixed_dictionaries({}, optional={
     "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 60000), max_size=5),
                         values),
-    "messages": st.one_of(st.lists(good_message, max_size=3), values),
+    "messages": st.one_of(st.lists(st.one_of(good_message, deep_call), max_size=3), values),
     "max_tokens": st.one_of(st.integers(-3, 5000), values),
     "temperature": st.one_of(st.floats(-1, 3), values),
     "stream": st.one_of(st.booleans(), values),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=10), values),
-    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=6), st.floats(-200, 200),
-                                            max_size=3), values),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.text(max_size=6), unicode_digits),
+                                            st.floats(-200, 200), max_size=3), values),
     "top_p": values, "seed": values,
     # n choices: within the cap, past it, past what a worker runs at once; best_of.
     "n": st.one_of(st.integers(-1, 20), values),
@@ -350,7 +373,9 @@ structured = st.fixed_dictionaries({}, optional={
     "chat_template_kwargs": st.one_of(st.dictionaries(
         st.sampled_from(["enable_thinking", "messages", "tools", "x", ""]), values,
         max_size=2), values),
-    "content": st.one_of(st.text(max_size=20), values),
+    # /tokenize: now and then a content of half a megabyte, with pieces
+    "content": st.one_of(st.text(max_size=20), values,
+                         st.just("def f(x):\n    return x\n" * 20000)),
     "with_pieces": values, "add_special": values, "parse_special": values,
     "tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=5), values),
     "modalities": values, "store": values, "typical_p": values,
@@ -365,11 +390,14 @@ structured = st.fixed_dictionaries({}, optional={
         {"type": "json_schema", "json_schema": {"schema": {"oneOf": [{"type": "null"}]}}},
         {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
         {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
-        {"type": "json_object", "schema": {"enum": [1, "a", None]}}]), values),
-    "json_schema": st.one_of(st.just({"type": "string", "maxLength": 3}), values),
+        {"type": "json_object", "schema": {"enum": [1, "a", None]}}]),
+        schema_bombs.map(lambda b: {"type": "json_schema", "json_schema": {"schema": b}}),
+        values),
+    "json_schema": st.one_of(st.just({"type": "string", "maxLength": 3}), schema_bombs,
+                             values),
     "grammar": st.one_of(st.sampled_from(['root ::= "a"', "root ::= ", 'x ::= "y"',
                                           'root ::= [^\\x00]*']), st.text(max_size=12),
-                         values),
+                         gbnf_bombs, values),
     "guided_json": st.one_of(st.just({"type": "boolean"}), values),
     "guided_choice": st.one_of(st.lists(st.text(max_size=6), max_size=3), values),
     "tools": st.one_of(st.lists(st.fixed_dictionaries(
@@ -422,8 +450,9 @@ def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
     d = start(tmp_path, fim_model, engine={**ENGINE, "max_running": 16},
               limits={"max_queued": 1024, "default_max_tokens": 16})
     posted: list[tuple[str, str, bytes]] = []
+    restarts = worker_restarts(d)
     try:
-        with httpx.Client(base_url=d.url, timeout=60) as client:
+        with httpx.Client(base_url=d.url, timeout=60) as client, _HealthWatch(d.url) as health:
 
             @settings(max_examples=5200, deadline=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
@@ -441,11 +470,42 @@ def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
 
             post()
         assert len(posted) >= 5000
+        assert health.slowest < 1.0, f"/health took {health.slowest:.2f} s"
+        assert worker_restarts(d) == restarts  # no input cost a worker
         assert httpx.get(d.url + "/health").status_code == 200
         t = admin_stats(d)["engine"]["totals"]
         assert t["running"] == 0 and t["kv_cells_active"] == 0
     finally:
         d.stop()
+
+
+def worker_restarts(d: DaemonProcess) -> int:
+    return sum(int(w["restarts"]) for w in admin_stats(d)["engine"]["workers"])
+
+
+class _HealthWatch:
+    """Asks /health every 0.2 s in a thread while the block runs; ``slowest`` is the
+    longest answer (bounded: each ask times out at 30 s)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slowest = url + "/health", 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.wait(0.2):
+                t0 = time.monotonic()
+                c.get(self.url)
+                self.slowest = max(self.slowest, time.monotonic() - t0)
+
+    def __enter__(self) -> _HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
 
 
 def _check_answer(r: httpx.Response, path: str, body: bytes) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import time
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,7 @@ from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
 from forged.daemon.models import Swapper, SwapRefused, open_group, run_group
 from forged.daemon.notify import Notifier, watchdog_interval
+from forged.daemon.tls import TLS
 from forged.engine.groups import ModelGroup, Models, Stamp, file_stamp
 from forged.engine.pool import EnginePool
 from forged.http.admin import create_admin_app
@@ -123,6 +125,7 @@ class Daemon:
         # Kept for reloads, which change some of their settings live.
         self._api_app: QuartTrio | None = None
         self._hyper_configs: list[HyperConfig] = []
+        self._tls: TLS | None = None  # the API listener's, when server.tls_cert is set
         self.agent_bind: str | None = None  # the agent check's address, once listening
         self.keys = KeyStore.load(Path(cfg.auth.keys_file))
         if not self.keys.enabled:
@@ -192,7 +195,14 @@ class Daemon:
         fds = _listen_fds()
         api_bind = f"fd://{fds[0]}" if fds else self.cfg.server.listen
         self._api_app = create_app(state)
-        binds = await self._serve(http, self._api_app, api_bind)
+        server = self.cfg.server
+        if server.tls_cert:
+            try:
+                self._tls = TLS(server.tls_cert, server.tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise fc.ConfigError(f"server.tls_cert {server.tls_cert} and server.tls_key "
+                                     f"{server.tls_key}: {exc}") from exc
+        binds = await self._serve(http, self._api_app, api_bind, self._tls)
         admin = self.cfg.server.admin_listen
         if admin.startswith("unix:"):
             Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +211,11 @@ class Daemon:
         log.info("admin listener on %s", ", ".join(admin_binds))
         return binds
 
-    async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str) -> list[str]:
+    async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str,
+                     tls: TLS | None = None) -> list[str]:
         hc = _hyper_config(self.cfg, bind)
+        if tls is not None:
+            tls.serve_with(hc)
         self._hyper_configs.append(hc)
         try:
             binds: list[str] = await http.start(partial(
@@ -289,6 +302,8 @@ class Daemon:
             configure(self._api_app, new)
         for hc in self._hyper_configs:
             _live_server_settings(hc, new)
+        if self._tls is not None:
+            self._tls.reload()
         logging.getLogger().setLevel(new.log.level.upper())
         live = [k for k in changed if k not in restart]
         log.info("reloaded %s; applied: %s; %d API keys", self.config_path,

@@ -202,8 +202,20 @@ from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 
 
 def encode(frame: ToWorker | FromWorker) -> bytes:
+    """The frame on the wire. Raises FrameTooLarge past MAX_FRAME, which the reader
+    would refuse (the pool checks a request's size before it is queued)."""
     body = _encoder.encode(frame)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(body)} bytes is over the {MAX_FRAME} limit")
     return _LEN.pack(len(body)) + body
+
+
+def encoded_size(frame: ToWorker | FromWorker) -> int:
+    return len(_encoder.encode(frame))
+
+
+class FrameTooLarge(ValueError):
+    pass
 
 
 class FrameBuffer:

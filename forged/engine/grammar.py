@@ -43,6 +43,18 @@ _WHY = {
     "oneOf": "a grammar cannot enforce that exactly one branch matches; use anyOf",
 }
 _MAX_SCHEMA_BYTES = 64 * 1024
+# Bounds on what a grammar may cost. llama-cpp-python's converter writes a repetition
+# out in full, one nesting level per optional item (``maxLength: 200000`` is a grammar
+# 200,000 levels deep), and llama.cpp's parser recurses once per level, on the stack of
+# whichever thread checks the grammar: deep enough, the whole process dies (SIGSEGV).
+# llama.cpp itself refuses repetitions over 2,000 (MAX_REPETITION_THRESHOLD); forged
+# refuses them earlier, before converting, and bounds the result's size and nesting.
+MAX_REPETITION = 1000
+MAX_GRAMMAR_BYTES = 256 * 1024
+MAX_GRAMMAR_DEPTH = 1200  # a full MAX_REPETITION nests about MAX_REPETITION deep
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+# A repetition in a regex pattern: x{n}, x{n,}, x{n,m}.
+_PATTERN_COUNT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 # llama-cpp-python's converter lets a string hold raw control characters, which JSON
 # forbids (llama.cpp's own converter and JSON grammar exclude them): its rule, mended.
 _LOOSE_CHAR = r'char ::= [^"\\] |'
@@ -59,7 +71,36 @@ def schema_grammar(schema: Any, param: str) -> Grammar:
         raise e.BadRequest(f"the JSON schema is larger than {_MAX_SCHEMA_BYTES} bytes",
                            param=param)
     check_schema(schema, param)
-    return Grammar(gbnf=_convert(schema, "", param))
+    gbnf = _convert(schema, "", param)
+    check_gbnf(gbnf, param)
+    return Grammar(gbnf=gbnf)
+
+
+def check_gbnf(gbnf: str, param: str) -> None:
+    """A BadRequest unless llama.cpp's recursive parser can read ``gbnf`` safely: at
+    most MAX_GRAMMAR_BYTES, its groups nested at most MAX_GRAMMAR_DEPTH deep."""
+    if len(gbnf) > MAX_GRAMMAR_BYTES:
+        raise e.BadRequest(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes "
+                           f"({len(gbnf)}); lower its repetition counts", param=param)
+    if (depth := gbnf_depth(gbnf)) > MAX_GRAMMAR_DEPTH:
+        raise e.BadRequest(f"the grammar nests {depth} levels deep, more than "
+                           f"{MAX_GRAMMAR_DEPTH}; lower its repetition counts", param=param)
+
+
+# What the depth scan skips: a quoted literal, a character class, a comment.
+_GBNF_SKIP = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+
+
+def gbnf_depth(gbnf: str) -> int:
+    """The deepest nesting of parentheses in ``gbnf``, outside literals and classes."""
+    depth = deepest = 0
+    for ch in _GBNF_SKIP.sub("", gbnf):
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    return deepest
 
 
 def _convert(schema: dict[str, Any], name: str, param: str) -> str:
@@ -104,11 +145,32 @@ def check_schema(node: Any, where: str, depth: int = 0) -> None:
             why = _WHY.get(key, "the grammar cannot enforce it")
             raise e.BadRequest(f"the JSON schema keyword {key!r} is not supported ({why})",
                                param=at)
+        if key in _COUNTS:
+            _check_count(value, at)
+        if key == "pattern":
+            _check_pattern(value, at)
         if key == "format" and value not in _FORMATS:
             raise e.BadRequest(f"the string format {value!r} is not supported; forged "
                                f"enforces {', '.join(sorted(_FORMATS))}", param=at)
         for i, sub in _subschemas(key, value):
             check_schema(sub, f"{at}{i}", depth + 1)
+
+
+def _check_count(value: Any, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise e.BadRequest(f"{where} must be a non-negative integer", param=where)
+    if value > MAX_REPETITION:
+        raise e.BadRequest(f"{where} is {value}; a grammar can enforce at most "
+                           f"{MAX_REPETITION}", param=where)
+
+
+def _check_pattern(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise e.BadRequest(f"{where} must be a string", param=where)
+    for m in _PATTERN_COUNT.finditer(value):
+        if max(int(n) for n in m.groups() if n) > MAX_REPETITION:
+            raise e.BadRequest(f"{where} repeats {m.group()}; a grammar can enforce at "
+                               f"most {MAX_REPETITION} repetitions", param=where)
 
 
 def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:

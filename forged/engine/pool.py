@@ -226,15 +226,18 @@ class EnginePool:
         self.pending[index].clear()
         for rs in lost:
             if rs.admitted:
-                self._suspects[rs.fingerprint] = self._suspects.get(rs.fingerprint, 0) + 1
-                self._suspects.move_to_end(rs.fingerprint)
+                self._suspect(rs.fingerprint, 1)
                 rs.fail(WorkerLost(why))
-        while len(self._suspects) > _SUSPECTS_KEPT:
-            self._suspects.popitem(last=False)
         # After the count: a prompt beside which one ran is a suspect too.
         for rs in lost:
             if not rs.admitted:
                 self._resubmit(rs, why)
+
+    def _suspect(self, fingerprint: int, crashes: int) -> None:
+        self._suspects[fingerprint] = self._suspects.get(fingerprint, 0) + crashes
+        self._suspects.move_to_end(fingerprint)
+        while len(self._suspects) > _SUSPECTS_KEPT:
+            self._suspects.popitem(last=False)
 
     # --- resubmission --------------------------------------------------------------------
 
@@ -242,6 +245,10 @@ class EnginePool:
         """Submit again a request whose worker was lost before admitting it; with no
         worker ready, park it until one is (or its wait runs out)."""
         if rs.resubmits >= RESUBMITS or rs.fingerprint in self._suspects:
+            if rs.resubmits >= RESUBMITS:
+                # In every crash of its RESUBMITS + 1 workers before one admitted it: a
+                # frame that kills a worker as it is read does that. It is a suspect.
+                self._suspect(rs.fingerprint, CRASHES_TO_REFUSE)
             rs.fail(WorkerLost(why))
             return
         rs.resubmits += 1
@@ -302,6 +309,15 @@ class EnginePool:
                              retry_after_seconds(wait - lim.queue_timeout))
         return routable
 
+    def would_wait(self, places: int) -> bool:
+        """Whether a request of ``places`` sequences would wait for a slot now: no
+        ready worker has that many running places free. (An estimate: the KV cells and
+        the queue ahead are the scheduler's to judge.)"""
+        if self._parked:
+            return True
+        return all(sum(rs.request.n for rs in self.pending[w.index].values()) + places
+                   > self.limits.max_running for w in self._routable())
+
     def _routable(self) -> list[WorkerSupervisor]:
         now = time.monotonic()
         return [w for w in self.workers if w.routable(now)]
@@ -322,13 +338,18 @@ class EnginePool:
     async def open_request(self, request: Request) -> AsyncIterator[RequestStream]:
         """Submit ``request`` and yield its stream; leaving the block cancels it if
         unfinished."""
-        fingerprint = hash(tuple(request.prompt))
+        # Per tenant: one tenant's crashes never get another tenant's prompt refused.
+        fingerprint = hash((request.tenant, tuple(request.prompt)))
         if self._suspects.get(fingerprint, 0) >= CRASHES_TO_REFUSE:
             raise BadRequest("this prompt was running when the model worker crashed, "
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")
         routable = self.check_capacity()
         rs = RequestStream(next(self._rids), request, fingerprint)
+        if (size := fr.encoded_size(fr.Submit(rid=rs.rid, request=request))) > fr.MAX_FRAME:
+            # A worker would refuse the frame, and die of it.
+            raise BadRequest(f"the request is {size} bytes on the wire to the model "
+                             f"worker, more than its {fr.MAX_FRAME} limit")
         self._submit(rs, self._route(request, routable))
         try:
             yield rs

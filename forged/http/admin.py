@@ -1,11 +1,15 @@
 """The admin listener: statistics and health details, never exposed on the API port.
 
 By default it listens on a Unix socket under ``/run/forged/``, so only local users
-with access to that directory (root and the forged group) can reach it.
+with access to that directory (root and the forged group) can reach it. On TCP (for a
+Prometheus on another host), statistics, metrics and health stay open to whoever can
+reach the port, but actions (a model swap) need ``server.admin_token`` as a bearer
+token, and are refused when none is set.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 
 import msgspec
@@ -53,7 +57,25 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
 def _add_swap(app: QuartTrio, state: AppState) -> None:
     @app.post("/models/swap")
     async def swap() -> Response:
+        if (refused := _refuse_action(state)) is not None:
+            return refused
         return await _swap(state)
+
+
+def _refuse_action(state: AppState) -> Response | None:
+    """The answer to an admin action its caller may not take, or None if it may: on a
+    Unix socket, the socket's permissions decide; on TCP, the admin token."""
+    server = state.cfg.server
+    if server.admin_listen.startswith("unix:"):
+        return None
+    if not server.admin_token:
+        return _answer({"error": "admin actions are off on a TCP admin listener without "
+                                 "server.admin_token"}, 403)
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {server.admin_token}".encode()):
+        return _answer({"error": "admin actions need 'Authorization: Bearer "
+                                 "<server.admin_token>'"}, 401)
+    return None
 
 
 class SwapRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar, get_args
 
 import msgspec
-import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -45,6 +44,7 @@ from forged.http.infill import (
     infill_tokens,
     requested_tokens,
 )
+from forged.http.keylimits import capped_priority, hold_generation, hold_side
 from forged.http.lifetime import RequestResources, resources
 from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.models import model_list, model_object, system_fingerprint
@@ -73,9 +73,10 @@ from forged.http.schemas import (
     body_error,
     chat_decoder,
     completion_decoder,
+    json_depth,
 )
-from forged.http.state import AppState, KeyUsage
-from forged.http.structured import request_grammar
+from forged.http.state import AppState
+from forged.http.structured import asks_grammar, request_grammar
 from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokenize_decoder
 from forged.http.tools import ToolPlan
 from forged.retrieval.store import cursor_names
@@ -217,8 +218,8 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:
-        return json_response(await tokenize(state, await _decoded(
-            state, tokenize_decoder, engine=False)))
+        req = await _decoded(state, tokenize_decoder, engine=False)
+        return Response(await tokenize(state, req), content_type="application/json")
 
     @app.post("/v1/retrieve")
     async def retrieve_route() -> Response:
@@ -249,7 +250,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/infill")
     async def infill() -> Response:
         req = await _decoded(state, infill_decoder)
-        group = _use_model(state, req.model)
+        group = _use_model(state, req)
         found = await infill_context(state, group, req, g.get("key"))
         prompt = await infill_tokens(state, group, req, found)
         try:
@@ -264,7 +265,7 @@ async def run_chat(state: AppState, req: ChatRequest,
                    shape: type[sse.ChatFormat] = sse.ChatFormat) -> Response:
     """A chat completion of ``req``, answered in ``shape``: OpenAI's chat objects by
     default; a dialect that translated its body to a ChatRequest passes its own."""
-    group = _use_model(state, req.model)
+    group = _use_model(state, req)
     found = await context(state, group.prompter, req.repo, g.get("key"),
                           last_user_text(req))
     req = chat_with_context(req, found)
@@ -280,7 +281,7 @@ async def run_completion(state: AppState, req: CompletionRequest,
                          shape: type[sse.CompletionFormat] = sse.CompletionFormat
                          ) -> Response:
     """A completion of ``req``, answered in ``shape`` (as :func:`run_chat`)."""
-    group = _use_model(state, req.model)
+    group = _use_model(state, req)
     asked = completion_asked(req)
     prompt, found = await _completion_prompt(state, group, req)
     fmt = with_retrieved(_completion_format(group, req, prompt, asked, shape), found)
@@ -318,6 +319,8 @@ async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
     body = await _read_body(state)
     if engine:
         state.check_capacity()
+    else:  # the door's other routes: one place of the key's, before any work
+        _hold_side(state)
     try:
         decoded = await _decode(state, decoder, body)
         if refuse:
@@ -337,20 +340,8 @@ async def _read_body(state: AppState) -> bytes:
     return data
 
 
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
-
-
-def _json_depth(body: bytes) -> int:
-    """Deepest nesting of arrays and objects, skipping brackets inside strings."""
-    depth = deepest = 0
-    for m in _JSON_TOKENS.finditer(body):
-        tok = m.group()
-        if tok in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif tok in (b"]", b"}"):
-            depth -= 1
-    return deepest
+# A body this small decodes in well under a millisecond: on the loop, no thread hop.
+_SMALL_BODY = 64 * 1024
 
 
 async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes) -> T:
@@ -358,10 +349,12 @@ async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes
     # Depth can only pass the limit with more brackets than the limit: scan only then,
     # and in a thread, since a body of brackets up to max_body_bytes takes a while.
     if body.count(b"[") + body.count(b"{") > limit and \
-            await trio.to_thread.run_sync(_json_depth, body) > limit:
+            await state.off_loop(json_depth, body) > limit:
         raise e.BadRequest(f"the JSON body is nested deeper than {limit} levels")
     try:
-        return decoder.decode(body)
+        if len(body) <= _SMALL_BODY:
+            return decoder.decode(body)
+        return await state.off_loop(decoder.decode, body)
     except RecursionError as exc:  # msgspec's own guard, below our limit's reach
         raise e.BadRequest("the JSON body is nested too deeply") from exc
 
@@ -397,7 +390,7 @@ def _chat_format(group: ModelGroup, req: ChatRequest, plan: ToolPlan | None,
     """The answer's shape: the calls parsed out when the model may make them, and
     logprobs when asked."""
     calls = plan is not None and plan.parse
-    if calls and request_grammar(req) is not None:
+    if calls and asks_grammar(req):
         raise e.BadRequest("response_format cannot be combined with tool calls "
                            "(tool_choice 'none' allows it)", param="response_format")
     return functools.partial(shape, tools=calls,
@@ -427,8 +420,8 @@ async def _completion_prompt(state: AppState, group: ModelGroup, req: Completion
                                 req.max_tokens), found
     assert isinstance(given, str)
     _refuse_raw_fim(group, given)
-    tokens = await trio.to_thread.run_sync(group.prompter.encode_completion,
-                                           as_snippets(found) + given)
+    tokens = await state.off_loop(group.prompter.encode_completion,
+                                  as_snippets(found) + given)
     if not tokens:
         raise e.BadRequest("the prompt is empty", param="prompt")
     return tokens, found
@@ -446,10 +439,12 @@ def _refuse_raw_fim(group: ModelGroup, text: str) -> None:
                            "model has none", param="prompt", code="fim_not_supported")
 
 
-def _use_model(state: AppState, model: str | None) -> ModelGroup:
-    """The group serving ``model``, held until the request ends (a swap drains a group
-    only once nobody holds it)."""
-    return resources().enter_context(state.models.use(model))
+def _use_model(state: AppState, req: Any) -> ModelGroup:
+    """The group serving ``req.model``, held until the request ends (a swap drains a
+    group only once nobody holds it), and the key's places for ``req`` on it."""
+    group = resources().enter_context(state.models.use(req.model))
+    _hold_key(state, group, req)
+    return group
 
 
 # --- generation --------------------------------------------------------------------------
@@ -468,7 +463,7 @@ def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
         asked = Asked(0, asked.prompt)
     return Request(
         prompt=prompt, max_tokens=max_tokens, n=n,
-        priority=req.priority or (key.priority if key else lim.default_priority),
+        priority=capped_priority(req.priority, key, lim.default_priority),
         sampling=msgspec.structs.replace(_sampling(state, group, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
@@ -530,9 +525,10 @@ def _sampling(state: AppState, group: ModelGroup, req: Any) -> Sampling:
         if len(req.logit_bias) > state.cfg.limits.max_logit_bias:
             raise e.BadRequest("too many logit_bias entries", param="logit_bias")
         for key, value in req.logit_bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < group.prompter.n_vocab:
+            token = _token_id(key)
+            if token is None or not 0 <= token < group.prompter.n_vocab:
                 raise e.BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias")
-            bias.append((int(key), float(value)))
+            bias.append((token, float(value)))
     return Sampling(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
@@ -543,6 +539,15 @@ def _sampling(state: AppState, group: ModelGroup, req: Any) -> Sampling:
         order=SAMPLER_ORDER if req.samplers is None else _sampler_order(req.samplers),
         min_tokens=req.min_tokens,
     )
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def _token_id(key: str) -> int | None:
+    """A logit_bias key as a token id: ASCII digits only (``str.isdigit`` is true of
+    "²", which ``int`` refuses)."""
+    return int(key) if _TOKEN_ID.fullmatch(key) else None
 
 
 def _repeat_penalty(req: Any) -> float:
@@ -584,9 +589,7 @@ async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
                grammar: Grammar | None = None, asked: Asked | None = None) -> Response:
     """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own;
     ``asked``: the logprobs it wants."""
-    grammar = grammar or request_grammar(req)
-    if grammar is not None:
-        await _check_grammar(group, req, grammar)
+    grammar = await _grammar(state, group, req, grammar)
     engine_request = _request(state, group, req, prompt, requested, grammar,
                               asked or Asked())
     g.priority = engine_request.priority
@@ -598,39 +601,51 @@ async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
     # Recorded once, when the request ends, however it ends: this also gives the key
     # its places back (forged.http.lifetime).
     resources().callback(outcome.record, state)
-    if key is not None:
-        outcome.usage = _admit_key(state, key, engine_request.n)
-        outcome.places = engine_request.n
+    outcome.hold = g.get("hold")
     return await generate(state, group, req, engine_request, fmt, outcome)
 
 
-async def _check_grammar(group: ModelGroup, req: Any, grammar: Grammar) -> None:
+async def _grammar(state: AppState, group: ModelGroup, req: Any,
+                   tools: Grammar | None) -> Grammar | None:
+    """The request's grammar: the tools' (chat), else the body's own; converted and
+    checked by llama.cpp in one of the door's threads, since both grow with the input."""
+    if tools is None and not asks_grammar(req):
+        return None
     # A finished grammar allows only the end of generation: banning it (ignore_eos, or
     # min_tokens not yet reached) would leave the sampler no token at all.
     for field in ("ignore_eos", "min_tokens"):
         if getattr(req, field):
             raise e.BadRequest(f"{field} cannot be combined with a grammar, a JSON schema "
                                "or tools", param=field)
+    return await state.off_loop(_checked_grammar, group, req, tools)
+
+
+def _checked_grammar(group: ModelGroup, req: Any, tools: Grammar | None) -> Grammar:
     try:
-        await trio.to_thread.run_sync(group.prompter.check_grammar, grammar)
+        grammar = tools or request_grammar(req)
+        assert grammar is not None  # asks_grammar said so
+        group.prompter.check_grammar(grammar)
+    except MemoryError as exc:
+        raise e.BadRequest("the grammar is too large to build", param="grammar") from exc
     except ValueError as exc:
         raise e.BadRequest("llama.cpp could not parse the grammar", param="grammar") from exc
+    return grammar
 
 
-def _admit_key(state: AppState, key: KeyEntry, places: int) -> KeyUsage:
-    """Per-key limits: over them this key gets 429 and every other key is unaffected.
-    A request takes a place per sequence it runs (``n`` choices take ``n``)."""
-    usage = state.key_usage.setdefault(key.name, KeyUsage())
-    retry = state.cfg.limits.retry_after
-    if places > key.max_streams:
-        raise e.BadRequest(f"API key {key.name!r} may run {key.max_streams} sequences at "
-                           f"once; this request asks for {places}", param="n")
-    if usage.open + places > key.max_streams:
-        raise e.RateLimited(f"API key {key.name!r} has {usage.open} sequences in flight; "
-                            f"{places} more would pass its limit", retry)
-    if usage.queued >= key.max_queued:
-        raise e.RateLimited(f"API key {key.name!r} has {usage.queued} requests queued, "
-                            f"its limit", retry)
-    usage.open += places
-    usage.queued += 1
-    return usage
+def _hold_key(state: AppState, group: ModelGroup, req: Any) -> None:
+    """Per-key limits, taken before any work that grows with the request: over them
+    this key gets 429 and every other key is unaffected. A request takes a place per
+    sequence it runs (``n`` choices, or ``best_of``, take as many)."""
+    key = g.get("key")
+    if key is None:
+        return
+    places = max(req.n, req.best_of or 0)
+    g.hold = hold_generation(state.key_usage, key, places,
+                             would_wait=group.pool.would_wait(places),
+                             retry_after=state.cfg.limits.retry_after)
+
+
+def _hold_side(state: AppState) -> None:
+    """Per-key limits of the door's other routes (tokenize, retrieve, events)."""
+    if (key := g.get("key")) is not None:
+        hold_side(state.key_usage, key, state.cfg.limits.retry_after)

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import trio
-
 from forged import errors as e
+from forged.config import LimitsConfig
 from forged.engine.groups import ModelGroup
 from forged.http.refused import part_error
 from forged.http.schemas import ChatMessage, ChatRequest
@@ -28,7 +27,12 @@ class ChatPrompt:
 
 
 async def chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest) -> ChatPrompt:
-    lim = state.cfg.limits
+    """The chat's tokens and tool plan, made in one of the door's threads: templates,
+    tool grammars and the messages' tool-call JSON all grow with the request."""
+    return await state.off_loop(_chat_prompt, state.cfg.limits, group, req)
+
+
+def _chat_prompt(lim: LimitsConfig, group: ModelGroup, req: ChatRequest) -> ChatPrompt:
     if len(req.messages) > lim.max_messages:
         raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -38,8 +42,7 @@ async def chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest) -> C
         tools = plan.tools
     else:  # the template knows nothing of tools: forged writes them into the turns
         messages = fold_into_messages(messages, plan.tools if plan else None)
-    tokens = await trio.to_thread.run_sync(group.prompter.encode_chat, messages, tools,
-                                           req.chat_template_kwargs)
+    tokens = group.prompter.encode_chat(messages, tools, req.chat_template_kwargs)
     return ChatPrompt(tokens, plan)
 
 

@@ -27,9 +27,10 @@ from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream, retry_after_seconds
 from forged.engine.request import Request
 from forged.http import sse
+from forged.http.keylimits import KeyHold
 from forged.http.lifetime import resources
 from forged.http.responses import from_exception, http_error, json_response
-from forged.http.state import AppState, KeyUsage
+from forged.http.state import AppState
 from forged.observe.telemetry import Completion
 
 access_log = logging.getLogger("forged.access")
@@ -52,8 +53,7 @@ class Outcome:
     queue_time: float | None = None
     ttft: float | None = None
     key: str = "-"
-    usage: KeyUsage | None = None
-    places: int = 1  # of the key's max_streams: one per choice
+    hold: KeyHold | None = None  # its places in its key's limits
     admitted: bool = False
     rs: RequestStream | None = None
     prefill: tuple[float, int] = (0.0, 0)  # admission to first token: seconds, steps
@@ -73,8 +73,8 @@ class Outcome:
                                           time.time(), duration * 1000))
 
     def mark_admitted(self) -> None:
-        if not self.admitted and self.usage is not None:
-            self.usage.queued -= 1
+        if self.hold is not None:
+            self.hold.admitted()
         self.admitted = True
 
     def responded(self, status: int) -> None:
@@ -92,10 +92,6 @@ class Outcome:
 
     def record(self, state: AppState) -> None:
         """Called once, by the request's resources when the request ends."""
-        if self.usage is not None:  # give the key its places back
-            self.mark_admitted()
-            self.usage.open -= self.places
-            self.usage = None
         m = state.metrics
         duration = time.monotonic() - self.started
         rs = self.rs

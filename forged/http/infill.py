@@ -19,7 +19,6 @@ import functools
 from typing import Annotated, Any
 
 import msgspec
-import trio
 from msgspec import Meta
 
 from forged import errors as e
@@ -50,8 +49,9 @@ class InfillRequest(GenerationFields, kw_only=True):
     t_max_predict_ms: Annotated[float, Meta(ge=0)] = 0.0
     n_indent: Annotated[int, Meta(ge=0)] = 0
     id_slot: int | None = None
-    # An editor's completion is interactive work, whatever the key's default class.
-    priority: Priority | None = "interactive"
+    # As every route: the key's class by default, and never above it (a batch key's
+    # editor traffic stays batch).
+    priority: Priority | None = None
     # Only these fields of the answer, by path ("timings/prompt_n"), under that name.
     response_fields: list[str] | None = None
 
@@ -76,7 +76,7 @@ def check_ids(group: ModelGroup, code: Code | list[int], param: str) -> None:
 async def fim_prompt(state: AppState, group: ModelGroup, prefix: Code, suffix: Code,
                      extra: list[ExtraFile], typed: str, wanted: int | None) -> list[int]:
     """The infill layout (llama.cpp's) under this config, for ``wanted`` new tokens."""
-    return await trio.to_thread.run_sync(functools.partial(
+    return await state.off_loop(functools.partial(
         group.prompter.encode_infill, prefix, suffix, extra, typed,
         n_batch=state.cfg.limits.infill_batch, n_ctx=group.max_context,
         n_predict=-1 if wanted is None else wanted))

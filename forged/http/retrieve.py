@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
-import trio
 from msgspec import Meta
 
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.engine.fim import SNIPPET_SEPARATOR
 from forged.engine.prompts import Prompter
+from forged.http.door import in_thread
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
@@ -86,8 +86,9 @@ async def search(state: AppState, repo: str, query: str, k: int,
     """The ``k`` best chunks of ``repo`` for ``query`` (definitions of ``focus``
     first), searched in a thread."""
     try:
-        return await trio.to_thread.run_sync(
-            state.searcher.search, repo, query, k, focus, limiter=state.search_limiter)
+        return await in_thread(state.search_limiter, state.cfg.server.door_timeout,
+                               state.cfg.limits.retry_after,
+                               state.searcher.search, repo, query, k, focus)
     except IndexError_ as exc:  # removed between the check and the search
         raise e.NotFound(str(exc), param="repo", code="repo_not_found") from exc
     except sqlite3.OperationalError as exc:
@@ -128,10 +129,9 @@ async def context(state: AppState, prompter: Prompter, repo: str | None,
         return Retrieved(name, [])
     try:
         hits = await search(state, name, query, cfg.context_chunks, focus)
-    except e.Unavailable:  # the completion goes on without context, and says so
-        return Retrieved(name, [])
-    kept = await trio.to_thread.run_sync(functools.partial(
-        within_budget, prompter, hits, cfg.context_tokens))
+    except (e.Unavailable, e.Overloaded):  # the completion goes on without context,
+        return Retrieved(name, [])           # and says so
+    kept = await state.off_loop(within_budget, prompter, hits, cfg.context_tokens)
     return Retrieved(name, kept)
 
 

@@ -137,3 +137,19 @@ def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
         message = _AT.sub("", text)
         return e.BadRequest(f"{message} (at {param})" if param else message, param or None)
     return e.BadRequest(f"We could not parse the JSON body of your request: {text}")
+
+
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of arrays and objects, skipping brackets inside strings."""
+    depth = deepest = 0
+    for m in _JSON_TOKENS.finditer(body):
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif tok in (b"]", b"}"):
+            depth -= 1
+    return deepest

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
@@ -17,12 +17,16 @@ from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.groups import Models
 from forged.errors import ForgedError
+from forged.http.door import in_thread
+from forged.http.keylimits import KeyUsage
 from forged.observe.metrics import Metrics
 from forged.observe.telemetry import Recorder, telemetry_path
 from forged.retrieval.query import Searcher
 
 if TYPE_CHECKING:
     from forged.daemon.models import Swapper
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -94,15 +98,6 @@ class Holds:
 
 
 @dataclass
-class KeyUsage:
-    """What one API key has in flight: sequences generating (a request's choices each
-    count) and requests waiting for a slot."""
-
-    open: int = 0
-    queued: int = 0
-
-
-@dataclass
 class AppState:
     cfg: Config
     models: Models
@@ -120,6 +115,8 @@ class AppState:
     # once (forged.http.retrieve).
     searcher: Searcher = field(init=False)
     search_limiter: trio.CapacityLimiter = field(init=False)
+    # The door's threads (forged.http.door): CPU work that grows with a request.
+    door_limiter: trio.CapacityLimiter = field(init=False)
     # Completion telemetry; its writer task runs in the daemon's nursery.
     telemetry: Recorder = field(init=False)
     # Model swaps, once the engine runs.
@@ -129,6 +126,12 @@ class AppState:
         self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
         self.searcher = Searcher(Path(self.cfg.server.state_dir) / "index")
         self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
+        self.door_limiter = trio.CapacityLimiter(self.cfg.server.door_threads)
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in one of the door's threads (forged.http.door)."""
+        return await in_thread(self.door_limiter, self.cfg.server.door_timeout,
+                               self.cfg.limits.retry_after, fn, *args)
 
     @property
     def ready(self) -> bool:

@@ -19,16 +19,32 @@ from __future__ import annotations
 from typing import Any
 
 from forged import errors as e
-from forged.engine.grammar import choice_grammar, json_object_grammar, schema_grammar
+from forged.engine.grammar import (
+    check_gbnf,
+    choice_grammar,
+    json_object_grammar,
+    schema_grammar,
+)
 from forged.engine.request import Grammar
 
 
-def request_grammar(body: Any) -> Grammar | None:
-    """The one grammar this request's body asks for, if any."""
+def _asked(body: Any) -> list[tuple[str, Any]]:
+    """The grammar fields the body sets, with their values."""
     asked = [(name, value) for name in ("response_format", "json_schema", "grammar",
                                         "guided_json", "guided_choice")
              if (value := getattr(body, name, None)) is not None]
-    asked = [(n, v) for n, v in asked if not (n == "response_format" and _is_text(v))]
+    return [(n, v) for n, v in asked if not (n == "response_format" and _is_text(v))]
+
+
+def asks_grammar(body: Any) -> bool:
+    """Whether the body asks for a grammar (cheap: nothing is converted)."""
+    return bool(_asked(body))
+
+
+def request_grammar(body: Any) -> Grammar | None:
+    """The one grammar this request's body asks for, if any. Its cost grows with the
+    schema: call it off the event loop."""
+    asked = _asked(body)
     if not asked:
         return None
     if len(asked) > 1:
@@ -42,7 +58,10 @@ def request_grammar(body: Any) -> Grammar | None:
             return schema_grammar(value, name)
         case "guided_choice":
             return choice_grammar(value, name)
-    return Grammar(gbnf=value)  # llama.cpp's grammar: checked by llama.cpp itself
+    # llama.cpp's grammar: checked by llama.cpp itself, once it is known to be safe to
+    # give to its recursive parser.
+    check_gbnf(value, name)
+    return Grammar(gbnf=value)
 
 
 def _is_text(fmt: Any) -> bool:

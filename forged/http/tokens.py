@@ -9,13 +9,12 @@ vocabulary-only model, so they never wait for the engine.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import msgspec
-import trio
 from msgspec import Struct
 
+from forged.engine.prompts import Prompter
 from forged.http.infill import check_ids
 from forged.http.state import AppState
 
@@ -35,17 +34,26 @@ class DetokenizeRequest(Struct, kw_only=True):
 
 tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+_json = msgspec.json.Encoder()
 
 
-async def tokenize(state: AppState, req: TokenizeRequest) -> dict[str, Any]:
+async def tokenize(state: AppState, req: TokenizeRequest) -> bytes:
+    """The answer's JSON, made (tokens, pieces and encoding, which all grow with the
+    content) in one of the door's threads."""
     with state.models.use(req.model) as group:
-        p = group.prompter
-        tokens = await trio.to_thread.run_sync(functools.partial(
-            p.tokenize, req.content, add_special=req.add_special,
-            parse_special=req.parse_special))
-        if not req.with_pieces:
-            return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": _piece(p.piece(t))} for t in tokens]}
+        return await state.off_loop(_tokenize, group.prompter, req)
+
+
+def _tokenize(p: Prompter, req: TokenizeRequest) -> bytes:
+    tokens = p.tokenize(req.content, add_special=req.add_special,
+                        parse_special=req.parse_special)
+    if not req.with_pieces:
+        return _json.encode({"tokens": tokens})
+    pieces: dict[int, str | list[int]] = {}  # text repeats its tokens: each once
+    for t in tokens:
+        if t not in pieces:
+            pieces[t] = _piece(p.piece(t))
+    return _json.encode({"tokens": [{"id": t, "piece": pieces[t]} for t in tokens]})
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -58,5 +66,4 @@ def _piece(data: bytes) -> str | list[int]:
 async def detokenize(state: AppState, req: DetokenizeRequest) -> dict[str, Any]:
     with state.models.use(req.model) as group:
         check_ids(group, req.tokens, "tokens")
-        return {"content": await trio.to_thread.run_sync(group.prompter.detokenize,
-                                                          req.tokens)}
+        return {"content": await state.off_loop(group.prompter.detokenize, req.tokens)}

@@ -35,6 +35,9 @@ from forged.engine.grammar import TOOL_CLOSE as CLOSE
 from forged.engine.grammar import TOOL_OPEN as OPEN
 from forged.engine.grammar import call_grammar, check_schema
 from forged.engine.request import Grammar
+from forged.http.schemas import json_depth
+
+MAX_ARGUMENTS_DEPTH = 64
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -163,6 +166,11 @@ def parse_arguments(raw: Any, where: str) -> Any:
     it) as a value, for templates that write it out as JSON."""
     if not isinstance(raw, str):
         return raw
+    # As deep as a request body may be: deeper, json's recursion (and the template's
+    # after it) would end in a RecursionError.
+    if (depth := json_depth(raw.encode())) > MAX_ARGUMENTS_DEPTH:
+        raise e.BadRequest(f"function.arguments is nested {depth} levels deep, more "
+                           f"than {MAX_ARGUMENTS_DEPTH}", param=where)
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:

@@ -39,12 +39,16 @@ def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
 
 
 def admin_call(admin: str, method: str, path: str, body: dict[str, Any] | None = None,
-               *, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
-    """One request to the admin listener: its status and JSON answer."""
+               *, timeout: float = 5.0, token: str = "") -> tuple[int, dict[str, Any]]:
+    """One request to the admin listener: its status and JSON answer. ``token``: the
+    admin token, which actions need on a TCP listener."""
     conn = _connect(admin, timeout)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     try:
         conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+                     headers=headers)
         resp = conn.getresponse()
         data: dict[str, Any] = json.loads(resp.read())
         return resp.status, data

@@ -1,0 +1,243 @@
+"""Hostile and careless input (issue 30): each is a 4xx that names what was wrong, and
+costs nobody else anything: no worker restarts, the daemon stays up, the event loop
+is never held for long, and a key at its limit is refused before any work is done.
+
+The daemon runs in its own process where a crash is what the test looks for (a
+SIGSEGV there must not take pytest down with it), and in-process where the test
+watches the event loop itself."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from forged import errors as e
+from forged.auth import add_key
+from forged.engine.grammar import MAX_REPETITION, gbnf_depth, schema_grammar
+from forged.http.keylimits import KeyUsage
+from forged.http.tools import parse_arguments
+from tests.conftest import DaemonFactory, RunningDaemon
+from tests.daemonproc import DaemonProcess, serve_model
+from tests.test_security import worker_restarts
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+# (what is sent, the field the 400 names)
+BOMBS: list[tuple[dict[str, Any], str]] = [
+    # The daemon died with SIGSEGV: llama.cpp's parser recursed 200,000 levels deep.
+    (_chat(response_format=_schema_format({"type": "string", "maxLength": 200000})),
+     "response_format.json_schema.schema.maxLength"),
+    # A request frame over the worker's 64 MiB limit killed three workers in a row.
+    (_chat(response_format=_schema_format({"type": "array", "items": {"type": "integer"},
+                                          "minItems": 4000000})),
+     "response_format.json_schema.schema.minItems"),
+    (_chat(json_schema={"type": "string", "pattern": "^a{100000}$"}), "json_schema.pattern"),
+    # llama.cpp's own GBNF, nested deeper than its parser's recursion can take.
+    (_chat(grammar="root ::= " + "(" * 50000 + '"a"' + ")" * 50000), "grammar"),
+    # "²".isdigit() is true and int("²") raises: a 500.
+    (_chat(logit_bias={"²": 1}), "logit_bias"),
+    # json.loads recursed past Python's limit: a 500.
+    ({"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": _deep(1001)}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2},
+     "messages[1].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+                ) -> Iterator[DaemonProcess]:
+    yield from serve_model(tiny_model, tmp_path_factory.mktemp("hostile"))
+
+
+@pytest.mark.parametrize(("body", "param"), BOMBS, ids=[p for _, p in BOMBS])
+def test_a_hostile_body_is_a_400_naming_its_field_and_costs_no_worker(
+        tiny_daemon: DaemonProcess, body: dict[str, Any], param: str) -> None:
+    before = worker_restarts(tiny_daemon)
+    with httpx.Client(base_url=tiny_daemon.url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert c.get("/health").status_code == 200
+        ok = c.post("/v1/chat/completions", json=_chat())
+        assert ok.status_code == 200, ok.text
+    assert tiny_daemon.proc.poll() is None
+    assert worker_restarts(tiny_daemon) == before
+
+
+# --- the grammar's bounds, without a daemon ------------------------------------------------
+
+
+@pytest.mark.parametrize("keyword", ["minLength", "maxLength", "minItems", "maxItems"])
+@pytest.mark.parametrize("count", [10**5, 10**7, 10**9])
+def test_every_repetition_keyword_is_bounded(keyword: str, count: int) -> None:
+    kind = "string" if keyword.endswith("Length") else "array"
+    with pytest.raises(e.BadRequest) as caught:
+        schema_grammar({"type": kind, keyword: count}, "s")
+    assert caught.value.param == f"s.{keyword}"
+
+
+def test_the_largest_allowed_repetition_converts_within_the_depth_bound() -> None:
+    """The caps fit each other: the longest string the schema may ask for gives a
+    grammar the parser can read (llama.cpp accepts it: test_structured's checks)."""
+    g = schema_grammar({"type": "string", "maxLength": MAX_REPETITION}, "s")
+    assert gbnf_depth(g.gbnf) >= MAX_REPETITION // 2
+
+
+def test_the_depth_scan_skips_literals_classes_and_comments() -> None:
+    assert gbnf_depth('root ::= ("(" [(] # ((\n ("a"))') == 2
+
+
+def test_deep_tool_call_arguments_are_a_400() -> None:
+    assert parse_arguments(_deep(64), "p") == json.loads(_deep(64))  # within the bound
+    with pytest.raises(e.BadRequest) as caught:
+        parse_arguments(_deep(1001), "p")
+    assert caught.value.param == "p"
+
+
+# --- a door that never blocks -------------------------------------------------------------
+
+
+class LongestStep(trio.abc.Instrument):
+    """The longest time the event loop spent in one step of one task."""
+
+    def __init__(self) -> None:
+        self.longest = (0.0, "")
+        self._t0: float | None = None  # None: the step under way when it was added
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._t0 is not None:
+            self.longest = max(self.longest, (time.perf_counter() - self._t0, task.name))
+
+
+async def test_large_tokenize_floods_never_hold_the_event_loop(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """Large contents with pieces, several at once: the tokens, their pieces and the
+    answer's JSON are made in the door's threads. On the loop, 1 MB took seconds per
+    request, during which no stream moved and /health waited (issue 30: 18 s)."""
+    content = "def f(x):\n    return x + 1\n" * (256 * 1024 // 28)
+    body = json.dumps({"content": content, "with_pieces": True}).encode()
+    watch = LongestStep()
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=100) as c:
+
+            async def flood() -> None:
+                # Read, not parsed: parsing 20 MB of JSON here would be this task's
+                # long step, not the daemon's.
+                async with c.stream("POST", "/tokenize", content=body) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_raw():
+                        pass
+
+            trio.lowlevel.add_instrument(watch)
+            try:
+                async with trio.open_nursery() as n:
+                    for _ in range(4):
+                        n.start_soon(flood)
+            finally:
+                trio.lowlevel.remove_instrument(watch)
+    assert watch.longest[0] < 0.1, watch.longest
+
+
+# --- per-key limits -----------------------------------------------------------------------
+
+
+async def test_max_queued_zero_runs_with_free_slots(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """max_queued = 0 means "never wait for a slot", not "never run": the request's own
+    wait for admission counted as queued, so every request got a 429."""
+    key = add_key(tmp_path / "keys.toml", "eager", max_streams=2, max_queued=0,
+                  priority="interactive")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                             headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+
+
+async def test_a_batch_key_cannot_ask_for_interactive(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """A key's priority is a ceiling: a batch key that sends "priority": "interactive"
+    is still served (and counted) as batch."""
+    key = add_key(tmp_path / "keys.toml", "nightly", max_streams=2, max_queued=2,
+                  priority="batch")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, \
+                httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                                  base_url="http://admin", timeout=30) as admin:
+            for path, body in (("/v1/completions", {"prompt": "x"}), ("/infill", {
+                    "input_prefix": "def f(", "input_suffix": ")"})):
+                r = await c.post(path, headers={"Authorization": f"Bearer {key}"},
+                                 json={**body, "max_tokens": 2, "priority": "interactive"})
+                assert r.status_code in (200, 400), r.text  # tiny has no FIM tokens
+            metrics = (await admin.get("/metrics")).text
+    served = [line for line in metrics.splitlines()
+              if line.startswith("forged_requests_total{") and 'status="200"' in line]
+    assert served and all('priority="batch"' in line for line in served), served
+
+
+def _usage(d: RunningDaemon, name: str) -> KeyUsage:
+    assert d.daemon.state is not None
+    return d.daemon.state.key_usage.setdefault(name, KeyUsage())
+
+
+async def test_a_key_at_its_limit_is_refused_before_its_prompt_is_made(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """Over its max_streams, a key's request is a 429 before tokenizing or templating:
+    here the prompt is too long for the model, and the answer is still the 429 (it
+    was the 400 of a prompt tokenized for nothing)."""
+    key = add_key(tmp_path / "keys.toml", "busy", max_streams=1, max_queued=4,
+                  priority="interactive")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            _usage(d, "busy").open = 1  # one stream in flight: its limit
+            r = await c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"prompt": "word " * 5000, "max_tokens": 2})
+            assert r.status_code == 429, r.text
+
+
+async def test_tokenize_and_retrieve_are_limited_per_key(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """/tokenize, /detokenize and /v1/retrieve had no per-key limit at all."""
+    key = add_key(tmp_path / "keys.toml", "counter", max_streams=1, max_queued=1,
+                  priority="interactive")
+    auth = {"Authorization": f"Bearer {key}"}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for path, body in (("/tokenize", {"content": "x"}), ("/detokenize", {
+                    "tokens": [1]}), ("/v1/retrieve", {"query": "x", "repo": "none"})):
+                assert (await c.post(path, json=body, headers=auth)).status_code != 429
+                # One more in flight: at its limit, whether or not the request before
+                # has given its place back yet (it does once its ASGI call has ended).
+                _usage(d, "counter").side += 1
+                r = await c.post(path, json=body, headers=auth)
+                assert r.status_code == 429, (path, r.text)
+                _usage(d, "counter").side -= 1
