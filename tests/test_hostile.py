@@ -9,6 +9,8 @@ watches the event loop itself."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from forged.engine.grammar import MAX_REPETITION, gbnf_depth, schema_grammar
 from forged.http.keylimits import KeyUsage
 from forged.http.tools import parse_arguments
 from tests.conftest import DaemonFactory, RunningDaemon
-from tests.daemonproc import DaemonProcess, serve_model
+from tests.daemonproc import DaemonProcess, free_port, serve_model, write_config
 from tests.test_security import worker_restarts
 
 
@@ -241,3 +243,27 @@ async def test_tokenize_and_retrieve_are_limited_per_key(
                 r = await c.post(path, json=body, headers=auth)
                 assert r.status_code == 429, (path, r.text)
                 _usage(d, "counter").side -= 1
+
+
+# --- restarts ------------------------------------------------------------------------------
+
+
+def test_a_stop_with_an_idle_connection_and_nothing_in_flight_is_quick(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """hypercorn held an idle keep-alive connection open for its whole graceful timeout
+    after the shutdown (drain_timeout + 5 s: 16 s here), and a restart under socket
+    activation left the connections arriving meanwhile unanswered for that long."""
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", tiny_model, port,
+                                   server={"drain_timeout": 10.0}), port)
+    try:
+        d.wait_ready(120)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as idle:
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert idle.recv(100).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            assert d.proc.wait(60) == 0
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        d.stop()

@@ -37,6 +37,9 @@ from forged.http.state import AppState, Holds
 from forged.observe.metrics import Metrics
 
 log = logging.getLogger("forged")
+# After the last generation of a drain, how long its final bytes get before the
+# listeners (and their idle keep-alive connections) are ended.
+_LAST_BYTES_S = 0.5
 
 
 def _listen_fds() -> list[int]:
@@ -125,6 +128,9 @@ class Daemon:
         # Kept for reloads, which change some of their settings live.
         self._api_app: QuartTrio | None = None
         self._hyper_configs: list[HyperConfig] = []
+        # The nurseries of the listeners and of the tasks beside them, while serving.
+        self._aux: trio.Nursery | None = None
+        self._listeners: trio.Nursery | None = None
         self._tls: TLS | None = None  # the API listener's, when server.tls_cert is set
         self.agent_bind: str | None = None  # the agent check's address, once listening
         self.keys = KeyStore.load(Path(cfg.auth.keys_file))
@@ -171,6 +177,7 @@ class Daemon:
                 await engine.start(run_group, group)
             async with trio.open_nursery() as aux:
                 async with trio.open_nursery() as listeners:
+                    self._aux, self._listeners = aux, listeners
                     binds = await self._start_listeners(listeners, state)
                     if self.cfg.server.agent_listen:
                         # In aux, not listeners: it answers "drain" until the
@@ -266,6 +273,20 @@ class Daemon:
             group.pool.draining = True
         self.state.drain.set(trio.current_time() + self.cfg.server.drain_timeout)
         self._shutdown.set()
+        if self._aux is not None:
+            self._aux.start_soon(self._end_listeners_when_drained)
+
+    async def _end_listeners_when_drained(self) -> None:
+        """End the listeners once the last generation has finished (or the drain's
+        deadline passed), after a moment for its last bytes. On its own, hypercorn holds
+        an idle keep-alive connection open for its whole graceful timeout after the
+        shutdown: a restart with nothing in flight took drain_timeout + 5 s, while the
+        connections arriving meanwhile waited unanswered in the socket."""
+        assert self.state is not None and self._listeners is not None
+        with trio.move_on_at(self.state.drain.deadline):
+            await self.state.drain.none_open()
+        await trio.sleep(_LAST_BYTES_S)
+        self._listeners.cancel_scope.cancel()
 
     def reload(self) -> None:
         """Re-read the config; apply what is live, keep the old one if the new is bad."""

@@ -43,6 +43,7 @@ class DrainDeadlines:
     deadline: float = math.inf
     _scopes: set[trio.CancelScope] = field(default_factory=set)
     _generations: int = 0
+    _none_open: trio.Event | None = None  # set when the last open generation ends
 
     @contextmanager
     def generation(self) -> Iterator[None]:
@@ -51,6 +52,14 @@ class DrainDeadlines:
             yield
         finally:
             self._generations -= 1
+            if self._generations == 0 and self._none_open is not None:
+                self._none_open.set()
+
+    async def none_open(self) -> None:
+        """Until no generation is open (the caller bounds the wait)."""
+        while self._generations:
+            self._none_open = trio.Event()
+            await self._none_open.wait()
 
     def wait_scope(self) -> trio.CancelScope:
         scope = trio.CancelScope(deadline=self.deadline)
