@@ -154,12 +154,17 @@ def test_4_reload_applies_a_new_limit_and_keeps_streams(box: BootedContainer) ->
 
 
 def test_5_restart_refuses_no_connection(box: BootedContainer) -> None:
-    # 10 connections a second for 12 seconds; curl exits 7 on a refused connection.
-    box.run("(for i in $(seq 120); do curl -s -o /dev/null --max-time 60 "
+    """10 connections a second for 12 seconds; curl exits 7 on a refused connection and
+    28 on one unanswered within 10 s. With nothing in flight the restart is quick: it
+    took 33 s, and 40 of 50 connections timed out, while hypercorn held idle
+    keep-alive connections open through its graceful timeout."""
+    box.run("(for i in $(seq 120); do curl -s -o /dev/null --max-time 10 "
             f"-w '%{{exitcode}} %{{http_code}}\\n' {API}/health >> /root/loop.txt & "
             "sleep 0.1; done; wait; echo done > /root/loop.done) >/dev/null 2>&1 &")
     time.sleep(3)
+    t0 = time.monotonic()
     box.run("systemctl restart forged", timeout=120)
+    assert time.monotonic() - t0 < 20
     wait_until(lambda: box.run("test -f /root/loop.done", check=False).returncode == 0, 120,
                "the client loop")
     results = box.run("cat /root/loop.txt").stdout.split("\n")
