@@ -6,6 +6,7 @@ test_kvtiers_daemon.py."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import msgspec
@@ -105,6 +106,8 @@ def test_ram_and_disk_budgets_hold_under_churn(tmp_path: Path) -> None:
         submit(core, rid, prompt(head, LONG + rng.randrange(8)), session=session)
         for _ in range(rng.randrange(1, 6)):
             core.step(0.0)
+            disk.wait_writes()  # the writer thread's: then the files are all there
+            core.account_writes()
             tiers = core.sched.tiers
             assert tiers.used(Tier.RAM) <= 12 and tiers.used(Tier.DISK) <= 600
             assert set(core.ram) == {e.eid for e in tiers.entries(Tier.RAM)}
@@ -205,6 +208,41 @@ def test_sessions_persist_to_disk_and_a_new_core_restores_them(tmp_path: Path) -
     assert core.sched.tiers.statistics()["kv_disk_restores"] == 1
     assert core.sched.session_resumes == 1
     assert not list(tmp_path.glob("*.kv"))  # the slot holds it now
+
+
+class GatedStore(DiskStore):
+    """A disk whose writes wait for the test to open the gate (at most 5 s, then the
+    write fails the test where it waited)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, "m")
+        self.gate = threading.Event()
+
+    def _write_file(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        assert self.gate.wait(5), "a step waited on the disk"
+        return super()._write_file(entry, state)
+
+
+def test_a_step_never_waits_on_a_disk_write(tmp_path: Path) -> None:
+    """A session's state evicted to disk is written beside the decode loop: steps go on
+    while the disk is stuck, the session's next turn is restored from the bytes still
+    in memory, and the file written late for it is removed (the slot holds it). The
+    write (and its fsync) ran inside the step."""
+    store = GatedStore(tmp_path)
+    core, backend = tiered({5: [1, 2, EOS], 6: [3, EOS]}, disk=store, cache_ram_bytes=1)
+    submit(core, 1, prompt(5), session="chat")
+    run(core)
+    submit(core, 2, prompt(6))  # takes the one slot: the session's state is saved, and
+    run(core)                   # RAM (1 byte) sends it to disk
+    assert core.writing and not list(tmp_path.glob("*.kv"))  # handed over, not written
+    submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
+    events = run(core)
+    assert done(events, 3).cached_tokens == LONG + 2
+    store.gate.set()
+    store.wait_writes()
+    core.account_writes()
+    assert not core.writing and not list(tmp_path.glob("*.kv"))
+    assert_nothing_left(core, backend)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "flipped", "model", "truncated"])

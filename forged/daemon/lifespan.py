@@ -319,17 +319,21 @@ class Daemon:
             group.pool.set_limits(new)
         if swaps:
             self.swapper.engine.start_soon(self._swap_on_reload, new, swaps)
+        self._reload_listeners(new)
+        logging.getLogger().setLevel(new.log.level.upper())
+        live = [k for k in changed if k not in restart]
+        log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
+                 ", ".join(live) or "nothing", len(keys.by_hash))
+        self.notifier.ready(_status_line(self.state))
+
+    def _reload_listeners(self, new: fc.Config) -> None:
+        """What the listeners read live: request limits, timeouts, the TLS files."""
         if self._api_app is not None:
             configure(self._api_app, new)
         for hc in self._hyper_configs:
             _live_server_settings(hc, new)
         if self._tls is not None:
             self._tls.reload()
-        logging.getLogger().setLevel(new.log.level.upper())
-        live = [k for k in changed if k not in restart]
-        log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
-                 ", ".join(live) or "nothing", len(keys.by_hash))
-        self.notifier.ready(_status_line(self.state))
 
     def _models_changed(self, new: fc.Config) -> list[int]:
         """The places whose model a reload swaps: the config names another file, or a

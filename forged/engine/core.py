@@ -34,7 +34,7 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, decode_shape
-from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp
+from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
@@ -124,7 +124,17 @@ class DiskTier(Protocol):
     """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
 
     def write(self, entry: Entry, state: bytearray) -> bool:
-        """Store ``state``, naming the file in ``entry.key``; False if it failed."""
+        """Store ``state`` now, naming the file in ``entry.key``; False if it failed."""
+
+    def write_later(self, entry: Entry, state: bytearray) -> bool:
+        """Hand ``state`` to a writer beside the decode loop; False if it is busy."""
+
+    def finished(self) -> list[Written]:
+        """The writes handed over that have ended since the last call."""
+
+    def wait_writes(self) -> None: ...
+
+    def remove_key(self, key: str) -> None: ...
 
     def read(self, entry: Entry) -> bytearray | None:
         """``entry``'s state, checked against its model and tokens; None (the file
@@ -173,6 +183,9 @@ class WorkerCore:
         self.sched = Scheduler(limits, cost)
         # The RAM tier's bytes, by entry id; the scheduler's Tiers says what they hold.
         self.ram: dict[int, bytearray] = {}
+        # Disk entries whose write has not ended yet: their bytes, by entry id (a
+        # restore meanwhile is served from here).
+        self.writing: dict[int, bytearray] = {}
         self.disk = disk
         if disk is None:
             self.sched.tiers.disk_bytes = 0
@@ -245,6 +258,7 @@ class WorkerCore:
         was admitted even if that decode kills the process (llama.cpp aborts). A
         request the daemon never saw admitted is resubmitted elsewhere after a crash;
         one that may have caused it must not be."""
+        self.account_writes()
         self.sched.expire(now)
         plan = self.sched.plan(now)
         if plan is not None:
@@ -286,34 +300,65 @@ class WorkerCore:
     def _restore(self, seq: int, entry: Entry, keep: bool) -> bool:
         if entry.tier is Tier.RAM:
             state = self.ram.get(entry.eid) if keep else self.ram.pop(entry.eid, None)
+        elif entry.eid in self.writing:  # its write has not ended: the bytes are here
+            state = self.writing[entry.eid] if keep else self.writing.pop(entry.eid)
         else:
             state = self.disk.read(entry) if self.disk is not None else None
             if self.disk is not None and not keep:
                 self.disk.remove(entry)  # the slot holds it now; saved again on eviction
         return state is not None and self.backend.seq_load(seq, state, len(entry.tokens))
 
-    def _tier_ops(self, ops: list[TierOp]) -> None:
-        """Move or free the tiers' bytes as the scheduler's Tiers decided."""
+    def _tier_ops(self, ops: list[TierOp], later: bool = True) -> None:
+        """Move or free the tiers' bytes as the scheduler's Tiers decided; ``later``:
+        disk writes go to the writer beside the decode loop."""
         for op in ops:
             match op:
                 case Drop(entry=e, tier=Tier.RAM):
                     self.ram.pop(e.eid, None)
                 case Drop(entry=e):
+                    self.writing.pop(e.eid, None)  # its file, if written, goes then
                     if self.disk is not None:
                         self.disk.remove(e)
                 case Demote(entry=e):
-                    state = self.ram.pop(e.eid, None)
-                    if self.disk is None or state is None or not self.disk.write(e, state):
-                        self.sched.tiers.lost(e)
-                    else:  # the file's size is known now (its header adds to the state)
-                        self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+                    self._demote(e, later)
+
+    def _demote(self, e: Entry, later: bool) -> None:
+        """``e``'s RAM bytes go to disk: written beside the decode loop when ``later``
+        (a step never waits on the disk), else now."""
+        state = self.ram.pop(e.eid, None)
+        if self.disk is None or state is None:
+            self.sched.tiers.lost(e)
+        elif later and self.disk.write_later(e, state):
+            self.writing[e.eid] = state
+        elif not self.disk.write(e, state):
+            self.sched.tiers.lost(e)
+        else:  # the file's size is known now (its header adds to the state)
+            self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+
+    def account_writes(self) -> None:
+        """Account for the disk writes that ended (each step does, first): a written
+        file is the entry's now (or is removed, if the entry was restored or dropped
+        meanwhile); a failed write loses the entry."""
+        for w in self.disk.finished() if self.disk is not None else ():
+            if self.writing.pop(w.entry.eid, None) is None:
+                if w.key and self.disk is not None:
+                    self.disk.remove_key(w.key)  # nobody wants it any more
+            elif not w.key:
+                self.sched.tiers.lost(w.entry)
+            else:
+                w.entry.key, w.entry.nbytes = w.key, w.nbytes
+                self._tier_ops(self.sched.tiers.refit(Tier.DISK))
 
     def persist(self) -> None:
         """Before the worker exits (a drain, a restart): sessions' states go to disk."""
         if self.disk is None:
             return
+        self.disk.wait_writes()
+        self.account_writes()
         self._apply_memory_ops(self.sched.save_sessions())
-        self._tier_ops(self.sched.tiers.demote_sessions())
+        self._tier_ops(self.sched.tiers.demote_sessions(), later=False)
+        self.disk.wait_writes()  # those the saves above evicted from RAM
+        self.account_writes()
 
     def _decode(self, plan: StepPlan) -> None:
         t0 = self.clock()

@@ -5,6 +5,10 @@ msgpack header (the model's identity, tenant, session, tokens, the state's lengt
 SHA-256), then the state as ``llama_state_seq_get_data`` wrote it. A file is written
 to a temporary name and renamed, so a crash leaves no half file under a real name.
 
+Writes happen in a thread of their own (:meth:`DiskStore.write_later`), beside the
+decode loop: a step hands over a state to write and never waits on the disk for it.
+The caller keeps the state until :meth:`DiskStore.finished` says it was written.
+
 A file is trusted only when everything checks out: the magic, the header, the model
 identity (the GGUF's size and first and last MiB, llama.cpp's version and the KV
 layout flags that change the state's format), the state's length and hash, and, on
@@ -16,14 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
 
-from forged.engine.kvtiers import Entry, Tier
+from forged.engine.kvtiers import Entry, Tier, Written
 
 MAGIC = b"forged-kv 1\n"
 _SUFFIX = ".kv"
@@ -57,11 +63,55 @@ def _log(message: str) -> None:
     print(f"forged worker: kv cache: {message}", file=sys.stderr, flush=True)
 
 
+# States waiting for the writer thread at most: past it, the caller writes at once (the
+# disk is slower than eviction, and the states waiting are held in memory).
+WRITES_QUEUED = 8
+
+
 class DiskStore:
     def __init__(self, root: Path, model: str) -> None:
         self.root = root
         self.model = model
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._todo: queue.Queue[tuple[Entry, bytearray]] = queue.Queue(WRITES_QUEUED)
+        self._done: queue.SimpleQueue[Written] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+
+    def write_later(self, entry: Entry, state: bytearray) -> bool:
+        """Hand ``state`` to the writer thread; False when its queue is full. The
+        caller must not change ``state`` until :meth:`finished` reports it."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_all, daemon=True,
+                                            name="kv-disk-writer")
+            self._writer.start()
+        try:
+            self._todo.put_nowait((entry, state))
+        except queue.Full:
+            return False
+        return True
+
+    def finished(self) -> list[Written]:
+        """The writes that ended since the last call (never blocks)."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_writes(self) -> None:
+        """Until every write handed over has ended (the worker is stopping)."""
+        if self._writer is not None:
+            self._todo.join()
+
+    def _write_all(self) -> None:
+        while True:
+            entry, state = self._todo.get()
+            try:
+                key, nbytes = self._write_file(entry, state) or ("", 0)
+                self._done.put(Written(entry, key, nbytes))
+            finally:
+                self._todo.task_done()
 
     def scan(self) -> list[Entry]:
         """The valid files' entries, oldest first; invalid ones are deleted."""
@@ -77,6 +127,15 @@ class DiskStore:
         return [e for _, e in sorted(found, key=lambda f: f[0])]
 
     def write(self, entry: Entry, state: bytearray) -> bool:
+        """Write ``state`` now, naming the file in ``entry``; False if it failed."""
+        written = self._write_file(entry, state)
+        if written is None:
+            return False
+        entry.key, entry.nbytes = written
+        return True
+
+    def _write_file(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        """The file's key and size, or None (logged) if it could not be written."""
         header = msgspec.msgpack.encode(_Header(
             self.model, entry.tenant, entry.session, entry.tokens, len(state),
             hashlib.sha256(state).hexdigest()))
@@ -92,9 +151,8 @@ class DiskStore:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             _log(f"cannot write a session's state: {exc}")
-            return False
-        entry.key, entry.nbytes = key, len(state) + len(header) + len(MAGIC) + _HEADER_LEN
-        return True
+            return None
+        return key, len(state) + len(header) + len(MAGIC) + _HEADER_LEN
 
     def read(self, entry: Entry) -> bytearray | None:
         path = self._path(entry.key)
@@ -122,7 +180,10 @@ class DiskStore:
 
     def remove(self, entry: Entry) -> None:
         if entry.key:
-            self._path(entry.key).unlink(missing_ok=True)
+            self.remove_key(entry.key)
+
+    def remove_key(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def _path(self, key: str) -> Path:
         return self.root / (key + _SUFFIX)

@@ -67,6 +67,16 @@ class Demote:
 TierOp = Drop | Demote
 
 
+@dataclass(frozen=True)
+class Written:
+    """A disk write handed to a writer beside the decode loop has ended: as file
+    ``key`` of ``nbytes`` bytes, or failed (``key`` empty)."""
+
+    entry: Entry
+    key: str
+    nbytes: int
+
+
 @dataclass
 class TierStats:
     saves: int = 0
