@@ -298,6 +298,25 @@ def test_an_index_that_supersedes_prefixes_keeps_one_entry_per_conversation() ->
     assert tiers.longest("b", [1] * 40 + [2], 40) == (other, 40)
 
 
+def test_one_tenant_s_flood_evicts_its_own_entries_before_another_tenant_s() -> None:
+    """Tenants share a tier fairly: "a" saves many states, "b" one, older than all of
+    them. Over the budget, "a" (which holds the most) loses its least recent entries,
+    and "b"'s stays. With one plain LRU, "b"'s, the oldest, went first."""
+    tiers = Tiers(ram_bytes=100)
+    b, _ = tiers.save([7] * 40, "b", None)
+    assert tiers.sized(b.eid, 20) == []
+    kept_a = []
+    for i in range(10):
+        a, _ = tiers.save([i] * 40, "a", None)
+        ops = tiers.sized(a.eid, 20)
+        assert all(op.entry.tenant == "a" for op in ops), ops
+        kept_a.append(a)
+    assert b in tiers.entries(Tier.RAM)
+    assert tiers.used(Tier.RAM) <= 100
+    assert [e.eid for e in tiers.entries(Tier.RAM) if e.tenant == "a"] == \
+        [e.eid for e in kept_a[-4:]]  # "a"'s most recent, within what is left
+
+
 def test_memory_ops_save_before_they_free_and_restore_before_truncating() -> None:
     core, _ = tiered({5: [1, EOS], 6: [2, EOS]})
     submit(core, 1, prompt(5))

@@ -13,9 +13,11 @@ decisions, and it never holds a blob.
 - A request whose prompt starts with a saved entry's tokens *restores* it into a slot
   (``SeqLoad``) instead of recomputing it, when that beats what the slots hold. The
   entry leaves the index: the slot now holds it, and saves it again when evicted.
-- RAM is bounded by ``ram_bytes``, least recently used first. A session's entry that
-  leaves RAM goes to disk (``Demote``) when there is a disk tier; anything else is
-  dropped. Disk is bounded by ``disk_bytes`` the same way.
+- RAM is bounded by ``ram_bytes``. What leaves first is the least recently used entry
+  of the tenant that holds the most bytes in the tier: tenants share each tier fairly,
+  and one tenant's flood of sessions evicts its own entries before anyone else's. A
+  session's entry that leaves RAM goes to disk (``Demote``) when there is a disk tier;
+  anything else is dropped. Disk is bounded by ``disk_bytes`` the same way.
 - Entries are matched only within a tenant: a cache is never used across tenants.
   Across models, the disk store refuses files of another model when it indexes them.
 """
@@ -176,7 +178,7 @@ class Tiers:
         lru = self._lru[tier]
         ops: list[TierOp] = []
         while lru and self.used(tier) > budget:
-            victim = next(iter(lru.values()))
+            victim = self._victim(tier)
             if tier is Tier.RAM and victim.session is not None and self.disk_bytes > 0:
                 del lru[victim.eid]
                 victim.tier = Tier.DISK
@@ -187,6 +189,15 @@ class Tiers:
             else:
                 ops.append(self._remove(victim))
         return ops
+
+    def _victim(self, tier: Tier) -> Entry:
+        """The least recently used entry of the tenant holding the most bytes in
+        ``tier`` (with one tenant, as by default: the least recently used of all)."""
+        held: dict[str, int] = {}
+        for e in self._lru[tier].values():
+            held[e.tenant] = held.get(e.tenant, 0) + e.nbytes
+        most = max(held, key=lambda t: held[t])
+        return next(e for e in self._lru[tier].values() if e.tenant == most)
 
     def _remove(self, e: Entry) -> Drop:
         del self._lru[e.tier][e.eid]
