@@ -29,7 +29,7 @@ from forged.engine.routing import (
     matched_tokens,
 )
 from forged.engine.supervisor import WorkerSupervisor
-from forged.errors import Unavailable, WorkerLost
+from forged.errors import BadRequest, Unavailable, WorkerLost
 
 SYSTEM = list(range(1000, 1000 + 2 * BLOCK))  # a shared prefix of two whole blocks
 
@@ -223,6 +223,45 @@ async def test_a_crash_suspect_is_not_resubmitted() -> None:
                 await rs.receive()
         assert other.worker == 1 and not other.finished
         assert pool._suspects == {culprit.fingerprint: 1}  # one count: one crash
+
+
+async def test_a_request_in_every_crash_before_admission_becomes_a_suspect() -> None:
+    """A frame that kills each worker as it is read is never admitted: it was
+    resubmitted to each new worker and never counted, so a client's retry killed as
+    many again. Now, lost unadmitted RESUBMITS + 1 times, it is refused from then on."""
+    pool = pool_of(1)
+    async with pool.open_request(request(9, 9)) as rs:
+        for _ in range(RESUBMITS):
+            lose(pool, 0)
+            up(pool.workers[0])
+            pool._unpark()
+        lose(pool, 0)
+        with pytest.raises(WorkerLost):
+            await rs.receive()
+    up(pool.workers[0])
+    with pytest.raises(BadRequest, match="crashed"):
+        async with pool.open_request(request(9, 9)):
+            pass
+
+
+async def test_crash_suspects_are_per_tenant() -> None:
+    """Two crashes refuse a prompt to its tenant; the same prompt from another tenant
+    still runs (one tenant cannot get another's prompts refused)."""
+    pool = pool_of(1)
+    for _ in range(2):
+        async with pool.open_request(tenant_request("a", 4, 4)) as rs:
+            await admit(rs)
+            lose(pool, 0)
+            up(pool.workers[0])
+    with pytest.raises(BadRequest, match="crashed"):
+        async with pool.open_request(tenant_request("a", 4, 4)):
+            pass
+    async with pool.open_request(tenant_request("b", 4, 4)) as rs:
+        assert rs.worker == 0
+
+
+def tenant_request(tenant: str, *prompt: int) -> Request:
+    return Request(prompt=list(prompt), max_tokens=4, tenant=tenant)
 
 
 async def test_a_heartbeat_turning_late_during_the_door_check_changes_nothing() -> None:
