@@ -107,7 +107,7 @@ def test_ram_and_disk_budgets_hold_under_churn(tmp_path: Path) -> None:
         for _ in range(rng.randrange(1, 6)):
             core.step(0.0)
             disk.wait_writes()  # the writer thread's: then the files are all there
-            core.account_writes()
+            core.account_disk()
             tiers = core.sched.tiers
             assert tiers.used(Tier.RAM) <= 12 and tiers.used(Tier.DISK) <= 600
             assert set(core.ram) == {e.eid for e in tiers.entries(Tier.RAM)}
@@ -240,8 +240,48 @@ def test_a_step_never_waits_on_a_disk_write(tmp_path: Path) -> None:
     assert done(events, 3).cached_tokens == LONG + 2
     store.gate.set()
     store.wait_writes()
-    core.account_writes()
+    core.account_disk()
     assert not core.writing and not list(tmp_path.glob("*.kv"))
+    assert_nothing_left(core, backend)
+
+
+class GatedReads(DiskStore):
+    """A disk whose reads wait for the test to open the gate (at most 5 s, then the
+    read fails the test where it waited)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, "m")
+        self.gate = threading.Event()
+
+    def read(self, entry: Entry) -> bytearray | None:
+        assert self.gate.wait(5), "a step waited on the disk"
+        return super().read(entry)
+
+
+def test_a_restore_from_disk_is_read_beside_the_decode_loop(tmp_path: Path) -> None:
+    """A session's turn whose state is on disk waits in the queue while its file is
+    read (and its hash checked) in the I/O thread; the other streams' steps go on
+    meanwhile. The read (and its SHA-256) ran inside the step."""
+    core, _ = tiered({5: [1, 2, EOS]}, disk=DiskStore(tmp_path, "m"))
+    submit(core, 1, prompt(5), session="chat")
+    run(core)
+    core.persist()
+    store = GatedReads(tmp_path)
+    core, backend = tiered({5: [1, 2, EOS], 6: [3] * 12 + [EOS]}, disk=store,
+                           saved=store.scan(), slots=2, max_running=2)
+    submit(core, 2, prompt(6), max_tokens=20)
+    submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
+    events: list[fr.Event] = []
+    for _ in range(6):  # the gate is shut: rid 2 decodes, rid 3 waits for its state
+        core.step(0.0)
+        frame = core.frame(0.0)
+        events += frame.events if frame is not None else []
+    assert of(events, 2) and not of(events, 3)
+    store.gate.set()
+    events += run(core)
+    assert done(events, 3).cached_tokens == LONG + 2
+    assert core.sched.tiers.statistics()["kv_disk_restores"] == 1
+    assert not core.staged and not list(tmp_path.glob("*.kv"))
     assert_nothing_left(core, backend)
 
 

@@ -34,7 +34,7 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, decode_shape
-from forged.engine.kvtiers import Demote, Drop, Entry, Tier, TierOp, Written
+from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
@@ -58,6 +58,9 @@ from forged.engine.textstream import TextStream
 # Statistics cost a walk over the KV ledger: sent at most this often with token events.
 STATS_INTERVAL = 0.05
 _NEVER = -float("inf")  # a logit bias that bans a token
+# How long a step with nothing to compute waits for a restore's read from disk (then
+# the next step looks again).
+_STAGE_WAIT_S = 1.0
 
 
 class DecodeError(Exception):
@@ -129,8 +132,14 @@ class DiskTier(Protocol):
     def write_later(self, entry: Entry, state: bytearray) -> bool:
         """Hand ``state`` to a writer beside the decode loop; False if it is busy."""
 
-    def finished(self) -> list[Written]:
-        """The writes handed over that have ended since the last call."""
+    def read_later(self, entry: Entry) -> bool:
+        """Read ``entry`` beside the decode loop (as ``read``); False if it is busy."""
+
+    def finished(self) -> list[Written | Read]:
+        """The writes and reads handed over that have ended since the last call."""
+
+    def wait_done(self, timeout: float) -> None:
+        """Until one handed over has ended, or ``timeout`` seconds."""
 
     def wait_writes(self) -> None: ...
 
@@ -186,6 +195,8 @@ class WorkerCore:
         # Disk entries whose write has not ended yet: their bytes, by entry id (a
         # restore meanwhile is served from here).
         self.writing: dict[int, bytearray] = {}
+        # Disk entries staged for a restore: their bytes, read and checked.
+        self.staged: dict[int, bytearray] = {}
         self.disk = disk
         if disk is None:
             self.sched.tiers.disk_bytes = 0
@@ -258,9 +269,13 @@ class WorkerCore:
         was admitted even if that decode kills the process (llama.cpp aborts). A
         request the daemon never saw admitted is resubmitted elsewhere after a crash;
         one that may have caused it must not be."""
-        self.account_writes()
+        self.account_disk()
         self.sched.expire(now)
         plan = self.sched.plan(now)
+        if self.sched.tiers.staging and (plan is None or not plan.chunks):
+            # Nothing to compute but a restore's read: wait for it here, not spin.
+            assert self.disk is not None
+            self.disk.wait_done(_STAGE_WAIT_S)
         if plan is not None:
             # Before the admissions are reported: a refused restore changes them.
             recompute = self._apply_memory_ops(plan.ops)
@@ -293,7 +308,7 @@ class WorkerCore:
                         self.backend.seq_rm(seq, 0)
                         key = self.sched.restore_failed(seq)
                         recompute |= {key} if key is not None else set()
-                case Drop() | Demote():
+                case Drop() | Demote() | Stage():
                     self._tier_ops([op])
         return recompute
 
@@ -302,6 +317,10 @@ class WorkerCore:
             state = self.ram.get(entry.eid) if keep else self.ram.pop(entry.eid, None)
         elif entry.eid in self.writing:  # its write has not ended: the bytes are here
             state = self.writing[entry.eid] if keep else self.writing.pop(entry.eid)
+        elif entry.eid in self.staged:  # read beside the decode loop, for this restore
+            state = self.staged.pop(entry.eid)
+            if self.disk is not None and not keep:
+                self.disk.remove(entry)
         else:
             state = self.disk.read(entry) if self.disk is not None else None
             if self.disk is not None and not keep:
@@ -321,6 +340,13 @@ class WorkerCore:
                         self.disk.remove(e)
                 case Demote(entry=e):
                     self._demote(e, later)
+                case Stage(entry=e):
+                    if e.eid in self.writing:  # not on disk yet: its bytes are here
+                        self.sched.tiers.read(e, ok=True)
+                    elif self.disk is None:
+                        self.sched.tiers.read(e, ok=False)
+                    elif not self.disk.read_later(e):
+                        self.sched.tiers.unstage(e.eid)  # busy: asked again next step
 
     def _demote(self, e: Entry, later: bool) -> None:
         """``e``'s RAM bytes go to disk: written beside the decode loop when ``later``
@@ -335,30 +361,42 @@ class WorkerCore:
         else:  # the file's size is known now (its header adds to the state)
             self._tier_ops(self.sched.tiers.refit(Tier.DISK))
 
-    def account_writes(self) -> None:
-        """Account for the disk writes that ended (each step does, first): a written
-        file is the entry's now (or is removed, if the entry was restored or dropped
-        meanwhile); a failed write loses the entry."""
-        for w in self.disk.finished() if self.disk is not None else ():
-            if self.writing.pop(w.entry.eid, None) is None:
-                if w.key and self.disk is not None:
-                    self.disk.remove_key(w.key)  # nobody wants it any more
-            elif not w.key:
-                self.sched.tiers.lost(w.entry)
-            else:
-                w.entry.key, w.entry.nbytes = w.key, w.nbytes
-                self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+    def account_disk(self) -> None:
+        """Account for the disk writes and reads that ended (each step does, first),
+        and free the staged bytes the scheduler no longer wants."""
+        for done in self.disk.finished() if self.disk is not None else ():
+            match done:
+                case Written():
+                    self._written(done)
+                case Read(entry=e, state=state):
+                    self.sched.tiers.read(e, ok=state is not None)
+                    if state is not None and self.sched.tiers.ready(e):
+                        self.staged[e.eid] = state
+        for eid in [eid for eid in self.staged if eid not in self.sched.tiers.staged]:
+            del self.staged[eid]
+
+    def _written(self, w: Written) -> None:
+        """A written file is the entry's now (or is removed, if the entry was restored
+        or dropped meanwhile); a failed write loses the entry."""
+        if self.writing.pop(w.entry.eid, None) is None:
+            if w.key and self.disk is not None:
+                self.disk.remove_key(w.key)  # nobody wants it any more
+        elif not w.key:
+            self.sched.tiers.lost(w.entry)
+        else:
+            w.entry.key, w.entry.nbytes = w.key, w.nbytes
+            self._tier_ops(self.sched.tiers.refit(Tier.DISK))
 
     def persist(self) -> None:
         """Before the worker exits (a drain, a restart): sessions' states go to disk."""
         if self.disk is None:
             return
         self.disk.wait_writes()
-        self.account_writes()
+        self.account_disk()
         self._apply_memory_ops(self.sched.save_sessions())
         self._tier_ops(self.sched.tiers.demote_sessions(), later=False)
         self.disk.wait_writes()  # those the saves above evicted from RAM
-        self.account_writes()
+        self.account_disk()
 
     def _decode(self, plan: StepPlan) -> None:
         t0 = self.clock()

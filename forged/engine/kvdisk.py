@@ -5,9 +5,10 @@ msgpack header (the model's identity, tenant, session, tokens, the state's lengt
 SHA-256), then the state as ``llama_state_seq_get_data`` wrote it. A file is written
 to a temporary name and renamed, so a crash leaves no half file under a real name.
 
-Writes happen in a thread of their own (:meth:`DiskStore.write_later`), beside the
-decode loop: a step hands over a state to write and never waits on the disk for it.
-The caller keeps the state until :meth:`DiskStore.finished` says it was written.
+Writes, and the reads that stage a state before its restore, happen in a thread of
+their own (:meth:`DiskStore.write_later`, :meth:`DiskStore.read_later`), beside the
+decode loop: a step hands them over and never waits on the disk. The caller keeps a
+state it handed over until :meth:`DiskStore.finished` says it was written.
 
 A file is trusted only when everything checks out: the magic, the header, the model
 identity (the GGUF's size and first and last MiB, llama.cpp's version and the KV
@@ -18,6 +19,7 @@ and the request computes its prompt: never a wrong answer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
@@ -29,7 +31,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from forged.engine.kvtiers import Entry, Tier, Written
+from forged.engine.kvtiers import Entry, Read, Tier, Written
 
 MAGIC = b"forged-kv 1\n"
 _SUFFIX = ".kv"
@@ -73,43 +75,63 @@ class DiskStore:
         self.root = root
         self.model = model
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._todo: queue.Queue[tuple[Entry, bytearray]] = queue.Queue(WRITES_QUEUED)
-        self._done: queue.SimpleQueue[Written] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
+        # Work for the I/O thread: a state to write, or (None) an entry to read.
+        self._todo: queue.Queue[tuple[Entry, bytearray | None]] = queue.Queue(WRITES_QUEUED)
+        self._done: queue.SimpleQueue[Written | Read] = queue.SimpleQueue()
+        self._waited: list[Written | Read] = []  # taken off _done by wait_done
+        self._io: threading.Thread | None = None
 
     def write_later(self, entry: Entry, state: bytearray) -> bool:
-        """Hand ``state`` to the writer thread; False when its queue is full. The
-        caller must not change ``state`` until :meth:`finished` reports it."""
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_all, daemon=True,
-                                            name="kv-disk-writer")
-            self._writer.start()
+        """Hand ``state`` to the I/O thread; False when its queue is full. The caller
+        must not change ``state`` until :meth:`finished` reports it."""
+        return self._hand_over(entry, state)
+
+    def read_later(self, entry: Entry) -> bool:
+        """Read and check ``entry``'s file in the I/O thread (as :meth:`read`); False
+        when its queue is full."""
+        return self._hand_over(entry, None)
+
+    def _hand_over(self, entry: Entry, state: bytearray | None) -> bool:
+        if self._io is None:
+            self._io = threading.Thread(target=self._serve_io, daemon=True,
+                                        name="kv-disk-io")
+            self._io.start()
         try:
             self._todo.put_nowait((entry, state))
         except queue.Full:
             return False
         return True
 
-    def finished(self) -> list[Written]:
-        """The writes that ended since the last call (never blocks)."""
-        out = []
+    def finished(self) -> list[Written | Read]:
+        """The writes and reads that ended since the last call (never blocks)."""
+        out, self._waited = self._waited, []
         while True:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
                 return out
 
+    def wait_done(self, timeout: float) -> None:
+        """Until a write or read has ended that :meth:`finished` has not returned yet,
+        or ``timeout`` seconds."""
+        if not self._waited:
+            with contextlib.suppress(queue.Empty):
+                self._waited.append(self._done.get(timeout=timeout))
+
     def wait_writes(self) -> None:
-        """Until every write handed over has ended (the worker is stopping)."""
-        if self._writer is not None:
+        """Until everything handed over has ended (the worker is stopping)."""
+        if self._io is not None:
             self._todo.join()
 
-    def _write_all(self) -> None:
+    def _serve_io(self) -> None:
         while True:
             entry, state = self._todo.get()
             try:
-                key, nbytes = self._write_file(entry, state) or ("", 0)
-                self._done.put(Written(entry, key, nbytes))
+                if state is None:
+                    self._done.put(Read(entry, self.read(entry)))
+                else:
+                    key, nbytes = self._write_file(entry, state) or ("", 0)
+                    self._done.put(Written(entry, key, nbytes))
             finally:
                 self._todo.task_done()
 

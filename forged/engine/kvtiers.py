@@ -18,6 +18,10 @@ decisions, and it never holds a blob.
   and one tenant's flood of sessions evicts its own entries before anyone else's. A
   session's entry that leaves RAM goes to disk (``Demote``) when there is a disk tier;
   anything else is dropped. Disk is bounded by ``disk_bytes`` the same way.
+- A disk entry is *staged* before it is restored: its file is read (and its hash
+  checked) beside the decode loop (``Stage``), and the request waits in the queue
+  meanwhile, so that no step waits on the disk. At most ``MAX_STAGED`` are staged at
+  once: each is a state held in memory.
 - Entries are matched only within a tenant: a cache is never used across tenants.
   Across models, the disk store refuses files of another model when it indexes them.
 """
@@ -66,7 +70,16 @@ class Demote:
     entry: Entry
 
 
-TierOp = Drop | Demote
+@dataclass(frozen=True)
+class Stage:
+    """Read ``entry``'s file into memory ahead of its restore, beside the decode loop."""
+
+    entry: Entry
+
+
+TierOp = Drop | Demote | Stage
+# Disk entries staged (read into memory, or being read) at most at once.
+MAX_STAGED = 4
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,15 @@ class Written:
     entry: Entry
     key: str
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """A staging read has ended: ``state`` is the entry's checked bytes, or None (the
+    file was missing, damaged or stale, and is gone)."""
+
+    entry: Entry
+    state: bytearray | None
 
 
 @dataclass
@@ -123,6 +145,9 @@ class Tiers:
         default_factory=lambda: {t: OrderedDict() for t in Tier})
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     stats: TierStats = field(default_factory=TierStats)
+    # Disk entries being read for a restore, and those read (their bytes in memory).
+    staging: set[int] = field(default_factory=set)
+    staged: dict[int, None] = field(default_factory=dict)  # oldest first
 
 
     def entries(self, tier: Tier) -> list[Entry]:
@@ -199,13 +224,46 @@ class Tiers:
         most = max(held, key=lambda t: held[t])
         return next(e for e in self._lru[tier].values() if e.tenant == most)
 
+    def stage(self, e: Entry) -> Stage | None:
+        """Whether ``e`` may be restored now: a RAM entry may, and a staged disk entry;
+        otherwise the read to ask for (None when it is under way or too many are)."""
+        if e.tier is Tier.RAM or e.eid in self.staged or e.eid in self.staging:
+            return None
+        if len(self.staging) + len(self.staged) >= MAX_STAGED:
+            if not self.staged:
+                return None  # all are being read: the next step asks again
+            # The oldest staged state's request went away, or waits longer for room:
+            # its bytes go (the core frees what is no longer staged), and it is read
+            # again if asked for.
+            del self.staged[next(iter(self.staged))]
+        self.staging.add(e.eid)
+        return Stage(e)
+
+    def ready(self, e: Entry) -> bool:
+        return e.tier is Tier.RAM or e.eid in self.staged
+
+    def read(self, e: Entry, ok: bool) -> None:
+        """The staging read of ``e`` ended: its bytes are in memory, or it is gone."""
+        self.staging.discard(e.eid)
+        if ok and e.eid in self._lru[Tier.DISK]:
+            self.staged[e.eid] = None
+        elif not ok:  # its request computes its prompt instead
+            self.stats.restore_failures += 1
+            self.lost(e)
+
+    def unstage(self, eid: int) -> None:
+        self.staging.discard(eid)
+        self.staged.pop(eid, None)
+
     def _remove(self, e: Entry) -> Drop:
+        self.unstage(e.eid)
         del self._lru[e.tier][e.eid]
         self.stats.drops += 1
         return Drop(e, e.tier)
 
     def lost(self, e: Entry) -> None:
-        """``e``'s bytes are gone (a disk write failed): forget it."""
+        """``e``'s bytes are gone (a disk write or read failed): forget it."""
+        self.unstage(e.eid)
         self._lru[e.tier].pop(e.eid, None)
 
     def set_budgets(self, ram_bytes: int, disk_bytes: int) -> list[TierOp]:
@@ -229,6 +287,7 @@ class Tiers:
     def take(self, entry: Entry, keep: bool = False) -> None:
         """``entry`` is being restored into a slot: it leaves the index, unless
         ``keep`` (then it only counts as used now)."""
+        self.unstage(entry.eid)  # the core takes the staged bytes, if any
         if keep:
             self._lru[entry.tier].move_to_end(entry.eid)
         else:

@@ -491,7 +491,7 @@ class Scheduler:
     def _admit(self, now: float) -> None:
         for q in self._queues:
             for item in sorted(q, key=lambda it: (it.vstart, it.submitted_at)):
-                if self._hold(item, now):
+                if self._hold(item, now) or self._staging(item):
                     continue  # it needs no room yet, so it blocks nobody behind it
                 while (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
@@ -544,6 +544,16 @@ class Scheduler:
         for sid in forks:  # after the copy: a fork may take the source's slot
             self._evict(self._slots[sid])
         self._start(item, [dst, *forks], n, now)
+        return True
+
+    def _staging(self, item: Queued) -> bool:
+        """Whether ``item`` waits this step for the saved state it would restore to be
+        read from disk (``Stage``, beside the decode loop): no step waits on the disk."""
+        entry = self._reuse(item.req).entry
+        if entry is None or self.tiers.ready(entry):
+            return False
+        if (op := self.tiers.stage(entry)) is not None:
+            self._ops.append(op)
         return True
 
     def _admit_restored(self, item: Queued, entry: Entry, m: int, now: float) -> bool:
