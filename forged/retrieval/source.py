@@ -61,15 +61,9 @@ class SourceTree:
         """``size:mtime_ns`` of the regular file ``rel``; None for anything else (a
         symlink, a folder, a file gone or beyond a symlink)."""
         try:
-            parent = _open_dirs(self.fd, _parts(rel)[:-1])
+            st = self._stat(rel)
         except OSError:
             return None
-        try:
-            st = os.stat(_parts(rel)[-1], dir_fd=parent, follow_symlinks=False)
-        except OSError:
-            return None
-        finally:
-            os.close(parent)
         return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
 
     def read(self, rel: str, max_bytes: int) -> tuple[bytes | None, str | None]:
@@ -95,6 +89,14 @@ class SourceTree:
         if b"\0" in data[:BINARY_PROBE]:
             return None, "binary"
         return data, None
+
+    def _stat(self, rel: str) -> os.stat_result:
+        parts = _parts(rel)
+        parent = _open_dirs(self.fd, parts[:-1])
+        try:
+            return os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        finally:
+            os.close(parent)
 
     def _open_file(self, rel: str) -> int:
         parts = _parts(rel)

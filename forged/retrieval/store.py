@@ -18,6 +18,7 @@ exist, raises ``IndexError_`` with a message meant for the admin.
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from forged.retrieval.chunking import chunk_file, identifiers, search_words, split_words
 from forged.retrieval.errors import IndexError_
-from forged.retrieval.source import SourceTree, list_source
+from forged.retrieval.source import SourceTree, list_source, open_root
 
 MAX_FILE_BYTES = 1 << 20
 # bm25() weights, one per column of ``chunks`` in order; UNINDEXED columns get 0.
@@ -115,8 +116,7 @@ class Index:
         # The folder as it is now, symlinks resolved: later updates read that folder
         # and refuse a path that has come to pass through a symlink since.
         source = source.resolve()
-        with SourceTree(source):
-            pass  # reachable without a symlink, or the error says why
+        os.close(open_root(source))  # reachable without a symlink, or the error says why
         directory.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path)
         db.executescript(SCHEMA)
