@@ -117,7 +117,10 @@ class Index:
         # and refuse a path that has come to pass through a symlink since.
         source = source.resolve()
         os.close(open_root(source))  # reachable without a symlink, or the error says why
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # as the daemon's user: the state folder is not its own
+            raise IndexError_(f"{directory}: cannot create: {exc.strerror}") from exc
         db = sqlite3.connect(path)
         db.executescript(SCHEMA)
         with db:
