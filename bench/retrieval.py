@@ -56,7 +56,8 @@ from bench.daemonproc import DaemonProcess, free_port, write_config
 from forged.config import RetrievalConfig
 from forged.http.retrieve import query_around
 from forged.observe.stats import percentile
-from forged.retrieval.store import SKIP_DIRS, Index, cursor_names
+from forged.retrieval.source import SKIP_DIRS
+from forged.retrieval.store import Index, cursor_names
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

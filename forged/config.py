@@ -221,6 +221,19 @@ class RetrievalConfig(_Section, frozen=True):
     query_lines: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
 
 
+class TelemetryConfig(_Section, frozen=True):
+    # Days completions' and editor events' records are kept (server.state_dir/
+    # telemetry.sqlite3); older ones are deleted every few minutes.
+    retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
+    # The most rows each of its two tables keeps, the oldest deleted first: the file
+    # stops growing (about 125 bytes a row: some 500 MB at the default).
+    max_rows: Annotated[int, msgspec.Meta(ge=1000, le=1_000_000_000)] = 2_000_000
+    # Editor events (/v1/events) per API key: this many a second on average, and this
+    # many at once after a quiet while; beyond them, 429.
+    event_rate: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 10.0
+    event_burst: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
@@ -229,6 +242,7 @@ class Config(_Section, frozen=True):
     auth: AuthConfig = AuthConfig()
     log: LogConfig = LogConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     # Further models served beside [model], each by engine.workers workers of its own
     # ([[models]] tables; a request picks one by its "model").
     models: list[ModelConfig] = []

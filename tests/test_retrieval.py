@@ -11,15 +11,9 @@ import pytest
 
 from forged.cli import main
 from forged.retrieval.chunking import chunk_file, line_windows, split_identifier, split_words
-from forged.retrieval.store import (
-    MAX_QUERY_TERMS,
-    Index,
-    IndexError_,
-    cursor_names,
-    list_source,
-    query_words,
-    rarest,
-)
+from forged.retrieval.errors import IndexError_
+from forged.retrieval.source import SourceTree, list_source
+from forged.retrieval.store import MAX_QUERY_TERMS, Index, cursor_names, query_words, rarest
 
 PY = '''"""A module."""
 
@@ -145,7 +139,8 @@ def test_plain_folder_uses_size_and_mtime(tmp_path: Path) -> None:
     (src / "__pycache__" / "x.py").write_text("def cached(): pass\n")
     (src / "a.py").write_text("def alpha(): pass\n")
     (src / "b.txt").write_text("beta\n")
-    assert sorted(p for p, _ in list_source(src)) == ["a.py", "b.txt"]
+    with SourceTree(src) as tree:
+        assert sorted(p for p, _ in list_source(tree)) == ["a.py", "b.txt"]
     with Index.create(tmp_path / "index", "f", src) as idx:
         assert idx.update().rechunked == 2
         assert idx.update().rechunked == 0
@@ -159,8 +154,9 @@ def test_a_repository_git_refuses_is_not_walked_without_its_gitignore(tmp_path: 
     (src / ".git").mkdir(parents=True)  # not a repository git can read
     (src / ".gitignore").write_text("secret.env\n")
     (src / "secret.env").write_text("TOKEN=1\n")
-    with pytest.raises(IndexError_, match="git cannot read this repository"):
-        list(list_source(src))
+    with SourceTree(src) as tree, \
+            pytest.raises(IndexError_, match="git cannot read this repository"):
+        list(list_source(tree))
 
 
 def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,19 +1,36 @@
 """Completion telemetry: /v1/events and finished infills round-trip into ``forged report``
-by API key name, the Prometheus counters count them, and the database holds no text."""
+by API key name, the Prometheus counters count them, and the database holds no text;
+events are accepted only for a key's own completions and at its rate, and the file is
+pruned by age and by size."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from forged.auth import add_key
 from forged.cli import main
-from forged.observe.telemetry import telemetry_path
+from forged.config import TelemetryConfig
+from forged.http.editor_telemetry import TokenBucket
+from forged.observe.metrics import Metrics
+from forged.observe.telemetry import (
+    DAY,
+    PRUNE_INTERVAL,
+    Completion,
+    Event,
+    Recorder,
+    open_db,
+    prune,
+    telemetry_path,
+    write,
+)
 from tests.conftest import DaemonFactory
 
 MARKER = "zebra_quokka_marker"  # in every prompt; must never reach the database
@@ -84,3 +101,139 @@ async def test_events_round_trip_into_the_report_without_text(
     for text in texts:
         if len(text.strip()) >= 8:
             assert text.encode() not in data
+
+
+async def test_events_are_accepted_only_for_the_keys_own_completions(
+        fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    keys = {name: add_key(tmp_path / "keys.toml", name, max_streams=4, max_queued=4,
+                          priority="interactive") for name in ("team-a", "team-b")}
+    with trio.fail_after(60):
+        async with start_daemon(fim_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+
+            async def send(name: str, cid: str) -> httpx.Response:
+                return await c.post("/v1/events", json={"type": "view", "completion_id": cid},
+                                    headers={"Authorization": f"Bearer {keys[name]}"})
+
+            ids = []
+            for stream in (False, True):
+                r = await c.post("/v1/completions", json={
+                    "prompt": "def f():", "max_tokens": 4, "stream": stream},
+                    headers={"Authorization": f"Bearer {keys['team-a']}"})
+                assert r.status_code == 200, r.text
+                first = r.json() if not stream else json.loads(
+                    r.text.split("\n")[0].removeprefix("data: "))
+                ids.append(first["id"])
+            for cid in (*ids, "cmpl-never-served"):
+                r = await send("team-b", cid)  # another key's, or nobody's: not found
+                assert r.status_code == 404, r.text
+                assert r.json()["error"]["param"] == "completion_id"
+                assert r.json()["error"]["code"] == "completion_not_found"
+            assert (await send("team-a", "cmpl-never-served")).status_code == 404
+            for cid in ids:  # whole and streamed alike
+                assert (await send("team-a", cid)).status_code == 200
+            assert d.daemon.state is not None
+            sample = d.daemon.state.metrics.registry.get_sample_value
+            assert sample("forged_completion_events_total",
+                          {"key": "team-a", "type": "view"}) == 2
+            assert sample("forged_completion_events_total",
+                          {"key": "team-b", "type": "view"}) is None
+
+
+async def test_events_beyond_a_keys_rate_are_429_and_other_keys_go_on(
+        fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    keys = {name: add_key(tmp_path / "keys.toml", name, max_streams=4, max_queued=4,
+                          priority="interactive") for name in ("team-a", "team-b")}
+    with trio.fail_after(60):
+        async with start_daemon(fim_model, telemetry={"event_rate": 0.01,
+                                                      "event_burst": 3}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            ids = {}
+            for name, key in keys.items():
+                r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                 headers={"Authorization": f"Bearer {key}"})
+                ids[name] = r.json()["id"]
+
+            async def send(name: str) -> httpx.Response:
+                return await c.post(
+                    "/v1/events", json={"type": "view", "completion_id": ids[name]},
+                    headers={"Authorization": f"Bearer {keys[name]}"})
+
+            assert [(await send("team-a")).status_code for _ in range(3)] == [200] * 3
+            over = await send("team-a")
+            assert over.status_code == 429, over.text
+            assert over.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 1 <= int(over.headers["Retry-After"]) <= 100  # a token in 1 / 0.01 s
+            assert (await send("team-b")).status_code == 200
+            assert d.daemon.state is not None
+            assert d.daemon.state.metrics.registry.get_sample_value(
+                "forged_completion_events_total", {"key": "team-a", "type": "view"}) == 3
+
+
+async def test_a_token_bucket_refills_at_its_rate_up_to_its_burst(
+        autojump_clock: trio.testing.MockClock) -> None:
+    rate, burst = 2.0, 3
+    with trio.fail_after(120):
+        bucket = TokenBucket(burst, trio.current_time())
+
+        def take() -> float:
+            return bucket.take(trio.current_time(), rate, burst)
+
+        assert [take() for _ in range(burst)] == [0.0] * burst
+        assert take() == pytest.approx(1 / rate)
+        await trio.sleep(1 / rate)
+        assert take() == 0.0
+        assert take() > 0
+        await trio.sleep(60)  # a quiet minute refills the burst, no more
+        assert [take() for _ in range(burst)] == [0.0] * burst
+        assert take() == pytest.approx(1 / rate)
+
+
+def rows(path: Path, table: str) -> list[float]:
+    db = sqlite3.connect(path)
+    try:
+        return [at for (at,) in db.execute(f"SELECT at FROM {table} ORDER BY at")]
+    finally:
+        db.close()
+
+
+def test_prune_drops_the_old_then_the_oldest_beyond_max_rows(tmp_path: Path) -> None:
+    path = tmp_path / "telemetry.sqlite3"
+    db = open_db(path)
+    write(db, [*(Completion(f"c{i}", "k", "/infill", float(i), 1.0) for i in range(50)),
+               *(Event(f"c{i}", "k", "view", float(i)) for i in range(50))])
+    assert prune(db, before=10.0, max_rows=1000) == 20  # 0-9 of each: too old
+    assert prune(db, before=10.0, max_rows=15) == 50  # 10-34 of each: beyond 15
+    db.close()
+    assert rows(path, "completions") == rows(path, "events") == [float(i) for i in
+                                                                   range(35, 50)]
+
+
+async def inline(func: Any, *args: Any) -> Any:
+    """The writer's database work, run in the task: no thread for the clock to wait on."""
+    return func(*args)
+
+
+async def test_records_past_retention_are_pruned_every_interval(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    path = tmp_path / "telemetry.sqlite3"
+    start = 1.9e9  # Unix time when the virtual clock reads 0
+
+    def wall() -> float:
+        return start + trio.current_time()
+
+    recorder = Recorder(path, Metrics(list), lambda: TelemetryConfig(retention_days=1),
+                        wall=wall, run_sync=inline)
+    with trio.fail_after(3 * DAY):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(recorder.serve)
+            await trio.sleep(1)  # after the first prune, at the start
+            recorder.record(Event("old", "k", "view", wall() - 2 * DAY))
+            recorder.record(Event("new", "k", "view", wall()))
+            await trio.sleep(PRUNE_INTERVAL - 2)
+            assert len(rows(path, "events")) == 2  # written, not pruned yet
+            await trio.sleep(2)
+            assert rows(path, "events") == [start + 1]  # the next prune, on time
+            await trio.sleep(DAY)
+            assert rows(path, "events") == []
+            nursery.cancel_scope.cancel()

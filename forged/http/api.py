@@ -32,7 +32,7 @@ from forged.engine.groups import ModelGroup
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import refused, sse
 from forged.http.chat import chat_prompt
-from forged.http.events import event_decoder, record_event
+from forged.http.editor_telemetry import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
     check_ids,

@@ -72,6 +72,12 @@ class Outcome:
         state.telemetry.record(Completion(self.completion_id, self.key, self.endpoint,
                                           time.time(), duration * 1000))
 
+    def whole(self, state: AppState) -> None:
+        """Every choice is done: editors' events may name this completion from now on,
+        from the key it was made for. Said before its last frame goes out, so that no
+        editor holds an id the daemon does not know yet."""
+        state.telemetry.served.add(self.completion_id, self.key)
+
     def mark_admitted(self) -> None:
         if self.hold is not None:
             self.hold.admitted()
@@ -220,15 +226,20 @@ def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
             return e.EngineError(ev.message)
 
 
-def _done(outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Done], n: int) -> bool:
-    """Count one choice's end (into ``dones``); whether it was the last of ``n``."""
+def _done(state: AppState, outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Done],
+          n: int) -> bool:
+    """Count one choice's end (into ``dones``); whether it was the last of ``n``, which
+    makes the completion whole."""
     dones[ev.index] = ev
     outcome.completion_tokens += ev.completion_tokens
     outcome.cached_tokens = ev.cached_tokens
     # Every choice's first token comes from the one prompt, in the same step.
     outcome.prefill = (ev.prefill_s, ev.prefill_steps)
     outcome.text(ev.text, ev.index)
-    return len(dones) == n
+    if len(dones) < n:
+        return False
+    outcome.whole(state)
+    return True
 
 
 async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
@@ -252,7 +263,7 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
                 case fr.Done():
                     parts[ev.index].append(ev.text)
                     scores[ev.index].tokens += ev.logprobs or []
-                    if _done(outcome, ev, dones, out.n):
+                    if _done(state, outcome, ev, dones, out.n):
                         outcome.end = "ok"
                         return _whole(out, ["".join(p) for p in parts],
                                       [dones[i] for i in range(out.n)], scores, keep)
@@ -303,7 +314,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                     case fr.Scored(logprobs=prompt):
                         yield out.scored(prompt)
                     case fr.Done():
-                        last = _done(outcome, ev, dones, out.n)
+                        last = _done(state, outcome, ev, dones, out.n)
                         # A choice's end; after the last, the usage chunk and [DONE]
                         # go out in the same write.
                         end = out.end(list(dones.values()), include_usage) if last else b""

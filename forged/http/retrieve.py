@@ -35,7 +35,8 @@ from forged.http.door import in_thread
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
-from forged.retrieval.store import Hit, IndexError_
+from forged.retrieval.errors import IndexError_
+from forged.retrieval.store import Hit
 
 log = logging.getLogger("forged")
 

@@ -25,6 +25,7 @@ from forged.retrieval.query import Searcher
 
 if TYPE_CHECKING:
     from forged.daemon.models import Swapper
+    from forged.http.editor_telemetry import TokenBucket
 
 T = TypeVar("T")
 
@@ -128,11 +129,14 @@ class AppState:
     door_limiter: trio.CapacityLimiter = field(init=False)
     # Completion telemetry; its writer task runs in the daemon's nursery.
     telemetry: Recorder = field(init=False)
+    # Editor events each key may still send (forged.http.editor_telemetry).
+    event_buckets: dict[str, TokenBucket] = field(default_factory=dict)
     # Model swaps, once the engine runs.
     swapper: Swapper | None = None
 
     def __post_init__(self) -> None:
-        self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics)
+        self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics,
+                                  lambda: self.cfg.telemetry)
         self.searcher = Searcher(Path(self.cfg.server.state_dir) / "index")
         self.search_limiter = trio.CapacityLimiter(self.cfg.retrieval.search_threads)
         self.door_limiter = trio.CapacityLimiter(self.cfg.server.door_threads)

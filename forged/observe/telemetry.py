@@ -9,11 +9,21 @@ numbers only (``test_telemetry`` greps the file's bytes for the prompt).
 ``forged report`` reads the file: completions shown (viewed), accepted (selected),
 the acceptance rate, and /infill latency p50/p95, per key name and per UTC day.
 
+An event is accepted only for a completion this daemon served to the same key: the
+ids of the last ``RECENT`` completions served, with their key names, are kept in
+memory (:class:`RecentCompletions`), filled when a completion is whole, before its
+last frame goes out. They are not kept across restarts: an event for a completion
+served before one is refused.
+
 Resource handling: records travel from request handlers to one writer task through a
 bounded channel (``QUEUE``). When it is full, a record is dropped and counted
 (``forged_telemetry_dropped_total``) rather than making a request wait on the disk.
 The writer batches what is queued into one transaction, in a thread; when cancelled
 (the daemon stopping) it writes what is left, shielded, for at most ``FLUSH_TIMEOUT``.
+The same task prunes the file, in a thread, when it starts and every
+``PRUNE_INTERVAL`` seconds after: records older than ``telemetry.retention_days``,
+then the oldest beyond ``telemetry.max_rows`` in each table. SQLite reuses the pages
+freed, so the file stops growing.
 """
 
 from __future__ import annotations
@@ -21,13 +31,16 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import sqlite3
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 
+from forged.config import TelemetryConfig
 from forged.observe.metrics import Metrics
 from forged.observe.stats import percentile
 
@@ -35,6 +48,12 @@ log = logging.getLogger("forged")
 QUEUE = 4096  # records waiting for the writer; more are dropped and counted
 BATCH = 512  # records per transaction at most
 FLUSH_TIMEOUT = 2.0  # seconds to write what is queued when the daemon stops
+PRUNE_INTERVAL = 600.0  # seconds between two prunes of the file
+DAY = 86400.0
+# Completions whose ids editors' events may name: about 100 bytes each in memory. An
+# editor sends its events within seconds of showing a completion; at forged's rates,
+# this many completions take hours.
+RECENT = 65536
 EventType = Literal["view", "select", "dismiss"]
 
 SCHEMA = """
@@ -92,13 +111,54 @@ def write(db: sqlite3.Connection, records: list[Record]) -> None:
                         for r in records if isinstance(r, Event)])
 
 
-class Recorder:
-    """The request handlers' side (``completion``, ``event``: never wait) and the
-    writer task (``serve``)."""
+def prune(db: sqlite3.Connection, before: float, max_rows: int) -> int:
+    """Delete the records older than ``before`` (Unix time), then the oldest beyond
+    ``max_rows`` in each table, in one transaction; how many went."""
+    gone = 0
+    with db:
+        for table in ("completions", "events"):
+            gone += db.execute(f"DELETE FROM {table} WHERE at < ?", (before,)).rowcount
+            gone += db.execute(
+                f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
+                "ORDER BY at DESC LIMIT -1 OFFSET ?)", (max_rows,)).rowcount
+    return gone
 
-    def __init__(self, path: Path, metrics: Metrics) -> None:
+
+class RecentCompletions:
+    """The key name each of the last ``size`` completions served was served to."""
+
+    def __init__(self, size: int = RECENT) -> None:
+        self.size = size
+        self._keys: OrderedDict[str, str] = OrderedDict()
+
+    def add(self, completion_id: str, key: str) -> None:
+        self._keys[completion_id] = key
+        self._keys.move_to_end(completion_id)
+        if len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+
+    def key_of(self, completion_id: str) -> str | None:
+        return self._keys.get(completion_id)
+
+
+# How the writer runs its database work off the event loop (a test runs it inline).
+RunSync = Callable[..., Awaitable[Any]]
+
+
+class Recorder:
+    """The request handlers' side (``record``, ``served``: never wait) and the
+    writer task (``serve``), which also prunes the file.
+
+    ``config``: the ``[telemetry]`` section now (a reload may change it); ``wall``: the
+    Unix time, which the records carry."""
+
+    def __init__(self, path: Path, metrics: Metrics, config: Callable[[], TelemetryConfig],
+                 *, wall: Callable[[], float] = time.time,
+                 run_sync: RunSync = trio.to_thread.run_sync) -> None:
         self.path = path
         self.metrics = metrics
+        self.config, self.wall, self._run_sync = config, wall, run_sync
+        self.served = RecentCompletions()
         self._send, self._receive = trio.open_memory_channel[Record](QUEUE)
 
     def record(self, rec: Record) -> None:
@@ -110,16 +170,26 @@ class Recorder:
             self.metrics.telemetry_dropped.inc()
 
     async def serve(self) -> None:
-        """Write records as they come, until cancelled; then what is left."""
+        """Write records as they come and prune the file every ``PRUNE_INTERVAL``,
+        until cancelled; then write what is left."""
         try:
-            db = await trio.to_thread.run_sync(open_db, self.path)
+            db = await self._run_sync(open_db, self.path)
         except sqlite3.Error as exc:  # the queue fills; further records are counted
             log.error("telemetry: cannot open %s: %s; nothing is recorded", self.path, exc)
             return
         try:
+            next_prune = trio.current_time()
             while True:
-                batch = [await self._receive.receive()]
-                await self._write(db, self._take(batch))
+                if trio.current_time() >= next_prune:
+                    await self._prune(db)
+                    next_prune = trio.current_time() + PRUNE_INTERVAL
+                # Only the wait is cut short by the prune's time: a batch received is
+                # always written.
+                batch: list[Record] = []
+                with trio.move_on_at(next_prune):
+                    batch.append(await self._receive.receive())
+                if batch:
+                    await self._write(db, self._take(batch))
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(FLUSH_TIMEOUT):
                 left = self._take([])
@@ -135,11 +205,22 @@ class Recorder:
                 break
         return batch
 
+    async def _prune(self, db: sqlite3.Connection) -> None:
+        cfg = self.config()
+        before = self.wall() - cfg.retention_days * DAY
+        try:
+            gone = await self._run_sync(prune, db, before, cfg.max_rows)
+        except sqlite3.Error as exc:  # tried again at the next interval
+            log.error("telemetry: cannot prune %s: %s", self.path, exc)
+            return
+        if gone:
+            log.info("telemetry: %d records past retention_days or max_rows deleted", gone)
+
     async def _write(self, db: sqlite3.Connection, batch: list[Record]) -> None:
         """A batch that cannot be written (a full disk) is dropped and counted: telemetry
         must never take the daemon down."""
         try:
-            await trio.to_thread.run_sync(write, db, batch)
+            await self._run_sync(write, db, batch)
         except sqlite3.Error as exc:
             log.error("telemetry: %d records not written to %s: %s", len(batch), self.path,
                       exc)

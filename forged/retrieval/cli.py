@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from forged import config as fc
-from forged.retrieval.store import Index, IndexError_, index_path, list_indexes
+from forged.retrieval.errors import IndexError_
+from forged.retrieval.store import Index, index_path, list_indexes
 
 DAEMON_USER = "forged"  # systemd/forged.sysusers
 
@@ -20,23 +21,35 @@ def index_dir(args: argparse.Namespace) -> Path:
     return Path(fc.load(Path(args.config)).server.state_dir) / "index"
 
 
-def give_to_daemon(directory: Path, name: str) -> None:
-    """Run as root (``sudo forged index add``), leave the index the daemon's user's, as
-    if that user had made it: the hourly timer updates it as that user."""
+def run_as_daemon_user() -> None:
+    """Run by root (``sudo forged index ...``), become the daemon's user, for good,
+    before anything is read or written.
+
+    An index built by root would hold what only root may read (another user's 0600
+    files, a repository git trusts root alone with), and the API serves it to every
+    key allowed the index. As the daemon's user, ``add`` sees exactly what the hourly
+    update (``systemd/forged-index.service``, ``User=forged``) will, and the files it
+    makes are that user's. Without that user (a development machine) the commands run
+    as whoever runs them."""
     if os.geteuid() != 0:
         return
     try:
         user = pwd.getpwnam(DAEMON_USER)
     except KeyError:
-        return  # a development machine without the forged user
-    for path in (directory, index_path(directory, name)):
-        os.chown(path, user.pw_uid, user.pw_gid)
+        return
+    # As systemd's User= does: the user's groups, then its ids, real and saved too.
+    os.initgroups(user.pw_name, user.pw_gid)
+    os.setresgid(user.pw_gid, user.pw_gid, user.pw_gid)
+    os.setresuid(user.pw_uid, user.pw_uid, user.pw_uid)
+    # git reads the user's own configuration, not root's.
+    os.environ.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+    os.environ.pop("XDG_CONFIG_HOME", None)
+    print(f"forged: running as {user.pw_name!r}, the daemon's user", file=sys.stderr)
 
 
 def cmd_add(args: argparse.Namespace) -> int:
     directory = index_dir(args)
     with Index.create(directory, args.name, Path(args.path)) as idx:
-        give_to_daemon(directory, args.name)
         stats = idx.update()
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
           f"{stats.rechunked} chunked, in {stats.seconds:.1f} s", file=sys.stderr)
@@ -76,6 +89,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def _guarded(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
+        run_as_daemon_user()
         try:
             return int(func(args))
         except IndexError_ as exc:

@@ -23,7 +23,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from forged.retrieval.store import Hit, IndexError_, index_path, search_db
+from forged.retrieval.errors import IndexError_
+from forged.retrieval.store import Hit, index_path, search_db
 
 # Seconds a search waits for ``forged index update`` to commit before it fails.
 BUSY_TIMEOUT = 5.0

@@ -21,18 +21,16 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from forged.retrieval.chunking import chunk_file, identifiers, search_words, split_words
+from forged.retrieval.errors import IndexError_
+from forged.retrieval.source import SourceTree, list_source, open_root
 
 MAX_FILE_BYTES = 1 << 20
-BINARY_PROBE = 8192
-SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", "build", "dist", ".venv",
-                       "venv", ".tox", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
 # bm25() weights, one per column of ``chunks`` in order; UNINDEXED columns get 0.
 WEIGHTS = (0.0, 0.0, 0.0, 0.0, 10.0, 3.0, 1.0)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -56,10 +54,6 @@ CREATE TABLE IF NOT EXISTS terms (term TEXT PRIMARY KEY, docs INTEGER NOT NULL)
 # BM25 while costing the most).
 MAX_QUERY_TERMS = 12
 MAX_POSTINGS = 20_000
-
-
-class IndexError_(Exception):
-    """An index that cannot be created, found or read; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -119,12 +113,19 @@ class Index:
             raise IndexError_(f"index {name!r} exists already ({path})")
         if not source.is_dir():
             raise IndexError_(f"{source}: not a directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        # The folder as it is now, symlinks resolved: later updates read that folder
+        # and refuse a path that has come to pass through a symlink since.
+        source = source.resolve()
+        os.close(open_root(source))  # reachable without a symlink, or the error says why
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # as the daemon's user: the state folder is not its own
+            raise IndexError_(f"{directory}: cannot create: {exc.strerror}") from exc
         db = sqlite3.connect(path)
         db.executescript(SCHEMA)
         with db:
-            db.execute("INSERT INTO meta VALUES ('source', ?)", (str(source.resolve()),))
-        return cls(db, name, source.resolve())
+            db.execute("INSERT INTO meta VALUES ('source', ?)", (str(source),))
+        return cls(db, name, source)
 
     @classmethod
     def open(cls, directory: Path, name: str) -> Index:
@@ -143,21 +144,24 @@ class Index:
 
     def update(self, max_bytes: int = MAX_FILE_BYTES) -> UpdateStats:
         t0 = time.monotonic()
-        listed = dict(list_source(self.source))
-        known = dict(self.db.execute("SELECT path, version FROM files"))
-        gone = [p for p in known if p not in listed]
-        changed = [p for p, v in listed.items() if known.get(p) != v]
-        with self.db:  # one transaction: a crash leaves the previous index intact
-            for path in gone:
-                self._forget(path)
-            for path in changed:
-                self._forget(path)
-                self._add(path, listed[path], max_bytes)
-            if gone or changed or not self._has_terms():
-                self.db.execute("DELETE FROM terms")
-                self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
-            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
-                            (repr(time.time()),))
+        # Every file is read through the folder's descriptor, never by path
+        # (forged.retrieval.source): nothing outside the folder is ever read.
+        with SourceTree(self.source) as tree:
+            listed = dict(list_source(tree))
+            known = dict(self.db.execute("SELECT path, version FROM files"))
+            gone = [p for p in known if p not in listed]
+            changed = [p for p, v in listed.items() if known.get(p) != v]
+            with self.db:  # one transaction: a crash leaves the previous index intact
+                for path in gone:
+                    self._forget(path)
+                for path in changed:
+                    self._forget(path)
+                    self._add(tree, path, listed[path], max_bytes)
+                if gone or changed or not self._has_terms():
+                    self.db.execute("DELETE FROM terms")
+                    self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
+                self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
+                                (repr(time.time()),))
         return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0)
 
     def _has_terms(self) -> bool:
@@ -179,8 +183,8 @@ class Index:
                             (first, first + n))
         self.db.execute("DELETE FROM files WHERE path = ?", (path,))
 
-    def _add(self, path: str, version: str, max_bytes: int) -> None:
-        data, skipped = read_source_file(self.source / path, max_bytes)
+    def _add(self, tree: SourceTree, path: str, version: str, max_bytes: int) -> None:
+        data, skipped = tree.read(path, max_bytes)
         chunks = chunk_file(path, data.decode("utf-8", "replace")) if data is not None else []
         words = split_words(path.replace("/", " ").replace(".", " ").split())
         first = self.db.execute("SELECT coalesce(max(rowid), 0) + 1 FROM chunks_content"
@@ -277,90 +281,3 @@ def rarest(db: sqlite3.Connection, words: list[str]) -> list[str]:
 def fts_query(words: list[str]) -> str:
     """Any of ``words``, each quoted so FTS5 syntax cannot leak in."""
     return " OR ".join(f'"{w}"' for w in words)
-
-
-def read_source_file(path: Path, max_bytes: int) -> tuple[bytes | None, str | None]:
-    """The file's bytes, or None and why it is skipped (too large, binary, unreadable)."""
-    try:
-        if path.stat().st_size > max_bytes:
-            return None, "large"
-        data = path.read_bytes()
-    except OSError:
-        return None, "unreadable"
-    if b"\0" in data[:BINARY_PROBE]:
-        return None, "binary"
-    return data, None
-
-
-def list_source(root: Path) -> Iterator[tuple[str, str]]:
-    """``(relative path, version)`` of every candidate file under ``root``."""
-    if _git(root, "rev-parse", "--is-inside-work-tree") == b"true\n":
-        yield from _list_git(root)
-    elif (root / ".git").exists():
-        # A repository git refuses to read (another owner's: "dubious ownership") would
-        # be walked as a plain folder, its .gitignore ignored: refuse instead.
-        raise IndexError_(f"{root}: git cannot read this repository; `git -C {root} "
-                          "status`, run as the user that indexes, says why")
-    else:
-        yield from _list_folder(root)
-
-
-def _skipped_dir(rel: str) -> bool:
-    return any(part in SKIP_DIRS for part in rel.split("/")[:-1])
-
-
-def _list_git(root: Path) -> Iterator[tuple[str, str]]:
-    # Tracked files carry their blob id from the git index; those edited since (and
-    # untracked ones, .gitignore applied) are versioned by size and mtime instead.
-    dirty = set(_git_paths(root, "diff", "--name-only", "--relative", "-z", "--no-renames"))
-    for entry in (_git(root, "ls-files", "-s", "-z") or b"").split(b"\0"):
-        if not entry:
-            continue
-        meta, _, raw = entry.partition(b"\t")
-        mode, blob, _stage = meta.split(b" ")
-        rel = os.fsdecode(raw)
-        if mode in (b"120000", b"160000") or _skipped_dir(rel):
-            continue  # symlinks and submodules are not this repository's text
-        if rel in dirty:
-            version = _stat_version(root / rel)
-            if version:
-                yield rel, version
-        else:
-            yield rel, blob.decode()
-    for rel in _git_paths(root, "ls-files", "--others", "--exclude-standard", "-z"):
-        version = _stat_version(root / rel)
-        if version and not _skipped_dir(rel):
-            yield rel, version
-
-
-def _list_folder(root: Path) -> Iterator[tuple[str, str]]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for name in sorted(filenames):
-            path = Path(dirpath, name)
-            version = _stat_version(path)
-            if version:
-                yield path.relative_to(root).as_posix(), version
-
-
-def _stat_version(path: Path) -> str | None:
-    try:
-        st = path.lstat()
-    except OSError:
-        return None  # deleted from the work tree but still in git's index
-    if not path.is_file() or path.is_symlink():
-        return None
-    return f"{st.st_size}:{st.st_mtime_ns}"
-
-
-def _git_paths(root: Path, *args: str) -> list[str]:
-    return [os.fsdecode(p) for p in (_git(root, *args) or b"").split(b"\0") if p]
-
-
-def _git(root: Path, *args: str) -> bytes | None:
-    try:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
-                              check=False, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
