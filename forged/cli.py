@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import trio
 
@@ -32,8 +33,15 @@ def logfmt_value(value: object) -> str:
     return text
 
 
-class _LogfmtFormatter(logging.Formatter):
-    """One line per event, key=value, so journald stores it and tools can grep it."""
+class LogfmtFormatter(logging.Formatter):
+    """One line per event, key=value, so journald stores it and tools can grep it.
+    With ``priorities`` (the output is journald's stream), each line starts with its
+    syslog priority (``<3>`` error, ``<4>`` warning, ``<6>`` info, ``<7>`` debug), which
+    journald takes as the entry's priority: ``journalctl -p err`` then works."""
+
+    def __init__(self, priorities: bool = False) -> None:
+        super().__init__()
+        self.priorities = priorities
 
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage().replace('"', "'")
@@ -42,12 +50,33 @@ class _LogfmtFormatter(logging.Formatter):
             line += f" {key}={logfmt_value(value)}"
         if record.exc_info:
             line += ' exc="' + self.formatException(record.exc_info).replace("\n", " | ") + '"'
+        if self.priorities:
+            line = f"<{_syslog_priority(record.levelno)}>{line}"
         return line
+
+
+def _syslog_priority(levelno: int) -> int:
+    if levelno >= logging.ERROR:
+        return 3
+    if levelno >= logging.WARNING:
+        return 4
+    return 6 if levelno >= logging.INFO else 7
+
+
+def on_journal(stream: TextIO) -> bool:
+    """Whether ``stream`` is the one systemd connected to the journal (sd-daemon(3):
+    JOURNAL_STREAM names its device and inode)."""
+    try:
+        dev, ino = (int(n) for n in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(_LogfmtFormatter())
+    handler.setFormatter(LogfmtFormatter(priorities=on_journal(sys.stdout)))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -120,6 +120,9 @@ def test_2_first_connection_starts_the_service(box: BootedContainer) -> None:
     assert json.loads(r.stdout) == {"status": "ok"}
     assert box.run("systemctl is-active forged").stdout.strip() == "active"
     wait_until(lambda: "streams" in status_text(box), 30, "a STATUS= line")
+    # Lines carry their syslog priority: the open-API warning is a warning, not info.
+    warnings = box.run("journalctl -u forged -p warning -o cat --no-pager").stdout
+    assert "no API keys" in warnings and "ready:" not in warnings, warnings
 
 
 def test_3_completion_and_streamed_chat(box: BootedContainer) -> None:

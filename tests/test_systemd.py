@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -19,10 +20,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
 
+from forged.cli import LogfmtFormatter, on_journal
 from tests.conftest import ROOT
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
@@ -558,3 +561,23 @@ def test_an_address_in_use_is_one_line_not_a_traceback(tmp_path: Path,
     assert "Traceback" not in out
     errors = [line for line in out.splitlines() if "level=error" in line]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}: " in errors[0], out
+
+
+def test_log_lines_carry_their_syslog_priority_on_the_journal_stream(tmp_path: Path) -> None:
+    """On journald's stream (JOURNAL_STREAM names it), each line starts with its
+    syslog priority, so `journalctl -p err` finds errors; elsewhere (a terminal, a
+    file) lines stay plain logfmt. Before, no line carried one."""
+    out = tmp_path / "stream"
+    with out.open("w") as f:
+        st = os.fstat(f.fileno())
+        env = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        assert on_journal(f) is False  # no JOURNAL_STREAM in this process
+        with mock.patch.dict(os.environ, env):
+            assert on_journal(f) is True
+    formatter = LogfmtFormatter(priorities=True)
+    lines = [formatter.format(logging.LogRecord("forged", level, "", 0, "m", None, None))
+             for level in (logging.ERROR, logging.WARNING, logging.INFO, logging.DEBUG)]
+    assert [line[:3] for line in lines] == ["<3>", "<4>", "<6>", "<7>"]
+    plain = LogfmtFormatter().format(logging.LogRecord("forged", logging.ERROR, "", 0, "m",
+                                                       None, None))
+    assert plain.startswith("level=error")
