@@ -82,10 +82,13 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
-def _load(args: argparse.Namespace) -> fc.Config:
+def load_checked(args: argparse.Namespace) -> fc.Config:
     from forged.auth import KeyStore
 
-    cfg = fc.load(Path(args.config))
+    path = Path(args.config)
+    # Every key has a default: without the default file (a developer's machine, a
+    # trial), forged runs on them. A file named with --config must exist.
+    cfg = fc.load(path, require_file=path != fc.DEFAULT_CONFIG_PATH)
     cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
                             model=getattr(args, "model", None))
     fc.check_model(args.config, cfg)
@@ -117,7 +120,7 @@ def check_state_dir(path: str) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = load_checked(args)
     for place, model in enumerate(cfg.served):  # the vocabulary loads, as serve's will
         open_prompter(args.config, model, model_key(place)).close()
     models = ", ".join(m.model_id for m in cfg.served)
@@ -128,8 +131,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from forged.daemon.lifespan import Daemon, sole_fault  # heavy imports only when serving
 
-    cfg = _load(args)
+    cfg = load_checked(args)
     setup_logging(cfg.log.level)
+    if not Path(args.config).exists():
+        logging.getLogger("forged").warning(
+            "no config file at %s: running on the built-in defaults (every key is in "
+            "etc/forged/forged.toml)", args.config)
     try:
         check_state_dir(cfg.server.state_dir)
     except StateDirError as exc:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from forged import cli
 from forged import config as fc
 from tests.conftest import ROOT
 
@@ -76,3 +78,18 @@ def test_the_shipped_file_marks_exactly_the_restart_keys() -> None:
                 marked.add(f"{section}.{key}" if section else key)
             comment = ""
     assert marked == set(fc.RESTART_KEYS)
+
+
+def test_serve_runs_on_the_defaults_without_the_default_config_file(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forged serve --model X` on a machine without /etc/forged/forged.toml ran into
+    "no such file" although every key has a default; a file named with --config must
+    still exist."""
+    missing = tmp_path / "etc" / "forged.toml"
+    monkeypatch.setattr(fc, "DEFAULT_CONFIG_PATH", missing)
+    args = argparse.Namespace(config=str(missing), model=str(tiny_model), listen=None)
+    cfg = cli.load_checked(args)
+    assert cfg.model.path == str(tiny_model) and cfg.server == fc.ServerConfig()
+    with pytest.raises(fc.ConfigError, match="no such file"):
+        cli.load_checked(argparse.Namespace(config=str(tmp_path / "typo.toml"),
+                                     model=str(tiny_model), listen=None))
