@@ -521,3 +521,23 @@ def _check_answer(r: httpx.Response, path: str, body: bytes) -> None:
         data = r.json()
         if r.status_code >= 400:
             assert set(data["error"]) == {"message", "type", "param", "code"}
+
+
+def test_forged_bench_sends_an_api_key(tmp_path: Path, tiny_model: Path) -> None:
+    """`forged bench` could not test a production appliance: it sent no key."""
+    key = add_key(tmp_path, "bench")
+    d = start(tmp_path, tiny_model)
+    try:
+        out = tmp_path / "bench.json"
+        argv = [sys.executable, "-m", "forged", "bench", "--url", d.url, "--concurrency",
+                "2", "--requests", "2", "--max-tokens", "4", "--duration", "60",
+                "--out", str(out)]
+        for extra, ok, errors in (([], 0, {"401": 2}), (["--api-key", key], 2, {})):
+            r = subprocess.run(argv + extra, capture_output=True, text=True, timeout=120,
+                               env={k: v for k, v in os.environ.items()
+                                    if k != "FORGED_API_KEY"})
+            assert r.returncode == 0, r.stderr
+            summary = json.loads(out.read_text())["runs"][0]["summary"]
+            assert (summary["ok"], summary["errors"]) == (ok, errors)
+    finally:
+        d.stop()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -210,14 +211,16 @@ class _Progress:
 
 async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
                    rate: float | None, duration: float, model: str | None,
-                   label: str = "", seed: int = 7) -> dict[str, Any]:
-    """One bounded run: closed loop at ``concurrency`` or open loop at ``rate``."""
+                   label: str = "", seed: int = 7,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One bounded run: closed loop at ``concurrency`` or open loop at ``rate``;
+    ``headers`` go with every request (an API key)."""
     samples: list[Sample] = []
     progress = _Progress(label or base, len(prompts))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     timeout = httpx.Timeout(duration + 60, connect=30)
     t0 = time.monotonic()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         with trio.move_on_after(duration):
             if rate:
                 await _open_loop(client, base, model, prompts, rate, samples, progress, seed)
@@ -230,6 +233,7 @@ async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
 
 async def run_alternating(bases: tuple[str, str], prompts: list[Prompt], *, duration: float,
                           models: tuple[str | None, str | None] = (None, None),
+                          headers: dict[str, str] | None = None,
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One caller, two servers, taking turns request by request (first one, then the
     other, then the other again): at one caller a drift in the machine's speed then
@@ -237,7 +241,8 @@ async def run_alternating(bases: tuple[str, str], prompts: list[Prompt], *, dura
     it. Each server's rates are over the time it spent answering."""
     samples: tuple[list[Sample], list[Sample]] = ([], [])
     busy = [0.0, 0.0]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(duration + 60, connect=30)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(duration + 60, connect=30),
+                                 headers=headers) as client:
         with trio.move_on_after(duration):
             for i, p in enumerate(prompts):
                 for k in ((0, 1) if i % 2 == 0 else (1, 0)):
@@ -277,9 +282,9 @@ async def _open_loop(client: httpx.AsyncClient, base: str, model: str | None,
             await trio.sleep(rng.expovariate(rate))
 
 
-async def model_id(base: str) -> str | None:
+async def model_id(base: str, headers: dict[str, str] | None = None) -> str | None:
     try:
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with httpx.AsyncClient(timeout=10, headers=headers) as c:
             data = (await c.get(base + "/v1/models")).json()["data"]
             return str(data[0]["id"]) if data else None
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
@@ -297,7 +302,8 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     urls = [args.url.rstrip("/")] + ([args.compare.rstrip("/")] if args.compare else [])
-    models = [await model_id(u) for u in urls]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    models = [await model_id(u, headers) for u in urls]
     levels = [None] if args.rate else [int(c) for c in str(args.concurrency).split(",")]
     runs: list[dict[str, Any]] = []
     for level in levels:
@@ -307,7 +313,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         if level == 1 and len(urls) == 2:  # one caller: take turns request by request
             summaries = await run_alternating((urls[0], urls[1]), prompts,
                                               duration=args.duration,
-                                              models=(models[0], models[1]))
+                                              models=(models[0], models[1]),
+                                              headers=headers)
             for url, summary in zip(urls, summaries, strict=True):
                 runs.append({"url": url, "mix": args.mix, "concurrency": level,
                              "rate": args.rate, "summary": summary})
@@ -316,7 +323,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for url, model in zip(urls, models, strict=True):  # alternating, same prompts
             label = f"{url} c={level}" if level else f"{url} rate={args.rate}"
             summary = await run_load(url, prompts, concurrency=level, rate=args.rate,
-                                     duration=args.duration, model=model, label=label)
+                                     duration=args.duration, model=model, label=label,
+                                     headers=headers)
             run = {"url": url, "mix": args.mix, "concurrency": level, "rate": args.rate,
                    "summary": summary}
             runs.append(run)
@@ -377,6 +385,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL")
+    p.add_argument("--api-key", default=os.environ.get("FORGED_API_KEY"),
+                   help="the API key to send (default: $FORGED_API_KEY); a production "
+                        "appliance needs one")
     p.add_argument("--compare", help="a second server to run the same load against")
     p.add_argument("--mix", choices=MIXES, default="mixed")
     p.add_argument("--concurrency", default="8", help="closed loop: N or a sweep like 1,8,32")
