@@ -230,7 +230,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     d = DaemonProcess(config, port)
     try:
         d.wait_ready(300)
-        cap = await capacity(d.url, args.seed, 32 if args.quick else 96)
+        cap = args.capacity or await capacity(d.url, args.seed, 32 if args.quick else 96)
+        if cap <= 0:
+            raise SystemExit("capacity measured as 0 requests/s (every request refused): "
+                             "is the machine busy? Give --capacity")
         rate = cap * args.load
         n = int(rate * args.minutes * 60 * 1.5) + 10
         result = await soak(d.url, d, _mix(n, args.seed), rate, args)
@@ -251,6 +254,8 @@ def main() -> int:
     p.add_argument("--hostile-per-minute", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a short capacity run")
+    p.add_argument("--capacity", type=float, default=0.0,
+                   help="requests/s to take as capacity instead of measuring it")
     args = p.parse_args()
     result = trio.run(main_async, args)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""``forged``: the command line.
+"""forged: a repo-aware coding assistant serving a local llama.cpp model to a whole
+engineering organisation, over OpenAI's API and the dialects of the tools engineers use.
 
-* ``forged serve [--config PATH] [--listen HOST:PORT] [--model PATH]`` runs the daemon.
-* ``forged check-config [--config PATH]`` validates a config and exits (78 if bad).
+Every command has ``--help`` with an example (:data:`EXAMPLES`); ``man forged`` has
+them all.
 """
 
 from __future__ import annotations
@@ -256,12 +257,17 @@ def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     keys = sub.add_parser("keys", help="manage API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     add = keys_sub.add_parser("add", help="create a key, print it once, store its hash")
-    add.add_argument("name")
+    add.add_argument("name", help="the key's name, as logs, metrics and reports show it")
     add.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     add.add_argument("--keys-file", help="default: auth.keys_file from the config")
-    add.add_argument("--max-streams", type=int, default=16)
-    add.add_argument("--max-queued", type=int, default=32)
-    add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive")
+    add.add_argument("--max-streams", type=int, default=16,
+                     help="sequences it may generate at once (default: 16)")
+    add.add_argument("--max-queued", type=int, default=32,
+                     help="requests it may have waiting for a slot (default: 32; 0: never "
+                          "wait)")
+    add.add_argument("--priority", choices=fc.PRIORITIES, default="interactive",
+                     help="its class, and the highest it may ask for (default: "
+                          "interactive)")
     add.add_argument("--tenant", default="", help="keys of one tenant share the prefix "
                      "cache; of different tenants never (default: the one shared tenant)")
     add.add_argument("--repo", action="append", help="an index this key may search "
@@ -285,9 +291,55 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     swap.set_defaults(func=cmd_model_swap)
 
 
+# One example per command, shown under its --help (and in the man page).
+EXAMPLES = {
+    "forged": "sudo systemctl status forged; forged status; forged --help",
+    "forged serve": "forged serve --model models/SmolLM2-135M-Instruct.Q4_1.gguf "
+                    "--listen 127.0.0.1:8080",
+    "forged check-config": "sudo forged check-config --config /etc/forged/forged.toml",
+    "forged keys": "sudo forged keys add team-web --max-streams 8",
+    "forged keys add": "sudo forged keys add nightly-evals --priority batch "
+                       "&& sudo systemctl reload forged",
+    "forged index": "sudo forged index add backend /srv/git/backend",
+    "forged index add": "sudo forged index add backend /srv/git/backend",
+    "forged index update": "sudo forged index update backend",
+    "forged index list": "sudo forged index list",
+    "forged index rm": "sudo forged index rm backend",
+    "forged status": "sudo forged status   (or: forged status --json)",
+    "forged model": "sudo forged model swap /usr/share/forged/models/coder.gguf",
+    "forged model swap": "sudo forged model swap /usr/share/forged/models/coder.gguf",
+    "forged report": "sudo forged report --since 2026-12-01",
+    "forged bench": "forged bench --url http://127.0.0.1:8080 --concurrency 1,8,32 "
+                    "--api-key fgd-...",
+}
+# The help of options that many commands share, where a command gives none.
+_SHARED_HELP = {
+    "--config": f"the config file (default: {fc.DEFAULT_CONFIG_PATH})",
+    "name": "the index's name (letters, digits, '.', '_', '-')",
+    "path": "a git work tree or a folder",
+}
+
+
+def _explain(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` and every command below it a description, an example and a help
+    text for each argument (a test checks that none is missing)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    if parser.prog in EXAMPLES:
+        parser.epilog = f"example:\n  {EXAMPLES[parser.prog]}"
+    for action in parser._actions:
+        if action.help is None:
+            action.help = _SHARED_HELP.get(action.option_strings[0] if action.option_strings
+                                           else action.dest)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sub = action.choices[choice.dest]
+                sub.description = sub.description or choice.help
+                _explain(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forged", description=__doc__.splitlines()[0] if __doc__
-                                else None)
+    p = argparse.ArgumentParser(prog="forged", description=__doc__.split("\n\n")[0]
+                                if __doc__ else None)
     p.add_argument("--version", action="version", version=f"forged {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
@@ -324,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server")
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+    _explain(p)
     return p
 
 

@@ -93,3 +93,28 @@ def test_serve_runs_on_the_defaults_without_the_default_config_file(
     with pytest.raises(fc.ConfigError, match="no such file"):
         cli.load_checked(argparse.Namespace(config=str(tmp_path / "typo.toml"),
                                      model=str(tiny_model), listen=None))
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                out += _commands(sub)
+    return out
+
+
+def test_every_command_explains_itself_with_an_example() -> None:
+    """The --help header read "``forged``: the command line." and several options had
+    no help: every command now has a description and an example, every argument a
+    help text."""
+    commands = _commands(cli.build_parser())
+    assert len(commands) >= 15
+    for parser in commands:
+        assert parser.description, parser.prog
+        assert parser.epilog and "example:" in parser.epilog, parser.prog
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help, (parser.prog, action.dest)
+        assert "``" not in parser.format_help(), parser.prog

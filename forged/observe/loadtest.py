@@ -389,14 +389,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the API key to send (default: $FORGED_API_KEY); a production "
                         "appliance needs one")
     p.add_argument("--compare", help="a second server to run the same load against")
-    p.add_argument("--mix", choices=MIXES, default="mixed")
+    p.add_argument("--mix", choices=MIXES, default="mixed",
+                   help="the prompts: short, mixed (25%% ~700-token code prompts), "
+                        "shared-prefix (one ~1,500-token context) or chat")
     p.add_argument("--concurrency", default="8", help="closed loop: N or a sweep like 1,8,32")
     p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per run (default: max(16, 4 x concurrency))")
     p.add_argument("--duration", type=float, default=120.0, help="seconds per run at most")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    p.add_argument("--seed", type=int, default=0, help="the prompts' and arrivals' seed")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     p.add_argument("--plot", type=Path, help="write a latency-versus-concurrency PNG")
 
