@@ -41,7 +41,9 @@ from bench.run import MAX_TOKENS, MODEL, RESULTS, ROOT, THREADS
 from bench.tinymodel import write_tiny_llama
 from forged.observe.loadtest import Prompt, Sample, make_prompts, one_request, summarise
 
-# The hostile requests: (path, body). Each must be answered with a 4xx.
+# The hostile requests: (path, body). Each must be answered with a 4xx, but the last:
+# a tokenizer flood is a valid request (200, or 429 over the key's limit) that must
+# stall nobody.
 _DEEP = "[" * 1001 + "]" * 1001
 HOSTILE: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -197,7 +199,8 @@ async def capacity(base: str, seed: int, n: int) -> float:
 
 def report(result: dict[str, Any]) -> str:
     load, hostile = result["load"], result["hostile"]
-    bad_hostile = [h for h in hostile if not 400 <= h[1] < 500]
+    bad_hostile = [h for h in hostile if not (400 <= h[1] < 500 or
+                                               (h[0] == "/tokenize" and h[1] == 200))]
     lines = [
         "| minutes | load | requests | ok | errors | hostile (4xx / all) | kills | "
         "daemon RSS late/early | workers RSS late/early |",
