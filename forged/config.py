@@ -11,7 +11,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -79,6 +79,9 @@ class ModelConfig(_Section, frozen=True):
     aliases: list[str] = []
     # Override of the GGUF's chat template (a Jinja2 string); empty uses the GGUF's.
     chat_template: str = ""
+    # This model's own [engine] settings (slots, context, threads, ...), over [engine]'s:
+    # a small FIM model beside a large chat model is sized apart.
+    engine: dict[str, Any] = {}
 
     @property
     def model_id(self) -> str:
@@ -256,6 +259,14 @@ class Config(_Section, frozen=True):
         """Every model served: [model] first (the default), then [[models]]."""
         return [self.model, *self.models]
 
+    def for_model(self, model: ModelConfig) -> Config:
+        """This config as ``model``'s workers see it: [engine] with the model's own
+        settings over it (checked at load: see ``_check``)."""
+        if not model.engine:
+            return self
+        merged = {**msgspec.to_builtins(self.engine), **model.engine}
+        return msgspec.structs.replace(self, engine=msgspec.convert(merged, EngineConfig))
+
     @property
     def node_name(self) -> str:
         """This node's name in a pool: ``server.node_name``, or the host name."""
@@ -269,10 +280,11 @@ class ConfigError(Exception):
 _MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?$", re.S)
 
 
-def _explain(path: Path, err: msgspec.MsgspecError) -> ConfigError:
+def _explain(path: Path, err: msgspec.MsgspecError, within: str = "") -> ConfigError:
     m = _MSGSPEC_PATH.match(str(err))
     assert m is not None  # the pattern matches any string
     msg, key = m.group("msg"), m.group("path")
+    key = ".".join(k for k in (within, key) if k)
     unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
@@ -282,30 +294,15 @@ def _explain(path: Path, err: msgspec.MsgspecError) -> ConfigError:
 
 
 def _check(path: Path, cfg: Config) -> None:
-    eng = cfg.engine
-    if eng.max_running > eng.slots:
-        raise ConfigError(f"{path}: engine.max_running: must not exceed engine.slots ({eng.slots})")
-    if eng.step_tokens < eng.max_running:
-        raise ConfigError(
-            f"{path}: engine.step_tokens: must be at least engine.max_running ({eng.max_running})"
-            " so that every running sequence decodes each step"
-        )
-    if eng.step_tokens < eng.slots:
-        # llama.cpp reserves one output row per sequence in a batch and aborts the
-        # process if the batch size is smaller than the number of sequences.
-        raise ConfigError(
-            f"{path}: engine.step_tokens: must be at least engine.slots ({eng.slots})")
-    if eng.max_context > eng.room:
-        raise ConfigError(
-            f"{path}: engine.max_context: must not exceed the cells one request may use "
-            f"({eng.room}: " + ("kv_cells / slots" if eng.per_slot_cells
-                                else "kv_cells - kv_headroom") + ")")
-    if eng.heartbeat_timeout <= eng.heartbeat_late:
-        # A step runs between two heartbeats: a timeout shorter than the longest step
-        # the targets allow would kill healthy workers.
-        raise ConfigError(
-            f"{path}: engine.heartbeat_timeout: must exceed {eng.heartbeat_late:g} s "
-            "(3 x heartbeat_interval, and 10 x target_step_ms)")
+    _check_engine(path, "engine", cfg.engine)
+    for place, model in enumerate(cfg.served):
+        if model.engine:
+            key = "model.engine" if place == 0 else f"models[{place - 1}].engine"
+            try:
+                engine = cfg.for_model(model).engine
+            except msgspec.MsgspecError as exc:
+                raise _explain(path, exc, key) from exc
+            _check_engine(path, key, engine)
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
     _check_agent_listen(path, cfg.server)
@@ -313,6 +310,34 @@ def _check(path: Path, cfg: Config) -> None:
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: server.tls_cert and server.tls_key: set both (TLS) "
                           "or neither (plain HTTP)")
+
+
+def _check_engine(path: Path, section: str, eng: EngineConfig) -> None:
+    """The engine settings' rules: ``section`` names where they came from."""
+    where = f"{path}: {section}"
+    if eng.max_running > eng.slots:
+        raise ConfigError(f"{where}.max_running: must not exceed engine.slots ({eng.slots})")
+    if eng.step_tokens < eng.max_running:
+        raise ConfigError(
+            f"{where}.step_tokens: must be at least engine.max_running ({eng.max_running})"
+            " so that every running sequence decodes each step"
+        )
+    if eng.step_tokens < eng.slots:
+        # llama.cpp reserves one output row per sequence in a batch and aborts the
+        # process if the batch size is smaller than the number of sequences.
+        raise ConfigError(
+            f"{where}.step_tokens: must be at least engine.slots ({eng.slots})")
+    if eng.max_context > eng.room:
+        raise ConfigError(
+            f"{where}.max_context: must not exceed the cells one request may use "
+            f"({eng.room}: " + ("kv_cells / slots" if eng.per_slot_cells
+                                else "kv_cells - kv_headroom") + ")")
+    if eng.heartbeat_timeout <= eng.heartbeat_late:
+        # A step runs between two heartbeats: a timeout shorter than the longest step
+        # the targets allow would kill healthy workers.
+        raise ConfigError(
+            f"{where}.heartbeat_timeout: must exceed {eng.heartbeat_late:g} s "
+            "(3 x heartbeat_interval, and 10 x target_step_ms)")
 
 
 def _check_model_ids(path: Path, cfg: Config) -> None:
@@ -393,7 +418,7 @@ def with_overrides(
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
     "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
-    "server.tls_cert", "server.tls_key",
+    "server.tls_cert", "server.tls_key", "model.engine",
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",

@@ -94,6 +94,38 @@ async def test_two_models_are_served_at_once_each_with_its_own_vocabulary(
             assert len((await a.get("/stats")).json()["engine"]["workers"]) == 2
 
 
+async def test_each_model_has_its_own_engine_settings(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """A [[models]] table's engine settings are over [engine]'s for its workers only
+    (every group got the same [engine] before)."""
+    coder = {"path": str(fim_model), "name": "coder",
+             "engine": {"slots": 4, "max_running": 4, "kv_cells": 1024, "max_context": 256}}
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[coder]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            plain, fim = d.daemon.models.all()
+            assert (plain.pool.limits.slots, plain.pool.limits.kv_cells) == (16, 4096)
+            assert (fim.pool.limits.slots, fim.pool.limits.kv_cells) == (4, 1024)
+            assert fim.max_context == 256 and plain.max_context == 2048
+            too_long = {"prompt": "x " * 300, "max_tokens": 2, "model": "coder"}
+            r = await c.post("/v1/completions", json=too_long)
+            assert r.status_code == 400 and "256" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"slots": 4, "max_running": 8}, r"models\[0\]\.engine\.max_running: must not exceed"),
+    ({"slotz": 4}, r"models\[0\]\.engine\.slotz: unknown key"),
+    ({"slots": "many"}, r"models\[0\]\.engine\.slots: Expected `int`"),
+])
+def test_a_model_s_bad_engine_settings_are_named(tmp_path: Path, engine: dict[str, Any],
+                                                 message: str) -> None:
+    config = tmp_path / "forged.toml"
+    config.write_text(f'[[models]]\npath = "/m/b.gguf"\nengine = {json.dumps(engine)}\n'
+                      .replace('": ', '" = ').replace('{"', '{ "'))
+    with pytest.raises(fc.ConfigError, match=message):
+        fc.load(config)
+
+
 async def load(c: httpx.AsyncClient, results: list[tuple[set[str], str]],
                failures: list[str], stop: trio.Event) -> None:
     """One caller of a closed-loop load: a streamed request after another."""

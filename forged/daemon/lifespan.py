@@ -316,7 +316,7 @@ class Daemon:
         self.state.cfg = new
         self.state.keys = keys
         for group in self.models.all():
-            group.pool.set_limits(new)
+            group.pool.set_limits(new.for_model(group.model))
         if swaps:
             self.swapper.engine.start_soon(self._swap_on_reload, new, swaps)
         self._reload_listeners(new)

@@ -53,7 +53,9 @@ class SwapRefused(Exception):
 def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelConfig,
                number: int, *, test_hooks: bool) -> ModelGroup:
     """A group for ``model`` (not running yet): its vocabulary is loaded, so a bad
-    file is a ConfigError here. Blocking: run it in a thread."""
+    file is a ConfigError here. Its workers get [engine] with the model's own engine
+    settings over it. Blocking: run it in a thread."""
+    cfg = cfg.for_model(model)
     prompter = open_prompter(config_path, model, model_key(place))
     try:
         # After the vocabulary, so that open_prompter says what is wrong with a bad
