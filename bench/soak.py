@@ -37,7 +37,7 @@ import httpx
 import trio
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from bench.run import MAX_TOKENS, MODEL, RESULTS, ROOT, THREADS
+from bench.run import MAX_TOKENS, MODEL, RESULTS, ROOT, THREADS, rss_kb
 from bench.tinymodel import write_tiny_llama
 from forged.observe.loadtest import Prompt, Sample, make_prompts, one_request, summarise
 
@@ -62,16 +62,6 @@ HOSTILE: list[tuple[str, dict[str, Any]]] = [
                               "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000}),
     ("/tokenize", {"content": "def f(x):\n    return x\n" * 40000, "with_pieces": True}),
 ]
-
-
-def _rss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _children(pid: int) -> list[int]:
@@ -131,9 +121,9 @@ async def _hostile(client: httpx.AsyncClient, base: str, every: float,
 async def _watch(d: DaemonProcess, every: float, rows: list[dict[str, Any]]) -> None:
     t0 = time.monotonic()
     while True:
-        workers = [w for w in _children(d.proc.pid) if _rss_kib(w)]
-        rows.append({"t": time.monotonic() - t0, "daemon_kib": _rss_kib(d.proc.pid),
-                     "workers_kib": sum(_rss_kib(w) for w in workers)})
+        workers = [w for w in _children(d.proc.pid) if rss_kb(w)]
+        rows.append({"t": time.monotonic() - t0, "daemon_kib": rss_kb(d.proc.pid),
+                     "workers_kib": sum(rss_kb(w) for w in workers)})
         await trio.sleep(every)
 
 

@@ -156,6 +156,18 @@ def lose(pool: EnginePool, index: int) -> None:
     pool._lose(index, "the worker exited (killed by SIGKILL)")
 
 
+async def lose_until_it_fails(pool: EnginePool, rs: RequestStream, restarts: int) -> None:
+    """Worker 0 lost ``restarts`` times, each time restarted and given the parked
+    requests; then lost once more, which fails ``rs``."""
+    for _ in range(restarts):
+        lose(pool, 0)
+        up(pool.workers[0])
+        pool._unpark()
+    lose(pool, 0)
+    with pytest.raises(WorkerLost):
+        await rs.receive()
+
+
 async def test_a_lost_worker_s_unadmitted_requests_go_to_another_worker() -> None:
     pool = pool_of(2)
     async with pool.open_request(request(1, 2)) as running, \
@@ -184,13 +196,7 @@ async def test_with_no_worker_left_a_request_waits_for_the_restarted_one() -> No
         pool._unpark()  # the supervisor's on_ready
         assert rs.worker == 0 and submits(pool, 0) == [rs.rid]
         # a second and third loss: resubmitted RESUBMITS times, then it fails
-        for _ in range(RESUBMITS - 1):
-            lose(pool, 0)
-            up(pool.workers[0])
-            pool._unpark()
-        lose(pool, 0)
-        with pytest.raises(WorkerLost):
-            await rs.receive()
+        await lose_until_it_fails(pool, rs, RESUBMITS - 1)
     assert pool.in_flight() == 0
 
 
@@ -231,13 +237,7 @@ async def test_a_request_in_every_crash_before_admission_becomes_a_suspect() -> 
     many again. Now, lost unadmitted RESUBMITS + 1 times, it is refused from then on."""
     pool = pool_of(1)
     async with pool.open_request(request(9, 9)) as rs:
-        for _ in range(RESUBMITS):
-            lose(pool, 0)
-            up(pool.workers[0])
-            pool._unpark()
-        lose(pool, 0)
-        with pytest.raises(WorkerLost):
-            await rs.receive()
+        await lose_until_it_fails(pool, rs, RESUBMITS)
     up(pool.workers[0])
     with pytest.raises(BadRequest, match="crashed"):
         async with pool.open_request(request(9, 9)):
