@@ -17,8 +17,16 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.engine import frames as fr
 from forged.engine import testhooks
-from forged.http.anthropic import MessagesRequest, chat_request
+from forged.http.anthropic import (
+    MessageFormat,
+    MessagesRequest,
+    chat_request,
+    error_detail,
+    error_response,
+)
+from forged.http.responses import http_error
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, serve, write_config
 
@@ -46,7 +54,7 @@ def tiny(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     port = free_port()
     config = write_config(tmp / "forged.toml", tiny_model, port, engine={
         "kv_cells": 4096, "kv_layout": "unified", "max_context": 1024, "slots": 8,
-        "max_running": 8})
+        "max_running": 8}, server={"max_body_bytes": 100_000})
     for d in serve(config, port):
         t = Tiny(d, key)
         with t.client:
@@ -171,6 +179,15 @@ def test_max_tokens_0_fills_the_cache_and_answers_nothing(tiny: Tiny) -> None:
     assert again.usage.cache_read_input_tokens
 
 
+def test_an_output_format_is_json_of_its_schema(tiny: Tiny) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    msg = tiny.client.messages.create(
+        model="tiny", max_tokens=60, messages=HELLO,
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "end_turn"
+    assert isinstance(json.loads(msg.content[0].text)["n"], int)
+
+
 # --- errors in Anthropic's shape -----------------------------------------------------------
 
 
@@ -238,6 +255,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"temperature": 1.5}, "temperature"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "object"}}}}, "output_config.format"),
 ]
 
 
@@ -277,6 +296,9 @@ def test_other_errors_on_these_paths_are_in_anthropics_shape(tiny: Tiny) -> None
     r = httpx.post(tiny.daemon.url + "/v1/messages", content=b"{nope",
                    headers={"x-api-key": tiny.key})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = tiny.post("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "x" * 200_000}]})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     # and OpenAI's shape elsewhere
     assert "type" not in tiny.post("/v1/chat/completions", {"messages": []}).json()
 
@@ -307,6 +329,47 @@ def test_tool_use_and_tool_results_become_openais_calls_and_tool_messages() -> N
     assert req.messages[3].tool_call_id == "toolu_1" and req.messages[3].content == "12 C"
     assert req.max_tokens == 9 and req.stream is False
 
+
+
+def test_text_then_a_tool_call_stream_as_two_blocks() -> None:
+    """Text until the model writes a call, then the call as a tool_use block whose input
+    comes in one input_json_delta."""
+    fmt = MessageFormat("m", 0, tools=True)
+    fmt.prompt_tokens, fmt.cached_tokens = 30, 20
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    raw = fmt.start() + fmt.delta("Let me look. ") + fmt.delta(call[:15]) + \
+        fmt.delta(call[15:]) + fmt.finish(fr.Done(
+            rid=0, text="", stop_type="eos", prompt_tokens=30, completion_tokens=25,
+            cached_tokens=20)) + fmt.end([], False)
+    frames = events(httpx.Response(200, content=raw))
+    assert [(n, d.get("index")) for n, d in frames] == [
+        ("message_start", None), ("ping", None), ("content_block_start", 0),
+        ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+        ("content_block_delta", 1), ("content_block_stop", 1), ("message_delta", None),
+        ("message_stop", None)]
+    assert frames[0][1]["message"]["usage"]["input_tokens"] == 10
+    assert frames[3][1]["delta"] == {"type": "text_delta", "text": "Let me look. "}
+    block = frames[5][1]["content_block"]
+    assert block["type"] == "tool_use" and block["id"].startswith("toolu_")
+    assert (block["name"], block["input"]) == ("get_weather", {})
+    assert json.loads(frames[6][1]["delta"]["partial_json"]) == {"city": "Oslo"}
+    assert frames[8][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert frames[8][1]["usage"] == {"input_tokens": 10, "cache_creation_input_tokens": 0,
+                                     "cache_read_input_tokens": 20, "output_tokens": 25}
+
+
+@pytest.mark.parametrize(("status", "code", "kind"), [
+    (400, None, "invalid_request_error"), (401, "invalid_api_key", "authentication_error"),
+    (403, "permission_denied", "permission_error"), (404, None, "not_found_error"),
+    (413, None, "request_too_large"), (429, "rate_limit_exceeded", "rate_limit_error"),
+    (503, "overloaded", "overloaded_error"), (503, "queue_timeout", "overloaded_error"),
+    (503, "worker_lost", "api_error"), (503, "unavailable", "api_error")])
+def test_forgeds_statuses_keep_their_status_with_anthropics_error_types(
+        status: int, code: str | None, kind: str) -> None:
+    err = http_error(status, "no", "x", "max_tokens", code, retry_after=2)
+    resp = error_response(err)
+    assert resp.status_code == status and resp.headers["Retry-After"] == "2"
+    assert error_detail(err) == {"type": kind, "message": "max_tokens: no"}
 
 # --- mid-stream --------------------------------------------------------------------------
 
