@@ -27,6 +27,7 @@ from forged.http.anthropic import (
     error_response,
 )
 from forged.http.responses import http_error
+from forged.retrieval.store import Index
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, serve, write_config
 
@@ -35,8 +36,9 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 
 
 class Tiny:
-    def __init__(self, daemon: DaemonProcess, key: str) -> None:
+    def __init__(self, daemon: DaemonProcess, key: str, rag_key: str) -> None:
         self.daemon, self.key = daemon, key
+        self.rag_key = rag_key  # its default_repo is the index "demo"
         self.client = anthropic.Anthropic(base_url=daemon.url, api_key=key, max_retries=0,
                                           timeout=60)
 
@@ -51,12 +53,19 @@ def tiny(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("anthropic")
     key = add_key(tmp / "keys.toml", "claude", max_streams=4, max_queued=8,
                   priority="interactive")
+    src = tmp / "src"
+    src.mkdir()
+    (src / "nursery.py").write_text("def open_nursery(strict: bool) -> int:\n    return 1\n")
+    with Index.create(tmp / "state" / "index", "demo", src) as idx:
+        idx.update()
+    rag_key = add_key(tmp / "keys.toml", "rag", max_streams=4, max_queued=8,
+                      priority="interactive", default_repo="demo")
     port = free_port()
     config = write_config(tmp / "forged.toml", tiny_model, port, engine={
         "kv_cells": 4096, "kv_layout": "unified", "max_context": 1024, "slots": 8,
         "max_running": 8}, server={"max_body_bytes": 100_000})
     for d in serve(config, port):
-        t = Tiny(d, key)
+        t = Tiny(d, key, rag_key)
         with t.client:
             yield t
 
@@ -155,6 +164,22 @@ def test_count_tokens_is_the_prompt_a_message_is_given(tiny: Tiny) -> None:
     msg = tiny.client.messages.create(model="tiny", max_tokens=1, messages=messages)
     assert counted.input_tokens == \
         msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+
+
+def test_the_repository_chunks_used_are_named(tiny: Tiny) -> None:
+    """A key's default_repo puts chunks into the prompt (count_tokens counts them) and
+    the message names them, streamed in its message_delta."""
+    body = {"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "where is open_nursery?"}]}
+    whole = tiny.post("/v1/messages", body, key=tiny.rag_key).json()
+    assert whole["retrieved"][0]["path"] == "nursery.py"
+    end = events(tiny.post("/v1/messages", {**body, "stream": True}, key=tiny.rag_key))[-2]
+    assert end[0] == "message_delta" and end[1]["retrieved"] == whole["retrieved"]
+    counts = [tiny.post("/v1/messages/count_tokens", {"model": "tiny", "messages": body[
+        "messages"]}, key=k).json()["input_tokens"] for k in (tiny.key, tiny.rag_key)]
+    assert counts[1] > counts[0]
+    assert counts[1] == whole["usage"]["input_tokens"] + \
+        whole["usage"]["cache_read_input_tokens"]
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(tiny: Tiny) -> None:
