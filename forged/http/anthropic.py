@@ -68,8 +68,12 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 # --- the body ----------------------------------------------------------------------------
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="type"):
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
+
+
+class _Typed(_Strict, tag_field="type"):
+    """A member of a union told apart by its ``type``."""
 
 
 # A cache_control marker is accepted wherever Anthropic takes one: forged's prefix cache
@@ -77,20 +81,20 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_fiel
 CacheControl = dict[str, Any] | None
 
 
-class TextBlock(_Strict, tag="text"):
+class TextBlock(_Typed, tag="text"):
     text: str
     cache_control: CacheControl = None
     citations: Annotated[list[Any], Meta(max_length=0)] | None = None
 
 
-class ToolUseBlock(_Strict, tag="tool_use"):
+class ToolUseBlock(_Typed, tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
     cache_control: CacheControl = None
 
 
-class ToolResultBlock(_Strict, tag="tool_result"):
+class ToolResultBlock(_Typed, tag="tool_result"):
     tool_use_id: str
     content: str | list[dict[str, Any]] = ""  # text blocks (read by _block)
     # Accepted: the result's text, which says what went wrong, goes to the model as in
@@ -121,27 +125,27 @@ class Message(_Strict):
     content: str | list[dict[str, Any]]
 
 
-class ToolChoiceAuto(_Strict, tag="auto"):
+class ToolChoiceAuto(_Typed, tag="auto"):
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceAny(_Strict, tag="any"):
+class ToolChoiceAny(_Typed, tag="any"):
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceTool(_Strict, tag="tool"):
+class ToolChoiceTool(_Typed, tag="tool"):
     name: str
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceNone(_Strict, tag="none"):
+class ToolChoiceNone(_Typed, tag="none"):
     pass
 
 
 ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Tool(_Strict):
     """A client tool; server tools (their ``type`` names them) are refused."""
 
     name: str
@@ -158,21 +162,21 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_callers: list[str] | None = None
 
 
-class JsonFormat(msgspec.Struct, forbid_unknown_fields=True):
+class JsonFormat(_Strict):
     type: Literal["json_schema"]
     schema: dict[str, Any]
 
 
-class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+class OutputConfig(_Strict):
     format: JsonFormat | None = None
     effort: str | None = None
 
 
-class Metadata(msgspec.Struct, forbid_unknown_fields=True):
+class Metadata(_Strict):
     user_id: str | None = None  # accepted: forged attributes requests by API key
 
 
-class CountTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CountTokensRequest(_Strict):
     """What count_tokens takes: the conversation, without the generation's settings."""
 
     model: str
@@ -217,6 +221,7 @@ REFUSED = {
     "diagnostics": Refused("diagnostics are not supported"),
     "inference_geo": Refused("the request runs where this server is"),
 }
+OUTPUT_REFUSED = {"effort": Refused("the model's effort is not adjustable")}
 TOOL_REFUSED = {
     "defer_loading": Refused("tool search is not supported", (None, False)),
     "input_examples": Refused("tool input examples are not supported", (None, [])),
@@ -241,9 +246,8 @@ def _refuse(obj: Any, table: dict[str, Refused], where: str = "") -> None:
 def chat_request(body: CountTokensRequest) -> ChatRequest:
     """The chat request ``body`` asks for (count_tokens' body: only its prompt)."""
     _refuse(body, REFUSED)
-    if body.output_config is not None and body.output_config.effort is not None:
-        raise e.BadRequest("`effort` is not supported by this server",
-                           param="output_config.effort", code="unsupported_field")
+    if body.output_config is not None:
+        _refuse(body.output_config, OUTPUT_REFUSED, "output_config.")
     fmt = body.output_config.format if body.output_config else None
     choice, parallel = _tool_choice(body.tool_choice)
     fields: dict[str, Any] = {}
@@ -277,7 +281,8 @@ def _turn(m: Message, where: str) -> list[ChatMessage]:
     tool_calls; a user's tool results are tool messages, in their place among its text."""
     if isinstance(m.content, str):
         return [ChatMessage(m.role, m.content)]
-    blocks = [_block(raw, where=f"{where}.content[{j}]", assistant=m.role == "assistant")
+    allowed = (TextBlock, ToolUseBlock if m.role == "assistant" else ToolResultBlock)
+    blocks = [_block(raw, allowed, f"{where}.content[{j}]")
               for j, raw in enumerate(m.content)]
     if m.role == "assistant":
         calls = [{"id": b.id, "type": "function",
@@ -289,8 +294,8 @@ def _turn(m: Message, where: str) -> list[ChatMessage]:
         if isinstance(block, ToolResultBlock):
             out.append(ChatMessage("tool", _result(block, f"{where}.content[{j}]"),
                                    tool_call_id=block.tool_use_id))
-        elif out and out[-1].role == "user":
-            out[-1].content += _texts([block])  # type: ignore[operator]
+        elif out and out[-1].role == "user" and isinstance(out[-1].content, list):
+            out[-1].content += _texts([block])
         else:
             out.append(ChatMessage("user", _texts([block])))
     return out
@@ -304,24 +309,21 @@ def _texts(blocks: list[Block]) -> list[ContentPart]:
 def _result(block: ToolResultBlock, where: str) -> str | list[ContentPart]:
     if isinstance(block.content, str):
         return block.content
-    return _texts([_block(raw, where=f"{where}.content[{k}]", text_only=True)
+    return _texts([_block(raw, (TextBlock,), f"{where}.content[{k}]")
                    for k, raw in enumerate(block.content)])
 
 
-def _block(raw: dict[str, Any], *, where: str, assistant: bool = False,
-           text_only: bool = False) -> Block:
-    """One content block, checked: one forged cannot read is refused by what it is."""
+def _block(raw: dict[str, Any], allowed: tuple[type, ...], where: str) -> Block:
+    """One content block, of the types ``allowed`` where it is: one forged cannot read
+    is refused by what it is."""
     kind = raw.get("type")
     if isinstance(kind, str) and kind in REFUSED_BLOCKS:
         raise e.BadRequest(f"{REFUSED_BLOCKS[kind]} are not supported: this server reads "
                            "text, tool calls and tool results", param=f"{where}.type",
                            code="unsupported_field")
     block: Block = _convert(raw, Block, where)
-    allowed = TextBlock if text_only else (TextBlock, ToolUseBlock if assistant
-                                           else ToolResultBlock)
     if not isinstance(block, allowed):
-        raise e.BadRequest(f"a {kind} block cannot be in this message",
-                           param=f"{where}.type")
+        raise e.BadRequest(f"a {kind} block is not allowed here", param=f"{where}.type")
     if isinstance(block, TextBlock) and block.citations:
         raise e.BadRequest("citations are not supported", param=f"{where}.citations",
                            code="unsupported_field")
@@ -383,6 +385,7 @@ _PARAMS = [
 
 
 def anthropic_param(param: str | None) -> str | None:
+    """The name in Anthropic's body of ``param``, a field of the chat request."""
     for pattern, name in _PARAMS:
         if param is not None and pattern.match(param):
             return pattern.sub(name, param, count=1)
@@ -412,10 +415,8 @@ class MessageFormat(sse.ChatFormat):
         self._text_open = False
 
     def start(self) -> bytes:
-        usage = {"input_tokens": self.prompt_tokens - self.cached_tokens,
-                 "cache_creation_input_tokens": 0,
-                 "cache_read_input_tokens": self.cached_tokens, "output_tokens": 0}
-        message = self._message([], None, None, usage)
+        message = self._message([], None, None,
+                                usage(self.prompt_tokens, self.cached_tokens, 0))
         return event("message_start", {"message": message}) + event("ping", {})
 
     def delta(self, text: str, index: int = 0,
@@ -460,7 +461,7 @@ class MessageFormat(sse.ChatFormat):
             out += self._text(self.parsers[done.index].flush())
         reason, sequence = self._stop(done)
         data: dict[str, Any] = {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                "usage": usage(done)}
+                                "usage": _done_usage(done)}
         if self.retrieved is not None:
             data["retrieved"] = self.retrieved
         return out + self._close_text() + event("message_delta", data)
@@ -491,7 +492,7 @@ class MessageFormat(sse.ChatFormat):
         content = [{"type": "text", "text": text}] if text else []
         content += [{"type": "tool_use", "id": tool_use_id(c), "name": c.name,
                      "input": json.loads(c.arguments)} for c in calls]
-        out = self._message(content, *self._stop(done), usage(done))
+        out = self._message(content, *self._stop(done), _done_usage(done))
         if self.retrieved is not None:
             out["retrieved"] = self.retrieved
         return out
@@ -507,11 +508,15 @@ def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def usage(done: fr.Done) -> dict[str, int]:
-    """Anthropic counts the prompt's tokens read from the cache apart from the rest."""
-    return {"input_tokens": done.prompt_tokens - done.cached_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": done.cached_tokens,
-            "output_tokens": done.completion_tokens}
+def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
+    """Anthropic counts the prompt's tokens read from the cache apart from the rest
+    (forged writes every prompt into its cache: nothing to count as a cache write)."""
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output}
+
+
+def _done_usage(done: fr.Done) -> dict[str, int]:
+    return usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
 
 
 # --- errors ------------------------------------------------------------------------------
