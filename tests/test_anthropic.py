@@ -188,9 +188,9 @@ def test_a_stop_sequence_ends_the_message_and_is_named(tiny: Tiny) -> None:
     text = tiny.client.messages.create(**kw).content[0].text
     stop = text[6:8]
     assert stop.strip() and len(text) > 8
-    for msg in (tiny.client.messages.create(**kw, stop_sequences=[stop]),
-                tiny.client.messages.stream(**kw, stop_sequences=[stop]).__enter__()
-                .get_final_message()):
+    with tiny.client.messages.stream(**kw, stop_sequences=[stop]) as stream:
+        streamed = stream.get_final_message()
+    for msg in (tiny.client.messages.create(**kw, stop_sequences=[stop]), streamed):
         assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
         assert msg.content[0].text == text[:text.index(stop)]
 
