@@ -49,7 +49,8 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
     async def messages() -> Response:
         body = await api._decoded(state, _messages_decoder)
         try:
-            return await api.run_chat(state, chat_request(body), MessageFormat)
+            req = await state.off_loop(chat_request, body)
+            return await api.run_chat(state, req, MessageFormat)
         except e.BadRequest as exc:
             exc.param = anthropic_param(exc.param)
             raise
@@ -58,7 +59,8 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
     async def count_tokens() -> Response:
         body = await api._decoded(state, _count_decoder, engine=False)
         try:
-            n = await api.chat_prompt_tokens(state, chat_request(body))
+            req = await state.off_loop(chat_request, body)
+            n = await api.chat_prompt_tokens(state, req)
         except e.BadRequest as exc:
             exc.param = anthropic_param(exc.param)
             raise
@@ -244,7 +246,8 @@ def _refuse(obj: Any, table: dict[str, Refused], where: str = "") -> None:
 
 
 def chat_request(body: CountTokensRequest) -> ChatRequest:
-    """The chat request ``body`` asks for (count_tokens' body: only its prompt)."""
+    """The chat request ``body`` asks for (count_tokens' body: only its prompt). Run in
+    one of the door's threads, as the body's decoding may be: it reads every block."""
     _refuse(body, REFUSED)
     if body.output_config is not None:
         _refuse(body.output_config, OUTPUT_REFUSED, "output_config.")
