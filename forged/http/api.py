@@ -31,7 +31,7 @@ from forged.config import Config, LimitsConfig
 from forged.engine.groups import ModelGroup
 from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
 from forged.http import refused, sse
-from forged.http.chat import chat_prompt
+from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.editor_telemetry import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
@@ -127,6 +127,9 @@ def _add_dialects(app: QuartTrio, state: AppState) -> None:
     """The other APIs' routes: each dialect is a module that translates its bodies to
     the one engine request (through :func:`run_chat` and :func:`run_completion`) and
     back. They import this module, so they are imported here, not at its top."""
+    from forged.http import anthropic
+
+    anthropic.add_routes(app, state)
 
 
 def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
@@ -266,15 +269,29 @@ async def run_chat(state: AppState, req: ChatRequest,
     """A chat completion of ``req``, answered in ``shape``: OpenAI's chat objects by
     default; a dialect that translated its body to a ChatRequest passes its own."""
     group = _use_model(state, req)
-    found = await context(state, group.prompter, req.repo, g.get("key"),
-                          last_user_text(req))
-    req = chat_with_context(req, found)
-    prompt = await chat_prompt(state, group, req)
+    req, found, prompt = await _chat_prompt(state, group, req)
     plan, asked = prompt.tools, chat_asked(req)
     return await _run(state, group, req, prompt.tokens,
                       req.max_completion_tokens or req.max_tokens,
                       with_retrieved(_chat_format(group, req, plan, asked, shape), found),
                       grammar=plan.grammar if plan else None, asked=asked)
+
+
+async def chat_prompt_tokens(state: AppState, req: ChatRequest) -> int:
+    """How many tokens ``req``'s prompt has, as :func:`run_chat` would lay it out (its
+    model's chat template, tools, repository context): Anthropic's count_tokens."""
+    # Like /tokenize: its key place, a side route's, was taken with the body (_decoded).
+    with state.models.use(req.model) as group:
+        return len((await _chat_prompt(state, group, req))[2].tokens)
+
+
+async def _chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest
+                       ) -> tuple[ChatRequest, Retrieved | None, ChatPrompt]:
+    """The chat with the repository chunks it draws on, those chunks, and its prompt."""
+    found = await context(state, group.prompter, req.repo, g.get("key"),
+                          last_user_text(req))
+    req = chat_with_context(req, found)
+    return req, found, await chat_prompt(state, group, req)
 
 
 async def run_completion(state: AppState, req: CompletionRequest,

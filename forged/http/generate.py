@@ -155,6 +155,7 @@ async def generate(state: AppState, group: ModelGroup, req: Any, request: Reques
         if state.holds is not None:
             await state.holds.at("submitted")
         first = await _admission(state, rs, outcome)
+        out.prompt_tokens, out.cached_tokens = len(request.prompt), outcome.cached_tokens
         if state.holds is not None:
             await state.holds.at("admitted")
         if req.stream:

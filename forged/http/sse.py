@@ -53,6 +53,11 @@ class Format:
     # The repository chunks the prompt drew on (forged.http.retrieve), when it did:
     # named in the whole response, and in a chunk of their own before [DONE].
     retrieved: list[dict[str, Any]] | None = None
+    # The prompt's length and the part of it the prefix cache served, known once the
+    # request is admitted (set before start()): for a dialect whose first frame
+    # announces them (Anthropic's message_start).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def __init__(self, model: str, created: int, n: int = 1, *,
                  fingerprint: str | None = None) -> None:
