@@ -208,6 +208,14 @@ class RetrievalConfig(_Section, frozen=True):
     query_lines: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
 
 
+class ResponsesConfig(_Section, frozen=True):
+    # OpenAI's Responses API (/v1/responses): responses kept in memory for
+    # previous_response_id and GET /v1/responses/{id}, at most this many (the oldest
+    # go first), each for at most `retention` seconds. Lost on a restart.
+    max_stored: Positive = 1000
+    retention: Seconds = 3600.0
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
@@ -216,6 +224,7 @@ class Config(_Section, frozen=True):
     auth: AuthConfig = AuthConfig()
     log: LogConfig = LogConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     # Further models served beside [model], each by engine.workers workers of its own
     # ([[models]] tables; a request picks one by its "model").
     models: list[ModelConfig] = []
