@@ -10,6 +10,8 @@ check shapes, counts and identities, at temperature 0 where the text must repeat
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from openai.types.responses import Response
 from forged import errors as e
 from forged.auth import add_key
 from forged.config import ResponsesConfig
+from forged.engine import testhooks
 from forged.http.oairesponses import Answered, Called, Said, input_items, messages
 from forged.http.oaistore import ResponseStore, Stored
 from tests.conftest import DaemonFactory
@@ -397,6 +400,43 @@ async def test_greedy_text_is_the_same_as_on_chat(tiny_model: Path,
 
             chat, resp = await trio.to_thread.run_sync(both)
             assert chat and chat == resp
+
+
+async def test_a_stream_cut_by_a_lost_worker_ends_with_response_failed(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """The frames are SSE with an event name; the worker dies mid-answer (the greedy
+    random model does not end on its own in 2000 tokens), and the last frame is a
+    response.failed carrying the error; nothing is stored."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url,
+                                                                    timeout=30) as c:
+            testhooks.slow_steps(d.daemon.pool, 0, 0.01)
+            pid, body = d.daemon.pool.workers[0].pid, ""
+            assert pid is not None
+            async with c.stream("POST", "/v1/responses", json={
+                    "input": "go", "max_output_tokens": 2000, "temperature": 0,
+                    "stream": True}) as r:
+                async for text in r.aiter_text():
+                    if body.count("\n\n") < 8 <= (body + text).count("\n\n"):
+                        os.kill(pid, signal.SIGKILL)  # a few deltas in
+                    body += text
+            failed = _events(body)[-1]
+            assert failed["type"] == "response.failed", body[-500:]
+            assert failed["response"]["status"] == "failed"
+            assert failed["response"]["error"]["code"] == "server_error"
+            assert "worker" in failed["response"]["error"]["message"]
+            gone = await c.get(f"/v1/responses/{failed['response']['id']}")
+            assert gone.status_code == 404
+
+
+def _events(body: str) -> list[dict[str, Any]]:
+    """SSE frames, each an event's name and its data, the name the data's type."""
+    events = []
+    for frame in filter(None, body.split("\n\n")):
+        name, data = frame.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert name == "event: " + events[-1]["type"]
+    return events
 
 
 # --- SmolLM2 ---------------------------------------------------------------------------
