@@ -359,6 +359,8 @@ def test_errors_are_the_sdks_exceptions(tiny: Any) -> None:
         "n": {"type": "integer", "minimum": 1}}}}]}, "tools[0].parameters.properties.n.minimum"),
     ({"text": {"format": {"type": "json_schema", "schema": SMALL}}}, "text.format.name"),
     ({"conversation": "conv_1"}, "conversation"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"include": "reasoning.encrypted_content"}, "include"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_what_forged_cannot_honour_is_a_400_naming_it(tiny: Any, fields: dict[str, Any],

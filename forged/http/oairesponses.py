@@ -94,7 +94,7 @@ class ResponsesBody(_Strict):
     model: str | None = None
     instructions: str | None = None
     tools: Annotated[list[dict[str, Any]], Meta(max_length=128)] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
@@ -112,7 +112,7 @@ class ResponsesBody(_Strict):
     safety_identifier: str | None = None
     # Refused unless they ask for nothing (_REFUSED).
     reasoning: Any = None
-    include: Any = None
+    include: list[str] | None = None
     background: Any = None
     truncation: Any = None
     service_tier: Any = None
@@ -194,7 +194,7 @@ def _refuse(body: ResponsesBody) -> None:
                 raise _unsupported("reasoning effort and summaries are not supported: a "
                                    "model thinks as its chat template says",
                                    f"reasoning.{name}")
-    for i, item in enumerate(body.include or []):
+    for i, item in enumerate(body.include or ()):
         if item not in _INCLUDABLE:
             raise _unsupported(f"{item!r} cannot be included", f"include[{i}]")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
@@ -368,7 +368,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if not isinstance(choice, dict):
-        return choice  # none, auto or required: forged.http.tools checks it
+        return choice  # none, auto or required
     if (kind := choice.get("type")) != "function":
         raise _unsupported(f"tool_choice of type {kind!r} is not supported: name a "
                            "function, or use none, auto or required", "tool_choice.type")
