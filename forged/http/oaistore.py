@@ -7,9 +7,10 @@ oldest response goes first when the count is full; one older than the retention 
 gone for every purpose. A response is found only by the key that made it: another
 key's lookup is the same miss as an unknown id, so ids do not leak between keys.
 
-Memory: each stored response holds its own input items and its output; a follow-up
-shares its predecessors' items (the lists are copied, the items are not), so the whole
-store holds at most ``max_stored`` request bodies' worth of items and their outputs.
+Memory: each stored response holds its conversation's items (a follow-up shares its
+predecessors' items: the tuples are copied, the items are not). A response is stored
+only once it was generated, so its conversation fit the model's context: the store
+holds at most ``max_stored`` contexts' worth of text.
 """
 
 from __future__ import annotations
