@@ -237,6 +237,14 @@ class TelemetryConfig(_Section, frozen=True):
     event_burst: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
 
 
+class ResponsesConfig(_Section, frozen=True):
+    # OpenAI's Responses API (/v1/responses): responses kept in memory for
+    # previous_response_id and GET /v1/responses/{id}, at most this many (the oldest
+    # go first), each for at most `retention` seconds. Lost on a restart.
+    max_stored: Positive = 1000
+    retention: Seconds = 3600.0
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
@@ -246,6 +254,7 @@ class Config(_Section, frozen=True):
     log: LogConfig = LogConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     # Further models served beside [model], each by engine.workers workers of its own
     # ([[models]] tables; a request picks one by its "model").
     models: list[ModelConfig] = []

@@ -1,0 +1,67 @@
+"""Stored responses of OpenAI's Responses API (``store``, ``previous_response_id``,
+``GET``/``DELETE /v1/responses/{id}``): in memory, per API key, bounded.
+
+Sans-IO: the caller passes the time and the limits (``responses.max_stored``,
+``responses.retention``, read at each call so that a reload applies at once). The
+oldest response goes first when the count is full; one older than the retention is
+gone for every purpose. A response is found only by the key that made it: another
+key's lookup is the same miss as an unknown id, so ids do not leak between keys.
+
+Memory: each stored response holds its conversation's items (a follow-up shares its
+predecessors' items: the tuples are copied, the items are not). A response is stored
+only once it was generated, so its conversation fit the model's context: the store
+holds at most ``max_stored`` contexts' worth of text.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from forged.config import ResponsesConfig
+
+
+@dataclass(frozen=True)
+class Stored:
+    id: str
+    key: str  # the API key's name that made it ("" with no keys)
+    at: float  # when it was stored (a monotonic clock)
+    response: dict[str, Any]  # as GET returns it
+    # The conversation up to and including its output, for a follow-up's prompt: the
+    # Responses API's input items (forged.http.oairesponses), normalised.
+    conversation: tuple[Any, ...]
+    session: str | None  # the engine session its conversation's KV stays pinned to
+
+
+class ResponseStore:
+    def __init__(self) -> None:
+        self._kept: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, stored: Stored, cfg: ResponsesConfig) -> None:
+        self._expire(cfg, stored.at)
+        self._kept[stored.id] = stored
+        while len(self._kept) > cfg.max_stored:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str, key: str, cfg: ResponsesConfig, now: float
+            ) -> Stored | None:
+        self._expire(cfg, now)
+        stored = self._kept.get(response_id)
+        return stored if stored is not None and stored.key == key else None
+
+    def delete(self, response_id: str, key: str, cfg: ResponsesConfig, now: float) -> bool:
+        found = self.get(response_id, key, cfg, now) is not None
+        if found:
+            del self._kept[response_id]
+        return found
+
+    def _expire(self, cfg: ResponsesConfig, now: float) -> None:
+        while self._kept:
+            oldest = next(iter(self._kept.values()))
+            if now - oldest.at <= cfg.retention:
+                return
+            self._kept.popitem(last=False)
