@@ -317,9 +317,12 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                     case fr.Done():
                         last = _done(state, outcome, ev, dones, out.n)
                         # A choice's end; after the last, the usage chunk and [DONE]
-                        # go out in the same write.
-                        end = out.end(list(dones.values()), include_usage) if last else b""
-                        yield out.finish(ev) + end
+                        # go out in the same write. The finish is made first: a
+                        # dialect's format may end on what the finish fed it.
+                        frames = out.finish(ev)
+                        if last:
+                            frames += out.end(list(dones.values()), include_usage)
+                        yield frames
                         if last:
                             outcome.end = "ok"  # the last frame went out
                             return
