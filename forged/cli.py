@@ -337,11 +337,7 @@ def _explain(parser: argparse.ArgumentParser) -> None:
                 _explain(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forged", description=__doc__.split("\n\n")[0]
-                                if __doc__ else None)
-    p.add_argument("--version", action="version", version=f"forged {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_serve_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     serve.add_argument("--listen", help="HOST:PORT for the API (overrides server.listen)")
@@ -351,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     check.set_defaults(func=cmd_check_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forged", description=__doc__.split("\n\n")[0]
+                                if __doc__ else None)
+    p.add_argument("--version", action="version", version=f"forged {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_serve_commands(sub)
     _add_keys_commands(sub)
     from forged.retrieval.cli import add_index_commands
 

@@ -295,6 +295,17 @@ def _mean_logprob(scores: sse.Scores) -> float:
     return sum(t.logprob for t in entries) / len(entries) if entries else -math.inf
 
 
+def _finish(out: sse.Format, ev: fr.Done, dones: dict[int, fr.Done] | None,
+            include_usage: bool) -> bytes:
+    """A choice's end; after the last (``dones``: every choice's), the usage chunk and
+    [DONE] in the same write. The finish is made first: a dialect's format may end on
+    what the finish fed it."""
+    frames = out.finish(ev)
+    if dones is not None:
+        frames += out.end(list(dones.values()), include_usage)
+    return frames
+
+
 async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
                   out: sse.Format, include_usage: bool, outcome: Outcome
                   ) -> AsyncIterator[bytes]:
@@ -316,13 +327,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                         yield out.scored(prompt)
                     case fr.Done():
                         last = _done(state, outcome, ev, dones, out.n)
-                        # A choice's end; after the last, the usage chunk and [DONE]
-                        # go out in the same write. The finish is made first: a
-                        # dialect's format may end on what the finish fed it.
-                        frames = out.finish(ev)
-                        if last:
-                            frames += out.end(list(dones.values()), include_usage)
-                        yield frames
+                        yield _finish(out, ev, dones if last else None, include_usage)
                         if last:
                             outcome.end = "ok"  # the last frame went out
                             return
