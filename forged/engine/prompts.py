@@ -85,7 +85,12 @@ class Prompter:
         self.fim = self.model.fim_tokens()
         self._bos = self.model.bos if self.model.add_bos else None
         self.info = model_info(self.model, template, model_identity(model_path))
+        self.template = template  # the one in use (Ollama's /api/show reports it)
         self._pieces: dict[int, bytes] = {}
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (``general.architecture``, ...); None if absent."""
+        return self.model.meta(key)
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)

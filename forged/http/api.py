@@ -127,10 +127,11 @@ def _add_dialects(app: QuartTrio, state: AppState) -> None:
     """The other APIs' routes: each dialect is a module that translates its bodies to
     the one engine request (through :func:`run_chat` and :func:`run_completion`) and
     back. They import this module, so they are imported here, not at its top."""
-    from forged.http import anthropic, oairesponses
+    from forged.http import anthropic, oairesponses, ollama
 
     anthropic.add_routes(app, state)
     oairesponses.add_routes(app, state)
+    ollama.add_routes(app, state)
 
 
 def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
