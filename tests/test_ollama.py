@@ -4,6 +4,9 @@ in-process daemon on loopback."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,15 +17,17 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.engine import testhooks
 from tests.conftest import DaemonFactory
+from tests.test_api import until
 
 pytestmark = pytest.mark.trio
 
 HI = [{"role": "user", "content": "hi"}]
 
 
-def _client(url: str, **kw: Any) -> ollama.AsyncClient:
-    return ollama.AsyncClient(host=url, timeout=60, **kw)
+def _client(url: str, timeout: float = 60.0, **kw: Any) -> ollama.AsyncClient:
+    return ollama.AsyncClient(host=url, timeout=timeout, **kw)
 
 
 async def _joined(parts: AsyncIterator[Any], field: str) -> tuple[str, list[Any]]:
@@ -45,7 +50,8 @@ async def test_version_tags_show_and_ps(tiny_model: Path, fim_model: Path,
             names = [m.model for m in listed.models]
             assert names == ["tiny", "tiny-fim", "fim"]
             tiny = listed.models[0]
-            assert tiny.size == tiny_model.stat().st_size and tiny.modified_at is not None
+            assert tiny.size == (await trio.Path(tiny_model).stat()).st_size
+            assert tiny.modified_at is not None
             assert tiny.digest and len(tiny.digest) == 64
             assert tiny.details is not None
             assert (tiny.details.format, tiny.details.family) == ("gguf", "llama")
@@ -89,3 +95,224 @@ async def test_chat_whole_and_streamed(tiny_model: Path, start_daemon: DaemonFac
             lines = [json.loads(line) for line in r.text.splitlines()]
             assert "".join(x["message"]["content"] for x in lines) == text
             assert lines[-1]["done"] is True and isinstance(lines[-1]["created_at"], str)
+
+
+async def test_generate_whole_streamed_raw_and_with_a_system(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    greedy = {"temperature": 0, "num_predict": 12}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, _client(d.url) as c, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            whole = await c.generate("tiny", "hi", options=greedy)
+            assert whole.done and whole.response and whole.done_reason in ("stop", "length")
+            text, parts = await _joined(await c.generate("tiny", "hi", options=greedy,
+                                                         stream=True), "response")
+            assert text == whole.response and parts[-1].done
+            # the prompt went through the chat template, as a user's turn
+            chat = await c.chat("tiny", HI, options=greedy)
+            assert chat.message.content == whole.response
+            with_system = await c.generate("tiny", "hi", system="Be brief.", options=greedy)
+            chat = await c.chat("tiny", [{"role": "system", "content": "Be brief."}, *HI],
+                                options=greedy)
+            assert with_system.response == chat.message.content
+            assert with_system.prompt_eval_count == chat.prompt_eval_count
+            # raw: the prompt as it is, as /v1/completions takes it
+            raw = await c.generate("tiny", "Once upon", raw=True, options=greedy)
+            r = await h.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 12,
+                                                      "temperature": 0})
+            assert raw.response == r.json()["choices"][0]["text"]
+            assert raw.prompt_eval_count == r.json()["usage"]["prompt_tokens"]
+            # no prompt: Ollama's way to load a model, answered at once
+            load = await c.generate("tiny")
+            assert (load.done, load.done_reason, load.response) == (True, "load", "")
+            unload = await c.chat("tiny", [], keep_alive=0)
+            assert unload.done_reason == "unload"
+
+
+async def test_options_bound_stop_and_seed_the_answer(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    greedy = {"temperature": 0, "num_predict": 40}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, _client(d.url) as c:
+            # The tiny model's greedy answer to "Hello" runs past 60 tokens.
+            long = await c.generate("tiny", "Hello", raw=True, options=greedy)
+            short = await c.generate("tiny", "Hello", raw=True,
+                                     options={**greedy, "num_predict": 5})
+            assert (long.eval_count, long.done_reason) == (40, "length")
+            assert (short.eval_count, short.done_reason) == (5, "length")
+            text = long.response or ""
+            assert text.startswith(short.response or "")
+            stop = re.findall(r"[A-Za-z]{2}", text[10:])[0]
+            stopped = await c.generate("tiny", "Hello", raw=True,
+                                       options={**greedy, "stop": [stop]})
+            assert stopped.response == text[:text.index(stop)]
+            assert stopped.done_reason == "stop"
+            seeded = {"temperature": 1.0, "seed": 7, "num_predict": 16, "top_k": 50,
+                      "top_p": 0.95, "min_p": 0.01, "repeat_penalty": 1.1,
+                      "presence_penalty": 0.1, "frequency_penalty": 0.1,
+                      # what Ollama's clients send and that changes no answer
+                      "num_ctx": 2048, "num_thread": 4, "num_gpu": 0, "mirostat": 0,
+                      "typical_p": 1.0, "repeat_last_n": 64, "mirostat_tau": 5.0}
+            first = await c.chat("tiny", HI, options=seeded, keep_alive="5m")
+            again = await c.chat("tiny", HI, options=seeded, keep_alive=-1)
+            other = await c.chat("tiny", HI, options={**seeded, "seed": 8})
+            assert first.message.content == again.message.content
+            assert other.message.content != first.message.content
+
+
+async def test_format_json_and_a_schema(tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, _client(d.url) as c:
+            answer = await c.chat("tiny", HI, format=schema, options={"num_predict": 40})
+            assert answer.done_reason == "stop"
+            assert isinstance(json.loads(answer.message.content or "")["ok"], bool)
+            text, _ = await _joined(await c.generate(
+                "tiny", "JSON:", format="json", stream=True, options={"num_predict": 20}),
+                "response")
+            assert text.startswith("{")
+
+
+async def test_a_suffix_is_fill_in_the_middle(fim_model: Path, tiny_model: Path,
+                                              start_daemon: DaemonFactory) -> None:
+    prefix, suffix = "def add(a, b):\n", "\n    return c\n"
+    models = [{"path": str(tiny_model)}]
+    with trio.fail_after(60):
+        async with start_daemon(fim_model, models=models) as d, _client(d.url) as c, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            middle = await c.generate("tiny-fim", prefix, suffix,
+                                      options={"temperature": 0, "num_predict": 12})
+            r = await h.post("/v1/completions", json={
+                "prompt": prefix, "suffix": suffix, "max_tokens": 12, "temperature": 0})
+            assert middle.response == r.json()["choices"][0]["text"]
+            with pytest.raises(ollama.ResponseError) as err:
+                await c.generate("tiny", prefix, suffix)
+            assert err.value.status_code == 400 and "fill-in-the-middle" in err.value.error
+
+
+async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
+                                       start_daemon: DaemonFactory) -> None:
+    key = add_key(tmp_path / "keys.toml", "dev", max_streams=4, max_queued=4,
+                  priority="interactive")
+    refused: list[tuple[Any, int, str]] = [
+        (lambda c: c.chat("gpt-9", HI), 404, "gpt-9"),
+        (lambda c: c.chat("tiny", HI, options={"mirostat": 2}), 400, "options.mirostat"),
+        (lambda c: c.chat("tiny", HI, options={"mirostatt": 2}), 400, "mirostatt"),
+        (lambda c: c.chat("tiny", HI, options={"temperature": 9}), 400,
+         "options.temperature"),
+        (lambda c: c.chat("tiny", HI, options={"num_ctx": 4096}), 400, "options.num_ctx"),
+        (lambda c: c.chat("tiny", HI, options={"num_predict": 4000}), 400, "context"),
+        (lambda c: c.chat("tiny", HI, think=True), 400, "think"),
+        (lambda c: c.chat("tiny", [{**HI[0], "images": [b"\x89PNG"]}]), 400, "images"),
+        (lambda c: c.generate("tiny", "x", template="{{ .Prompt }}"), 400, "template"),
+        (lambda c: c.generate("tiny", "x", raw=True, system="s"), 400, "system"),
+        (lambda c: c.embed("tiny", "x"), 400, "embedding"),
+        (lambda c: c.embeddings("tiny", "x"), 400, "embedding"),
+        (lambda c: c.pull("tiny"), 403, "admin"),
+        (lambda c: c.delete("tiny"), 403, "admin"),
+        (lambda c: c.copy("tiny", "mine"), 403, "admin"),
+    ]
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, _client(d.url) as anonymous, \
+                _client(d.url, headers={"Authorization": f"Bearer {key}"}) as c:
+            with pytest.raises(ollama.ResponseError) as err:
+                await anonymous.list()
+            assert err.value.status_code == 401 and "API key" in err.value.error
+            for call, status, named in refused:
+                with pytest.raises(ollama.ResponseError) as err:
+                    await call(c)
+                assert (err.value.status_code, named in err.value.error) == (status, True), \
+                    err.value
+            async with httpx.AsyncClient(base_url=d.url, headers={"x-api-key": key}) as h:
+                r = await h.get("/api/nope")
+                assert r.status_code == 404 and set(r.json()) == {"error"}
+                r = await h.post("/api/chat", content=b"{not json")
+                assert r.status_code == 400 and set(r.json()) == {"error"}
+                r = await h.post("/api/generate", json={"model": "tiny", "prompt": "x",
+                                                        "format": "yaml"})
+                assert r.status_code == 400 and "format" in r.json()["error"]
+                r = await h.post("/api/show", json={"model": ""})
+                assert r.status_code == 400 and "model" in r.json()["error"]
+            # the key's requests are served, and counted as the key's
+            assert (await c.chat("tiny", HI, options={"num_predict": 3})).done
+            state = d.daemon.state
+            assert state is not None and "dev" in state.key_usage
+            await until(lambda: state.key_usage["dev"].open == 0)  # released at the end
+
+
+async def test_a_failure_mid_stream_ends_it_with_an_error_line(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """The client raises ResponseError on that line (read here with httpx: the client's
+    own generator, left by its exception, warns as it is collected)."""
+    body = {"model": "tiny", "prompt": "Hello", "raw": True,
+            "options": {"temperature": 0, "num_predict": 1000}}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            testhooks.slow_steps(d.daemon.pool, 0, 0.05)  # the stream outlasts the kill
+            pid = d.daemon.pool.workers[0].pid
+            assert pid is not None
+            lines = []
+            async with h.stream("POST", "/api/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    lines.append(json.loads(line))
+                    if len(lines) == 1:
+                        os.kill(pid, signal.SIGKILL)
+            assert lines[0]["done"] is False
+            assert set(lines[-1]) == {"error"} and "worker" in lines[-1]["error"]
+
+
+async def test_the_same_greedy_answer_as_openais_chat(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name a colour."}]
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, _client(d.url) as c, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            r = await h.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 16, "temperature": 0})
+            openai_answer = r.json()
+            ours = await c.chat("tiny", messages, options={"temperature": 0,
+                                                           "num_predict": 16})
+            assert ours.message.content == openai_answer["choices"][0]["message"]["content"]
+            assert ours.prompt_eval_count == openai_answer["usage"]["prompt_tokens"]
+            assert ours.eval_count == openai_answer["usage"]["completion_tokens"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.model
+async def test_smollm2_calls_a_tool(real_model: Path, start_daemon: DaemonFactory) -> None:
+    """SmolLM2-135M calls no tool unprompted, and Ollama has no tool_choice to require
+    one: an earlier call in the conversation shows it how."""
+    earlier = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"},
+                           earlier, {"role": "user", "content": "What is the weather in Oslo?"}]
+    greedy = {"temperature": 0, "num_predict": 60}
+    # A slow step on a busy machine is no lost worker.
+    with trio.fail_after(600):
+        async with start_daemon(real_model, engine={"heartbeat_timeout": 60.0}) as d, \
+                _client(d.url, timeout=600) as c:
+            model = (await c.list()).models[0].model or ""
+            answer = await c.chat(model, messages, tools=[WEATHER], options=greedy)
+            calls = answer.message.tool_calls
+            assert calls and calls[0].function.name == "get_weather", answer
+            assert calls[0].function.arguments == {"city": "Oslo"}
+            assert (answer.message.content, answer.done_reason) == ("", "stop")
+            streamed = [p async for p in await c.chat(model, messages, tools=[WEATHER],
+                                                      options=greedy, stream=True)]
+            assert [tc.function for p in streamed for tc in p.message.tool_calls or []] == \
+                [calls[0].function]
+            # the call and its result go back in, and the model answers
+            messages += [answer.message, {"role": "tool", "tool_name": "get_weather",
+                                          "content": "12 degrees, sunny"}]
+            final = await c.chat(model, messages, tools=[WEATHER], options=greedy)
+            assert final.done and final.message.content and not final.message.tool_calls
+            assert final.prompt_eval_count and answer.prompt_eval_count
+            assert final.prompt_eval_count > answer.prompt_eval_count

@@ -211,15 +211,14 @@ def _add_model_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/show")
     async def show_route() -> Response:
         body = await api._decoded(state, _show_decoder, engine=False)
-        name = model_name(body.model or body.name)
-        return json_response(show(state.models.resolve(name), body.verbose))
+        return json_response(show(served(state, body.model or body.name), body.verbose))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/chat")
     async def chat() -> Response:
         body = await api._decoded(state, _chat_decoder)
-        group = state.models.resolve(model_name(body.model))
+        group = served(state, body.model)
         if not body.messages:  # Ollama's way to load a model, or to unload it
             return json_response(loaded(model_name(body.model), body.keep_alive, chat=True))
         return await api.run_chat(state, chat_request(body, group), OllamaChat)
@@ -254,6 +253,13 @@ def _add_refused_routes(app: QuartTrio) -> None:
 def model_name(name: str) -> str:
     """Ollama's clients name a model's default tag (``:latest``); forged's ids have none."""
     return name.removesuffix(":latest")
+
+
+def served(state: AppState, name: str) -> ModelGroup:
+    """The serving group of the model ``name``; Ollama's requests always name one."""
+    if not name:
+        raise e.BadRequest("model is required", param="model")
+    return state.models.resolve(model_name(name))
 
 
 # --- chat ----------------------------------------------------------------------------
@@ -294,10 +300,9 @@ async def _generate(state: AppState, body: GenerateBody) -> Response:
     """The prompt through the chat template as a user's turn, as Ollama does; as it is
     with ``raw``; with a ``suffix``, fill-in-the-middle."""
     _refuse(body, _REFUSED_GENERATE)
-    name = model_name(body.model)
-    group = state.models.resolve(name)
+    group = served(state, body.model)
     if not body.prompt and not body.suffix:  # Ollama's way to load a model
-        return json_response(loaded(name, body.keep_alive, chat=False))
+        return json_response(loaded(model_name(body.model), body.keep_alive, chat=False))
     fields = {**_generation_fields(body, group), **_structured(body.format)}
     if body.raw or body.suffix:
         _check_prompt_as_is(body)

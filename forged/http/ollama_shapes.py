@@ -15,17 +15,19 @@ import hashlib
 import json
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from quart import Response, g
 
-from forged.engine import frames as fr
-from forged.engine.groups import ModelGroup
 from forged.http import sse
 from forged.http.responses import HTTPError
-from forged.http.state import AppState
 from forged.http.tools import ToolCall
+
+if TYPE_CHECKING:
+    from forged.engine import frames as fr
+    from forged.engine.groups import ModelGroup
+    from forged.http.state import AppState
 
 # The Ollama API version whose shapes forged speaks: clients compare it with the least
 # version they need (Copilot's Ollama provider wants 0.6.4).
