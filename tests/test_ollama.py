@@ -132,7 +132,7 @@ async def test_generate_whole_streamed_raw_and_with_a_system(
 async def test_options_bound_stop_and_seed_the_answer(
         tiny_model: Path, start_daemon: DaemonFactory) -> None:
     greedy = {"temperature": 0, "num_predict": 40}
-    with trio.fail_after(60):
+    with trio.fail_after(120):  # nine generations
         async with start_daemon(tiny_model) as d, _client(d.url) as c:
             # The tiny model's greedy answer to "Hello" runs past 60 tokens.
             long = await c.generate("tiny", "Hello", raw=True, options=greedy)
@@ -186,6 +186,9 @@ async def test_a_suffix_is_fill_in_the_middle(fim_model: Path, tiny_model: Path,
             r = await h.post("/v1/completions", json={
                 "prompt": prefix, "suffix": suffix, "max_tokens": 12, "temperature": 0})
             assert middle.response == r.json()["choices"][0]["text"]
+            raw = await c.generate("tiny-fim", prefix, suffix, raw=True,  # as Continue sends it
+                                   options={"temperature": 0, "num_predict": 12})
+            assert raw.response == middle.response
             with pytest.raises(ollama.ResponseError) as err:
                 await c.generate("tiny", prefix, suffix)
             assert err.value.status_code == 400 and "fill-in-the-middle" in err.value.error
@@ -202,6 +205,9 @@ async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
         (lambda c: c.chat("tiny", HI, options={"temperature": 9}), 400,
          "options.temperature"),
         (lambda c: c.chat("tiny", HI, options={"num_ctx": 4096}), 400, "options.num_ctx"),
+        (lambda c: c.chat("tiny", HI, options={"num_predict": 0}), 400, "options.num_predict"),
+        (lambda c: c.chat("tiny", HI, options={"num_predict": -3}), 400,
+         "options.num_predict"),
         (lambda c: c.chat("tiny", HI, options={"num_predict": 4000}), 400, "context"),
         (lambda c: c.chat("tiny", HI, think=True), 400, "think"),
         (lambda c: c.chat("tiny", [{**HI[0], "images": [b"\x89PNG"]}]), 400, "images"),

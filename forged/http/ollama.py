@@ -316,12 +316,11 @@ async def _generate(state: AppState, body: GenerateBody) -> Response:
 
 
 def _check_prompt_as_is(body: GenerateBody) -> None:
-    """A raw or fill-in-the-middle prompt has no place for a system message."""
+    """A raw or fill-in-the-middle prompt has no place for a system message. (``raw``
+    with a ``suffix`` is fill-in-the-middle: no chat template applies to it either, and
+    Continue sends both.)"""
     if body.system:
         raise e.BadRequest("system cannot be combined with raw or suffix", param="system")
-    if body.raw and body.suffix:
-        raise e.BadRequest("suffix cannot be combined with raw: fill-in-the-middle lays "
-                           "out the prompt with the model's tokens", param="suffix")
 
 
 # --- options ---------------------------------------------------------------------------
