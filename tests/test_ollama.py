@@ -306,6 +306,10 @@ async def test_smollm2_calls_a_tool(real_model: Path, start_daemon: DaemonFactor
         async with start_daemon(real_model, engine={"heartbeat_timeout": 60.0}) as d, \
                 _client(d.url, timeout=600) as c:
             model = (await c.list()).models[0].model or ""
+            details = (await c.show(model)).details
+            assert details is not None
+            assert (details.family, details.parameter_size, details.quantization_level) == \
+                ("llama", "135M", "Q4_1")
             answer = await c.chat(model, messages, tools=[WEATHER], options=greedy)
             calls = answer.message.tool_calls
             assert calls and calls[0].function.name == "get_weather", answer
