@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -90,8 +91,27 @@ class _Closing:
         self.close()
 
 
+@dataclass(frozen=True)
+class DrySettings:
+    multiplier: float
+    base: float
+    allowed_length: int
+    penalty_last_n: int
+    breakers: tuple[str, ...]
+
+
+# DRY samplers kept per model, by their settings: llama.cpp scans the whole vocabulary
+# for every sequence breaker when it makes one (15 ms for "\n", up to a second for a
+# breaker of letters, on a 49k vocabulary), and an editor sends the same settings
+# every time; a clone copies what the scan found.
+_DRY_KEPT = 16
+
+
 class Model(_Closing):
-    """A loaded GGUF. With ``vocab_only`` it is cheap: enough to tokenize and template."""
+    """A loaded GGUF. With ``vocab_only`` it is cheap: enough to tokenize and template.
+
+    Resource handling: the DRY samplers it keeps (:meth:`dry_sampler`) are freed with it.
+    """
 
     def __init__(self, path: str, *, vocab_only: bool = False) -> None:
         _init()
@@ -113,6 +133,7 @@ class Model(_Closing):
         self._eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self.vocab, t)]
         self._piece_buf = ctypes.create_string_buffer(256)
         self._utf8: Utf8Table | None = None
+        self._dry: OrderedDict[DrySettings, Any] = OrderedDict()
 
     @property
     def ptr(self) -> Any:
@@ -216,14 +237,33 @@ class Model(_Closing):
             self._utf8 = Utf8Table.build([self.piece(t) for t in range(self.n_vocab)])
         return self._utf8
 
+    def dry_sampler(self, d: DrySettings) -> Any:
+        """A DRY sampler with these settings, kept (the most recent few): clone it."""
+        kept = self._dry.get(d)
+        if kept is None:
+            breakers = [b.encode() for b in d.breakers]
+            arr = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+            kept = self._dry[d] = ll.llama_sampler_init_dry(
+                self.vocab, d.multiplier, d.base, d.allowed_length, d.penalty_last_n, arr,
+                len(breakers))
+            if len(self._dry) > _DRY_KEPT:
+                ll.llama_sampler_free(self._dry.popitem(last=False)[1])
+        self._dry.move_to_end(d)
+        return kept
+
     def close(self) -> None:
+        for kept in self._dry.values():
+            ll.llama_sampler_free(kept)
+        self._dry.clear()
         if self._ptr:
             ll.llama_model_free(self._ptr)
             self._ptr = None
 
 
-# The penalties look at this many recent tokens (llama.cpp's server default).
-_REPEAT_LAST_N = 64
+# At temperature 0 the chain keeps only the samplers that may change which token is the
+# most likely; the others (top_k, top_p, min_p, top_n_sigma) always keep that one.
+_MOVE_THE_TOP: frozenset[SamplerName] = frozenset(
+    {"penalties", "dry", "typical_p", "xtc", "infill"})
 # llama.cpp's LLAMA_DEFAULT_SEED: the dist sampler then draws a random seed.
 _RANDOM_SEED = 0xFFFFFFFF
 
@@ -300,21 +340,17 @@ class Sampler(_Closing):
         self._grammar: Any = None
         self._guard: Utf8Guard | None = None  # with a grammar (see forged.engine.utf8)
         self._draws = 0
-        self._penalised = p.repeat_penalty != 1.0 or bool(p.presence_penalty
-                                                          or p.frequency_penalty)
+        self._history = False  # whether a stage reads the tokens before (_stage)
         if p.logit_bias:
             arr = (ll.llama_logit_bias * len(p.logit_bias))(
                 *(ll.llama_logit_bias(tok, bias) for tok, bias in p.logit_bias)
             )
             self._add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), arr))
-        # Greedy keeps only what reshapes the distribution rather than cutting it.
-        greedy = p.temperature <= 0.0
-        for name in p.order:
-            if not greedy or name in ("penalties", "infill"):
-                self._stage(name)
-        self._add(ll.llama_sampler_init_greedy() if greedy else ll.llama_sampler_init_dist(
-            _RANDOM_SEED if p.seed is None else p.seed & 0xFFFFFFFF))
-        if self._penalised:  # as llama.cpp's server does: the prompt counts
+        if p.mirostat:
+            self._mirostat()
+        else:
+            self._chain()
+        if self._history:  # as llama.cpp's server does: the prompt counts
             self.accept(prompt)
         if p.grammar is not None:
             try:
@@ -329,27 +365,77 @@ class Sampler(_Closing):
     def _add(self, sampler: Any) -> None:
         ll.llama_sampler_chain_add(self._ptr, sampler)
 
+    @property
+    def _seed(self) -> int:
+        return _RANDOM_SEED if self._p.seed is None else self._p.seed & 0xFFFFFFFF
+
+    def _mirostat(self) -> None:
+        """llama.cpp's mirostat chain: temperature, then mirostat draws (``order`` does
+        not apply: mirostat keeps every candidate for its own estimate)."""
+        p = self._p
+        self._add(ll.llama_sampler_init_temp(p.temperature))
+        if p.mirostat == 1:
+            # m = 100: the tokens its estimate of s_hat uses, as llama.cpp sets it.
+            self._add(ll.llama_sampler_init_mirostat(self._model.n_vocab, self._seed,
+                                                     p.mirostat_tau, p.mirostat_eta, 100))
+        else:
+            self._add(ll.llama_sampler_init_mirostat_v2(self._seed, p.mirostat_tau,
+                                                        p.mirostat_eta))
+
+    def _chain(self) -> None:
+        """The samplers of ``order``, then a draw: greedy at temperature 0 (without
+        dynamic temperature, which would raise it), else from the distribution."""
+        p = self._p
+        greedy = p.temperature <= 0.0 and p.dynatemp_range <= 0.0
+        for name in p.order:
+            if not greedy or name in _MOVE_THE_TOP:
+                self._stage(name)
+        self._add(ll.llama_sampler_init_greedy() if greedy
+                  else ll.llama_sampler_init_dist(self._seed))
+
     def _stage(self, name: SamplerName) -> None:
         """Add the named sampler, unless its setting leaves it out (top_k 0, ...)."""
         p = self._p
         match name:
-            case "penalties" if self._penalised:
-                # The binding declares an old 5-argument signature (n_vocab first); the C
-                # function now takes 4 and reads penalty_last_n from the first integer
-                # register. Passing last_n twice is right under either ABI.
+            case "penalties" if p.repeat_last_n and (
+                    p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+                # The binding declares llama.cpp's 5-argument signature (n_vocab first,
+                # read only by backend sampling); an older libllama takes 4 and reads
+                # penalty_last_n from the first integer register. Passing last_n twice
+                # is right under either ABI.
                 self._add(ll.llama_sampler_init_penalties(
-                    _REPEAT_LAST_N, _REPEAT_LAST_N, p.repeat_penalty, p.frequency_penalty,
-                    p.presence_penalty))
+                    p.repeat_last_n, p.repeat_last_n, p.repeat_penalty,
+                    p.frequency_penalty, p.presence_penalty))
+                self._history = True
+            case "dry" if p.dry_multiplier > 0.0 and p.dry_penalty_last_n:
+                self._dry()
+            case "top_n_sigma" if p.top_n_sigma > 0.0:
+                self._add(ll.llama_sampler_init_top_n_sigma(p.top_n_sigma))
             case "top_k" if p.top_k > 0:
                 self._add(ll.llama_sampler_init_top_k(p.top_k))
+            case "typical_p" if p.typical_p < 1.0:
+                self._add(ll.llama_sampler_init_typical(p.typical_p, p.min_keep))
             case "top_p" if p.top_p < 1.0:
-                self._add(ll.llama_sampler_init_top_p(p.top_p, 1))
+                self._add(ll.llama_sampler_init_top_p(p.top_p, p.min_keep))
             case "min_p" if p.min_p > 0.0:
-                self._add(ll.llama_sampler_init_min_p(p.min_p, 1))
+                self._add(ll.llama_sampler_init_min_p(p.min_p, p.min_keep))
+            case "xtc" if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5:
+                self._add(ll.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold,
+                                                    p.min_keep, self._seed))
+            case "temperature" if p.dynatemp_range > 0.0:
+                self._add(ll.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range,
+                                                         p.dynatemp_exponent))
             case "temperature":
                 self._add(ll.llama_sampler_init_temp(p.temperature))
             case "infill":
                 self._add(ll.llama_sampler_init_infill(self._model.vocab))
+
+    def _dry(self) -> None:
+        p = self._p
+        self._add(ll.llama_sampler_clone(self._model.dry_sampler(DrySettings(
+            p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n,
+            p.dry_sequence_breakers))))
+        self._history = True
 
     def accept(self, tokens: Iterable[int]) -> None:
         """Feed prompt tokens to the penalty history, as llama.cpp's server does."""

@@ -69,6 +69,7 @@ class Prompter:
     def __init__(self, model_path: str, chat_template: str = "") -> None:
         self.model = Model(model_path, vocab_only=True)
         template = chat_template or self.model.meta("tokenizer.chat_template") or CHATML
+        self.chat_template = template
         eos = self.model.piece(self.model.eos, special=True).decode("utf-8", "replace")
         bos = self.model.piece(self.model.bos, special=True).decode("utf-8", "replace")
         self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos,
@@ -114,6 +115,15 @@ class Prompter:
         # Like llama.cpp's server and llama-cpp-python: BOS if the model wants one, and
         # special tokens written in the text are parsed as such.
         return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def encode_mixed(self, pieces: list[int | str]) -> list[int]:
+        """llama.cpp's mixed prompt (``[12, "text", 34]``): ids as given, text as
+        :meth:`encode_completion` has it, BOS only before text that comes first."""
+        out: list[int] = []
+        for i, piece in enumerate(pieces):
+            out += [piece] if isinstance(piece, int) else self.model.tokenize(
+                piece, add_special=i == 0, parse_special=True)
+        return out
 
     def _special_token(self, text: str) -> int | None:
         ids = self.model.tokenize(text, add_special=False, parse_special=True)

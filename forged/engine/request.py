@@ -18,10 +18,15 @@ from msgspec import Meta
 
 from forged.config import PRIORITIES, Priority
 
-# The samplers forged's chain is made of (llama.cpp's names), and their default order.
-SamplerName = Literal["penalties", "top_k", "top_p", "min_p", "temperature", "infill"]
-SAMPLER_ORDER: tuple[SamplerName, ...] = ("penalties", "top_k", "top_p", "min_p",
+# The samplers of llama.cpp's chain (common/sampling.cpp's names), and llama.cpp's
+# default order. Mirostat is not among them: it replaces the chain (Sampling.mirostat).
+SamplerName = Literal["penalties", "dry", "top_n_sigma", "top_k", "typical_p", "top_p",
+                      "min_p", "xtc", "temperature", "infill"]
+SAMPLER_ORDER: tuple[SamplerName, ...] = ("penalties", "dry", "top_n_sigma", "top_k",
+                                          "typical_p", "top_p", "min_p", "xtc",
                                           "temperature")
+# DRY's default sequence breakers (llama.cpp's): a repetition does not run across them.
+DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
 class Grammar(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -40,17 +45,45 @@ class Grammar(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """How the next token is chosen; llama.cpp's sampler chain is built from this."""
+    """How the next token is chosen; llama.cpp's sampler chain is built from this. The
+    fields are llama.cpp's server's, with its meanings (tools/server/README.md)."""
 
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0  # 0: greedy
+    # Dynamic temperature: between temperature -/+ range, by the entropy of the
+    # candidates raised to the exponent.
+    dynatemp_range: Annotated[float, Meta(ge=0.0)] = 0.0
+    dynatemp_exponent: Annotated[float, Meta(ge=0.0)] = 1.0
     # Each default below leaves its sampler out of the chain.
     top_k: Annotated[int, Meta(ge=0)] = 0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    # Penalties over the prompt and the last tokens made, as llama.cpp's server applies them.
+    typical_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+    top_n_sigma: float = -1.0  # <= 0: off
+    # XTC removes the most likely tokens above the threshold (all but the least likely
+    # of them), with this probability per draw; a threshold over 0.5 removes nothing.
+    xtc_probability: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    xtc_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
+    # Penalties over the prompt and the last tokens made, as llama.cpp's server applies
+    # them: the last ``repeat_last_n`` tokens (the HTTP layer resolves -1, the context).
     repeat_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repeat_last_n: Annotated[int, Meta(ge=0)] = 64
+    # DRY ("don't repeat yourself"): a token that would extend a repetition of more than
+    # ``dry_allowed_length`` tokens, within the last ``dry_penalty_last_n``, loses
+    # multiplier * base ** (length - allowed_length) of its logit.
+    dry_multiplier: Annotated[float, Meta(ge=0.0)] = 0.0
+    dry_base: Annotated[float, Meta(ge=1.0)] = 1.75
+    dry_allowed_length: Annotated[int, Meta(ge=0)] = 2
+    dry_penalty_last_n: Annotated[int, Meta(ge=0)] = 64
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+    # Mirostat 1 or 2 replaces the chain (as in llama.cpp: temperature, then mirostat
+    # draws, aiming at a surprise of tau, learning at the rate eta); 0: off.
+    mirostat: Literal[0, 1, 2] = 0
+    mirostat_tau: Annotated[float, Meta(ge=0.0)] = 5.0
+    mirostat_eta: Annotated[float, Meta(ge=0.0)] = 0.1
+    # What top_p, min_p, typical_p and XTC keep at least (llama.cpp's min_keep).
+    min_keep: Annotated[int, Meta(ge=0)] = 1
     # None: a fresh random seed per request.
     seed: Annotated[int, Meta(ge=0, le=0xFFFFFFFF)] | None = None
     # (token, bias) pairs; -inf bans a token.

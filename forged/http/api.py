@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 
 import msgspec
 from quart import Response, g, request
@@ -29,7 +28,7 @@ from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config, LimitsConfig
 from forged.engine.groups import ModelGroup
-from forged.engine.request import SAMPLER_ORDER, Grammar, Request, SamplerName, Sampling
+from forged.engine.request import Grammar, Request
 from forged.http import refused, sse
 from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.editor_telemetry import event_decoder, record_event
@@ -67,6 +66,7 @@ from forged.http.retrieve import (
     retrieve_decoder,
     with_retrieved,
 )
+from forged.http.sampling import sampling
 from forged.http.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -83,8 +83,8 @@ from forged.retrieval.store import cursor_names
 
 access_log = logging.getLogger("forged.access")
 # Routes outside /v1/ that need an API key as /v1/ does: llama.cpp's and Ollama's (/api/).
-_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize", "/completion", "/props",
-                "/apply-template", "/embedding")
+_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize", "/completion", "/completions",
+                "/props", "/apply-template", "/embedding")
 _KEYED_PREFIXES = ("/v1/", "/api/")
 T = TypeVar("T")
 
@@ -127,9 +127,10 @@ def _add_dialects(app: QuartTrio, state: AppState) -> None:
     """The other APIs' routes: each dialect is a module that translates its bodies to
     the one engine request (through :func:`run_chat` and :func:`run_completion`) and
     back. They import this module, so they are imported here, not at its top."""
-    from forged.http import anthropic, oairesponses, ollama
+    from forged.http import anthropic, llamacpp, oairesponses, ollama
 
     anthropic.add_routes(app, state)
+    llamacpp.add_routes(app, state)
     oairesponses.add_routes(app, state)
     ollama.add_routes(app, state)
 
@@ -273,10 +274,19 @@ async def run_chat(state: AppState, req: ChatRequest,
     group = _use_model(state, req)
     req, found, prompt = await _chat_prompt(state, group, req)
     plan, asked = prompt.tools, chat_asked(req)
-    return await _run(state, group, req, prompt.tokens,
-                      req.max_completion_tokens or req.max_tokens,
+    return await _run(state, group, req, prompt.tokens, _chat_budget(req),
                       with_retrieved(_chat_format(group, req, plan, asked, shape), found),
                       grammar=plan.grammar if plan else None, asked=asked)
+
+
+def _chat_budget(req: ChatRequest) -> int | None:
+    """What a chat asks to generate: OpenAI's two names for it; never 0."""
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested: int | None = getattr(req, field)
+    if requested == 0:
+        raise e.BadRequest(f"{field} must be at least 1 (or -1: until the context is full)",
+                           param=field)
+    return requested
 
 
 async def chat_prompt_tokens(state: AppState, req: ChatRequest) -> int:
@@ -297,9 +307,10 @@ async def _chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest
 
 
 async def run_completion(state: AppState, req: CompletionRequest,
-                         shape: type[sse.CompletionFormat] = sse.CompletionFormat
+                         shape: Callable[..., sse.CompletionFormat] = sse.CompletionFormat
                          ) -> Response:
-    """A completion of ``req``, answered in ``shape`` (as :func:`run_chat`)."""
+    """A completion of ``req``, answered in ``shape`` (as :func:`run_chat`; a shape may
+    come with settings of this request bound, as a ``functools.partial``)."""
     group = _use_model(state, req)
     asked = completion_asked(req)
     prompt, found = await _completion_prompt(state, group, req)
@@ -381,17 +392,20 @@ async def _decode(state: AppState, decoder: msgspec.json.Decoder[T], body: bytes
 # --- prompts ---------------------------------------------------------------------------
 
 
-def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int]:
-    """The request's one prompt: text or token ids, alone or in a list of one."""
-    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+def _one_prompt(p: str | list[int | str | list[int]]) -> str | list[int | str]:
+    """The request's one prompt: text, token ids or llama.cpp's mix of both (``[12,
+    "text", 34]``), alone or in a list of one."""
+    if isinstance(p, str) or (p and all(isinstance(t, int | str) for t in p)
+                              and any(isinstance(t, int) for t in p)):
         return p  # type: ignore[return-value]
     if len(p) == 1 and isinstance(p[0], str | list) and p[0]:
-        return p[0]
+        return p[0]  # type: ignore[return-value]
     raise e.BadRequest("exactly one prompt is supported per request", param="prompt")
 
 
 def _completion_format(group: ModelGroup, req: CompletionRequest, tokens: list[int],
-                       asked: Asked, shape: type[sse.CompletionFormat]) -> sse.MakeFormat:
+                       asked: Asked, shape: Callable[..., sse.CompletionFormat]
+                       ) -> sse.MakeFormat:
     """The answer's shape: with logprobs, and with ``echo``, the prompt as given (or the
     text of the token ids given) before the completion."""
     echo = None
@@ -422,14 +436,16 @@ async def _completion_prompt(state: AppState, group: ModelGroup, req: Completion
     """The prompt's tokens, and the repository chunks it draws on (with ``repo``, or
     the key's default): as extra files before a fill-in-the-middle prompt, as
     snippets before a plain one."""
-    given: str | list[str | int] = _one_prompt(req.prompt)  # type: ignore[assignment]
+    given = _one_prompt(req.prompt)
     if not isinstance(given, str):
         check_ids(group, given, "prompt")
         if req.suffix is None:
             if req.repo is not None:
                 raise e.BadRequest("repo needs the prompt as text, or a suffix",
                                    param="repo")
-            return list(given), None  # type: ignore[arg-type]
+            if all(isinstance(t, int) for t in given):
+                return list(given), None  # type: ignore[arg-type]
+            return await state.off_loop(group.prompter.encode_mixed, given), None
     found = await context(state, group.prompter, req.repo, g.get("key"), query_around(
         code_text(given), req.suffix or "", state.cfg.retrieval.query_lines),
         cursor_names(code_text(given)))
@@ -483,7 +499,7 @@ def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
     return Request(
         prompt=prompt, max_tokens=max_tokens, n=n,
         priority=capped_priority(req.priority, key, lim.default_priority),
-        sampling=msgspec.structs.replace(_sampling(state, group, req), grammar=grammar),
+        sampling=msgspec.structs.replace(sampling(state, group, req), grammar=grammar),
         stop=_stops(state, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
@@ -497,8 +513,8 @@ def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
 
 def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | None,
                 min_tokens: int) -> int:
-    """The completion's budget: as asked, or the default, within the context
-    (``limit``); at least vLLM's ``min_tokens`` when not asked."""
+    """The completion's budget: as asked (-1: the rest of the context), or the default,
+    within the context (``limit``); at least vLLM's ``min_tokens`` when not asked."""
     if n_prompt >= limit:
         raise e.ContextTooLong(
             f"This model's maximum context length is {limit} tokens. However, your prompt "
@@ -507,6 +523,8 @@ def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | N
     if requested is None:
         wanted = max(lim.default_max_tokens, min_tokens)
         max_tokens = min(wanted, limit - n_prompt)
+    elif requested < 0:  # llama.cpp's -1: until the context is full
+        max_tokens = limit - n_prompt
     elif n_prompt + requested > limit:
         raise e.ContextTooLong(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -536,60 +554,6 @@ def _choices(group: ModelGroup, req: Any, prompt: list[int], max_tokens: int) ->
         raise e.BadRequest(f"{field} is {best_of}, but at most {most} choices of this "
                            "request can run at once on this server", param=field)
     return int(best_of)
-
-
-def _sampling(state: AppState, group: ModelGroup, req: Any) -> Sampling:
-    bias: list[tuple[int, float]] = []
-    if req.logit_bias:
-        if len(req.logit_bias) > state.cfg.limits.max_logit_bias:
-            raise e.BadRequest("too many logit_bias entries", param="logit_bias")
-        for key, value in req.logit_bias.items():
-            token = _token_id(key)
-            if token is None or not 0 <= token < group.prompter.n_vocab:
-                raise e.BadRequest(f"logit_bias key {key!r} is not a token id", "logit_bias")
-            bias.append((token, float(value)))
-    return Sampling(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=max(0, req.top_k or 0), top_p=req.top_p or 1.0, min_p=req.min_p or 0.0,
-        repeat_penalty=_repeat_penalty(req),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        seed=None if req.seed is None else req.seed & 0xFFFFFFFF, logit_bias=bias,
-        order=SAMPLER_ORDER if req.samplers is None else _sampler_order(req.samplers),
-        min_tokens=req.min_tokens,
-    )
-
-
-_TOKEN_ID = re.compile(r"[0-9]{1,10}")
-
-
-def _token_id(key: str) -> int | None:
-    """A logit_bias key as a token id: ASCII digits only (``str.isdigit`` is true of
-    "²", which ``int`` refuses)."""
-    return int(key) if _TOKEN_ID.fullmatch(key) else None
-
-
-def _repeat_penalty(req: Any) -> float:
-    """llama.cpp's repeat_penalty, or vLLM's name for it, repetition_penalty."""
-    given = {p for p in (req.repeat_penalty, req.repetition_penalty) if p is not None}
-    if len(given) > 1:
-        raise e.BadRequest("repeat_penalty and repetition_penalty are one setting; they "
-                           "differ", param="repetition_penalty")
-    return given.pop() if given else 1.0
-
-
-# llama.cpp's other names for the samplers forged has.
-_SAMPLER_ALIASES = {"temp": "temperature"}
-
-
-def _sampler_order(names: list[str]) -> tuple[SamplerName, ...]:
-    """llama.cpp's ``samplers``: the chain's samplers, in order."""
-    order = tuple(_SAMPLER_ALIASES.get(n, n) for n in names)
-    for name in order:
-        if name not in get_args(SamplerName):
-            raise e.BadRequest(f"the sampler {name!r} is not supported; forged has "
-                               f"{', '.join(get_args(SamplerName))}", param="samplers")
-    return order  # type: ignore[return-value]
 
 
 def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:

@@ -32,7 +32,26 @@ async def chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest) -> C
     return await state.off_loop(_chat_prompt, state.cfg.limits, group, req)
 
 
+async def chat_text(state: AppState, group: ModelGroup, req: ChatRequest) -> str:
+    """The prompt as text, as the chat template writes it (llama.cpp's /apply-template),
+    made in one of the door's threads as :func:`chat_prompt` is."""
+    return await state.off_loop(_chat_text, state.cfg.limits, group, req)
+
+
 def _chat_prompt(lim: LimitsConfig, group: ModelGroup, req: ChatRequest) -> ChatPrompt:
+    messages, tools, plan = _turns(lim, group, req)
+    tokens = group.prompter.encode_chat(messages, tools, req.chat_template_kwargs)
+    return ChatPrompt(tokens, plan)
+
+
+def _chat_text(lim: LimitsConfig, group: ModelGroup, req: ChatRequest) -> str:
+    messages, tools, _ = _turns(lim, group, req)
+    return group.prompter.render_chat(messages, tools, req.chat_template_kwargs)
+
+
+def _turns(lim: LimitsConfig, group: ModelGroup, req: ChatRequest
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolPlan | None]:
+    """The messages and tools as the template takes them, and the request's tool plan."""
     if len(req.messages) > lim.max_messages:
         raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -42,8 +61,7 @@ def _chat_prompt(lim: LimitsConfig, group: ModelGroup, req: ChatRequest) -> Chat
         tools = plan.tools
     else:  # the template knows nothing of tools: forged writes them into the turns
         messages = fold_into_messages(messages, plan.tools if plan else None)
-    tokens = group.prompter.encode_chat(messages, tools, req.chat_template_kwargs)
-    return ChatPrompt(tokens, plan)
+    return messages, tools, plan
 
 
 def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def chat_asked(req: ChatRequest) -> Asked:
 def completion_asked(req: CompletionRequest) -> Asked:
     if req.echo and req.suffix is not None:
         raise e.BadRequest("echo cannot be combined with suffix", param="echo")
-    if req.max_tokens == 0 and not req.echo:  # nothing asked for at all
+    if req.max_tokens == 0 and not (req.echo or req.warms_up):  # nothing asked for at all
         raise e.BadRequest("max_tokens must be at least 1 (0 only with echo)",
                            param="max_tokens")
     return Asked(req.logprobs, req.echo and req.logprobs is not None)

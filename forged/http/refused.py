@@ -62,14 +62,14 @@ FIELDS: dict[str, Refused] = {
     "continue_final_message": Refused("continuing the last message is not supported",
                                       (None, False)),
     "documents": Refused("documents for the chat template are not supported"),
-    # llama.cpp's samplers that forged's chain does not have
-    "mirostat": Refused("mirostat sampling is not supported", (None, 0)),
-    "typical_p": Refused("typical sampling is not supported", (None, 1.0)),
-    "dynatemp_range": Refused("dynamic temperature is not supported", (None, 0.0)),
-    "dry_multiplier": Refused("DRY sampling is not supported", (None, 0.0)),
-    "xtc_probability": Refused("XTC sampling is not supported", (None, 0.0)),
-    "penalty_last_n": Refused("the penalties always look at the last 64 tokens",
-                              (None, 64)),
+    # llama.cpp's
+    "adaptive_target": Refused("adaptive-p sampling is not supported", (None, -1, -1.0)),
+    "penalty_last_n": Refused("use repeat_last_n (llama.cpp's name)"),
+    "post_sampling_probs": Refused("probabilities after the samplers are not supported: "
+                                   "n_probs gives the model's", (None, False)),
+    "return_progress": Refused("prompt progress events are not supported", (None, False)),
+    "timings_per_token": Refused("timings come with the last event only", (None, False)),
+    "lora": Refused("LoRA adapters are not supported", (None, [])),
 }
 
 # Content parts of chat messages other than text, by type: what they would carry.

@@ -8,7 +8,7 @@ a wrong type or a value out of range is an error that names the field.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -16,6 +16,9 @@ from msgspec import Meta, Struct
 from forged import errors as e
 
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+# A token budget or window where llama.cpp's -1 means "the whole context".
+Window = Annotated[int, Meta(ge=-1, le=2**31 - 1)]
 # The most choices one request may ask for: each is a sequence of its own in the batch.
 MAX_N = 16
 
@@ -28,7 +31,8 @@ class GenerationFields(Struct, kw_only=True):
     """What every generation route takes (completions, chat, infill)."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    # -1 (llama.cpp's): until the context is full.
+    max_tokens: Window | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] | None = None
@@ -52,9 +56,30 @@ class GenerationFields(Struct, kw_only=True):
     priority: Literal["interactive", "batch"] | None = None
     # A conversation's name: its KV stays cached between turns (docs/engine.md).
     session: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    # llama.cpp's sampler chain, in order ("top_k", "top_p", "min_p", "temperature",
-    # "penalties", "infill"); the default chain when absent.
-    samplers: Annotated[list[str], Meta(max_length=16)] | None = None
+    # llama.cpp's sampler chain, in order: names ("top_k", "dry", ...) or its letters
+    # ("edkypmxt"); llama.cpp's default chain when absent (forged.http.sampling).
+    samplers: Annotated[list[str], Meta(max_length=16)] | Annotated[
+        str, Meta(max_length=16)] | None = None
+    # llama.cpp's other samplers; absent or at their "off" value, each is left out.
+    typical_p: Fraction | None = None
+    top_n_sigma: Annotated[float, Meta(ge=-1e6, le=1e6)] | None = None
+    dynatemp_range: Annotated[float, Meta(ge=0.0, le=10.0)] | None = None
+    dynatemp_exponent: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    xtc_probability: Fraction | None = None
+    xtc_threshold: Fraction | None = None
+    repeat_last_n: Window | None = None
+    dry_multiplier: Annotated[float, Meta(ge=0.0, le=1000.0)] | None = None
+    dry_base: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    dry_allowed_length: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    dry_penalty_last_n: Window | None = None
+    # llama.cpp cuts a breaker at 40 characters and tokenizes each against the whole
+    # vocabulary: a few short ones.
+    dry_sequence_breakers: Annotated[list[Annotated[str, Meta(min_length=1, max_length=40)]],
+                                     Meta(min_length=1, max_length=16)] | None = None
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    mirostat_eta: Annotated[float, Meta(ge=0.0, le=10.0)] | None = None
+    min_keep: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     # Structured output (forged.http.structured): OpenAI's, llama.cpp's and vLLM's words.
     response_format: dict[str, Any] | None = None
     json_schema: dict[str, Any] | None = None
@@ -79,12 +104,15 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class CompletionRequest(GenerationFields, kw_only=True):
+    # Whether max_tokens 0 without echo warms the cache up (llama.cpp's n_predict 0), or
+    # asks for nothing at all (OpenAI's, a 400).
+    warms_up: ClassVar[bool] = False
     # A string, token ids, or a one-element list of either (as evaluation harnesses
     # send a batch of one).
     prompt: str | list[int | str | list[int]]
     # 0 (only with echo): nothing generated; with logprobs, the prompt scored
-    # (forged.http.logprobs).
-    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    # (forged.http.logprobs). -1: until the context is full.
+    max_tokens: Window | None = None
     # Fill-in-the-middle: the code after the completion (the prompt is the code before).
     suffix: str | None = None
     logprobs: TopLogprobs | None = None
@@ -110,7 +138,7 @@ class ChatMessage(Struct):
 
 class ChatRequest(GenerationFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Window | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
