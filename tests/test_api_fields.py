@@ -229,7 +229,8 @@ REALISTIC: dict[str, Any] = {
     "web_search_options": {}, "store": True, "reasoning_effort": "low",
     "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
     "guided_regex": "[a-z]+", "use_beam_search": True, "skip_special_tokens": False,
-    "mirostat": 2, "typical_p": 0.9, "penalty_last_n": 128,
+    "penalty_last_n": 128, "adaptive_target": 0.5, "post_sampling_probs": True,
+    "return_progress": True, "timings_per_token": True, "lora": [{"id": 0, "scale": 0.5}],
 }
 
 

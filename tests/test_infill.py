@@ -182,7 +182,8 @@ async def test_fim_on_a_model_without_fim_tokens_is_a_400(
                 r = await c.post(path, json=body)
                 assert r.status_code == 400, (path, r.text)
                 assert r.json()["error"]["code"] == "fim_not_supported"
-            r = await c.post("/v1/completions", json={"prompt": "x", "samplers": ["dry"]})
+            r = await c.post("/v1/completions", json={"prompt": "x",
+                                                      "samplers": ["adaptive_p"]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "samplers"
             assert d.daemon.pool.in_flight() == 0
 

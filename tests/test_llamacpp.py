@@ -223,8 +223,9 @@ TIMINGS = {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "prompt_per_s
 @pytest.fixture(scope="module")
 def daemon(real_model: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[DaemonProcess]:
-    yield from serve_model(real_model, tmp_path_factory.mktemp("llamacpp"), kv_cells=4096,
-                           kv_layout="unified", max_context=1024, slots=8, max_running=4)
+    # A short context: max_tokens -1 runs to its end.
+    yield from serve_model(real_model, tmp_path_factory.mktemp("llamacpp"), kv_cells=2048,
+                           kv_layout="unified", max_context=256, slots=8, max_running=4)
 
 
 @pytest.fixture
@@ -275,7 +276,7 @@ def test_completion_whole(http: httpx.Client) -> None:
     assert body["truncated"] is False and body["tokens_evaluated"] > 0
     assert set(body["timings"]) >= TIMINGS
     settings = body["generation_settings"]
-    assert settings["n_ctx"] == 1024 and settings["n_predict"] == 12
+    assert settings["n_ctx"] == 256 and settings["n_predict"] == 12
     assert settings["temperature"] == 0.0 and settings["samplers"] == list(SAMPLER_ORDER)
     # the same through /v1/completions: temperature 0 is greedy on both
     v1 = http.post("/v1/completions", json={"prompt": CONTINUE["prompt"], "max_tokens": 12,
@@ -340,21 +341,20 @@ def test_completion_prompts_and_budgets(http: httpx.Client) -> None:
                                            "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["content"] == by_text
-    # n_predict 0 warms the cache up; -1 runs to the context's end (or the model's)
+    # n_predict 0 warms the cache up; -1 runs to the context's end (256 here)
     warm = http.post("/completion", json={"prompt": CAPITAL, "n_predict": 0}).json()
     assert warm["content"] == "" and warm["tokens_predicted"] == 0
-    endless = http.post("/completion", json={"prompt": CAPITAL, "n_predict": -1,
-                                             "temperature": 0, "ignore_eos": True,
-                                             "response_fields": ["tokens_predicted",
-                                                                 "timings/prompt_n"]})
-    assert endless.json()["tokens_predicted"] == 1024 - len(ids)
-    assert set(endless.json()) == {"tokens_predicted", "timings/prompt_n"}
+    long = (ids * 60)[:246]
+    endless = http.post("/completion", json={"prompt": long, "n_predict": -1,
+                                             "ignore_eos": True, "response_fields": [
+                                                 "tokens_evaluated", "timings/predicted_n"]})
+    assert endless.json() == {"tokens_evaluated": 246, "timings/predicted_n": 10}
 
 
 @pytest.mark.model
 def test_props_and_apply_template(http: httpx.Client, real_model: Path) -> None:
     props = http.get("/props").json()
-    assert props["default_generation_settings"]["n_ctx"] == 1024
+    assert props["default_generation_settings"]["n_ctx"] == 256
     params = props["default_generation_settings"]["params"]
     assert params["samplers"] == list(SAMPLER_ORDER) and params["typical_p"] == 1.0
     assert props["total_slots"] == 4 and props["model_path"] == real_model.name

@@ -311,7 +311,14 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "store", "functions", "reasoning_effort", "guided_regex", "typical_p", "best_of",
           "logprobs", "top_logprobs", "echo", "response_format", "json_schema", "grammar",
           "guided_json", "guided_choice", "tools", "tool_choice", "parallel_tool_calls",
-          "repo", "query", "k", "type", "completion_id"]
+          "repo", "query", "k", "type", "completion_id",
+          # llama.cpp's sampler chain and its native API
+          "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "xtc_probability",
+          "xtc_threshold", "repeat_last_n", "dry_multiplier", "dry_base",
+          "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat",
+          "mirostat_tau", "mirostat_eta", "min_keep", "n_probs", "return_tokens", "n_keep",
+          "adaptive_target", "post_sampling_probs", "lora", "timings_per_token",
+          "return_progress"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -354,8 +361,9 @@ structured = st.fixed_dictionaries({}, optional={
     "stream_options": values, "ignore_eos": values,
     "suffix": st.one_of(st.text(max_size=20), values),
     "samplers": st.one_of(st.lists(st.sampled_from(
-        ["top_k", "top_p", "min_p", "temp", "temperature", "penalties", "infill", "dry"]),
-        max_size=4), values),
+        ["top_k", "top_p", "min_p", "temp", "temperature", "penalties", "infill", "dry",
+         "typ_p", "xtc", "top_n_sigma", "adaptive_p", "Top-K"]), max_size=4),
+        st.text(alphabet="edskypmxtiaz", max_size=10), values),
     "input_prefix": st.one_of(code, values), "input_suffix": st.one_of(code, values),
     "input_extra": st.one_of(st.lists(st.fixed_dictionaries(
         {"text": st.text(max_size=20)}, optional={"filename": values, "time": values}),
@@ -378,7 +386,28 @@ structured = st.fixed_dictionaries({}, optional={
                          st.just("def f(x):\n    return x\n" * 20000)),
     "with_pieces": values, "add_special": values, "parse_special": values,
     "tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=5), values),
-    "modalities": values, "store": values, "typical_p": values,
+    "modalities": values, "store": values,
+    # llama.cpp's samplers, in and out of range, on and off
+    "typical_p": st.one_of(st.floats(-0.5, 2), values),
+    "top_n_sigma": st.one_of(st.floats(-2, 5), values),
+    "dynatemp_range": st.one_of(st.floats(-1, 3), values),
+    "dynatemp_exponent": st.one_of(st.floats(-1, 20), values),
+    "xtc_probability": st.one_of(st.floats(-0.5, 1.5), values),
+    "xtc_threshold": st.one_of(st.floats(-0.5, 1.5), values),
+    "repeat_last_n": st.one_of(st.integers(-3, 5000), values),
+    "dry_multiplier": st.one_of(st.floats(-1, 10), values),
+    "dry_base": st.one_of(st.floats(-1, 5), values),
+    "dry_allowed_length": st.one_of(st.integers(-2, 10), values),
+    "dry_penalty_last_n": st.one_of(st.integers(-3, 10**9), values),
+    "dry_sequence_breakers": st.one_of(st.lists(st.text(max_size=42), max_size=10), values),
+    "mirostat": st.one_of(st.integers(-1, 3), values),
+    "mirostat_tau": st.one_of(st.floats(-1, 20), values),
+    "mirostat_eta": st.one_of(st.floats(-1, 2), values),
+    "min_keep": st.one_of(st.integers(-1, 100), values),
+    "n_probs": st.one_of(st.integers(-1, 25), values),
+    "return_tokens": values, "n_keep": st.one_of(st.integers(-2, 10), values),
+    "adaptive_target": values, "post_sampling_probs": values, "lora": values,
+    "timings_per_token": values, "return_progress": values,
     # logprobs is an int on completions and a bool on chat: both, everywhere
     "logprobs": st.one_of(st.booleans(), st.integers(-2, 25), values),
     "top_logprobs": st.one_of(st.integers(-2, 25), values),
@@ -418,9 +447,10 @@ structured = st.fixed_dictionaries({}, optional={
                                st.text(max_size=12), values),
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
-    """Generations of at most 4 tokens: this is about the input."""
+    """Generations of at most 4 tokens (-1 would run to the context's end): this is
+    about the input."""
     return {**d, **{k: 4 for k in ("max_tokens", "n_predict", "min_tokens")
-                    if isinstance(d.get(k), int) and d[k] > 4}}
+                    if isinstance(d.get(k), int) and (d[k] > 4 or d[k] == -1)}}
 
 
 bodies = st.one_of(
@@ -436,7 +466,11 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/models"),
              ("GET", "/v1/completions"), ("POST", "/infill"), ("POST", "/tokenize"),
              ("POST", "/detokenize"), ("GET", "/v1/models/tiny-fim"),
-             ("GET", "/v1/models/nope"), ("POST", "/v1/retrieve"), ("POST", "/v1/events")]
+             ("GET", "/v1/models/nope"), ("POST", "/v1/retrieve"), ("POST", "/v1/events"),
+             ("POST", "/completion"), ("POST", "/completions"), ("GET", "/props"),
+             ("POST", "/apply-template")]
+# llama.cpp's routes whose events end with the last one, without [DONE].
+NO_DONE = ("/infill", "/completion", "/completions")
 
 
 def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
@@ -512,7 +546,7 @@ def _check_answer(r: httpx.Response, path: str, body: bytes) -> None:
     assert r.status_code < 500, (path, body, r.status_code, r.text)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         frames = [line for line in r.text.splitlines() if line]
-        if path == "/infill" and frames[-1] != "data: [DONE]":
+        if path in NO_DONE and frames[-1] != "data: [DONE]":
             frames.append("data: [DONE]")  # llama.cpp's events end without one
         assert frames[-1] == "data: [DONE]"
         for f in frames[:-1]:
