@@ -75,7 +75,7 @@ class GenerationFields(Struct, kw_only=True):
     # llama.cpp cuts a breaker at 40 characters and tokenizes each against the whole
     # vocabulary: a few short ones.
     dry_sequence_breakers: Annotated[list[Annotated[str, Meta(min_length=1, max_length=40)]],
-                                     Meta(min_length=1, max_length=16)] | None = None
+                                     Meta(min_length=1, max_length=8)] | None = None
     mirostat: Literal[0, 1, 2] | None = None
     mirostat_tau: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     mirostat_eta: Annotated[float, Meta(ge=0.0, le=10.0)] | None = None
