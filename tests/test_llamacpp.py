@@ -20,11 +20,14 @@ import httpx
 import llama_cpp as ll
 import numpy as np
 import pytest
+import trio
 
 from forged import errors as e
+from forged.auth import add_key
 from forged.engine.backend import Context, ContextParams, Model, Sampler
 from forged.engine.request import SAMPLER_ORDER, Sampling
 from forged.http.sampling import sampler_order
+from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, serve_model
 
 CAPITAL = "The capital of France is"
@@ -285,6 +288,18 @@ def test_completion_whole(http: httpx.Client) -> None:
 
 
 @pytest.mark.model
+def test_the_whole_context_windows(http: httpx.Client) -> None:
+    # -1, and any window longer than the context, look at the whole context
+    body = http.post("/completion", json={"prompt": CAPITAL, "n_predict": 1,
+                                          "dry_penalty_last_n": -1, "dry_multiplier": 0.5,
+                                          "repeat_last_n": 10**9, "repeat_penalty": 1.1,
+                                          "dry_base": 0.5}).json()
+    settings = body["generation_settings"]
+    assert settings["dry_penalty_last_n"] == settings["repeat_last_n"] == 256
+    assert settings["dry_base"] == 1.75  # below 1: llama-server's default
+
+
+@pytest.mark.model
 def test_completion_streamed_as_continue_asks(http: httpx.Client) -> None:
     whole = http.post("/completion", json={**CONTINUE, "stream": False}).json()
     evs = events(http.post("/completion", json=CONTINUE))
@@ -390,3 +405,23 @@ def test_bad_values_are_400s_naming_the_field(http: httpx.Client, path: str,
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.trio
+async def test_the_native_routes_need_an_api_key(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    key = add_key(tmp_path / "keys.toml", "editor", max_streams=2, max_queued=2,
+                  priority="interactive")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for method, path, body in (
+                    ("POST", "/completion", {"prompt": "x", "n_predict": 2}),
+                    ("POST", "/completions", {"prompt": "x", "n_predict": 2}),
+                    ("GET", "/props", None),
+                    ("POST", "/apply-template", {"messages": [{"role": "user",
+                                                               "content": "x"}]})):
+                r = await c.request(method, path, json=body)
+                assert r.status_code == 401, path
+                r = await c.request(method, path, json=body, headers={"x-api-key": key})
+                assert r.status_code == 200, (path, r.text)
