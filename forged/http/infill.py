@@ -44,7 +44,7 @@ class InfillRequest(GenerationFields, kw_only=True):
     input_suffix: Code
     input_extra: list[ExtraFile] = []
     prompt: str = ""
-    # llama.cpp's name for max_tokens; -1: the default.
+    # llama.cpp's name for max_tokens; -1: until the context is full.
     n_predict: Annotated[int, Meta(ge=-1)] | None = None
     t_max_predict_ms: Annotated[float, Meta(ge=0)] = 0.0
     n_indent: Annotated[int, Meta(ge=0)] = 0
@@ -60,9 +60,9 @@ infill_decoder = msgspec.json.Decoder(InfillRequest)
 
 
 def requested_tokens(req: InfillRequest) -> int | None:
-    if req.n_predict is not None and req.n_predict >= 0:
-        return req.n_predict
-    return req.max_tokens
+    """llama.cpp's n_predict, or max_tokens; -1: until the context is full (editors
+    bound it with t_max_predict_ms)."""
+    return req.n_predict if req.n_predict is not None else req.max_tokens
 
 
 def check_ids(group: ModelGroup, code: Code | list[int], param: str) -> None:
