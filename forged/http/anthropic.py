@@ -47,7 +47,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post(PREFIX)
     async def messages() -> Response:
-        body = await api._decoded(state, _messages_decoder)
+        body = await api.decoded_body(state, _messages_decoder)
         try:
             req = await state.off_loop(chat_request, body)
             return await api.run_chat(state, req, MessageFormat)
@@ -57,7 +57,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
-        body = await api._decoded(state, _count_decoder, engine=False)
+        body = await api.decoded_body(state, _count_decoder, engine=False)
         try:
             req = await state.off_loop(chat_request, body)
             n = await api.chat_prompt_tokens(state, req)

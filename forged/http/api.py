@@ -1,6 +1,9 @@
-"""The public API listener: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/infill``, ``/v1/retrieve``, ``/v1/events``, ``/tokenize``, ``/detokenize`` and a
-minimal ``/health``. Nothing else is served on this port.
+"""The public API listener: OpenAI's routes (``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``), llama.cpp's ``/infill``, ``/tokenize`` and ``/detokenize``,
+``/v1/retrieve``, ``/v1/events`` and a minimal ``/health``; the other dialects
+(llama.cpp's native API, Anthropic's, OpenAI's Responses, Ollama's) add their routes
+from their own modules (:func:`_add_dialects`), each a translation to :func:`run_chat`
+or :func:`run_completion`. Admin actions and metrics are never served on this port.
 
 Each request runs in quart-trio's per-request nursery beside a task that watches for
 the client going away; whichever finishes first cancels the other. A departed
@@ -224,38 +227,38 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:
-        req = await _decoded(state, tokenize_decoder, engine=False)
+        req = await decoded_body(state, tokenize_decoder, engine=False)
         return Response(await tokenize(state, req), content_type="application/json")
 
     @app.post("/v1/retrieve")
     async def retrieve_route() -> Response:
-        req = await _decoded(state, retrieve_decoder, engine=False)
+        req = await decoded_body(state, retrieve_decoder, engine=False)
         return json_response(await retrieve(state, req, g.get("key")))
 
     @app.post("/v1/events")
     async def events_route() -> Response:
-        record_event(state, await _decoded(state, event_decoder, engine=False), g.get("key"))
+        record_event(state, await decoded_body(state, event_decoder, engine=False), g.get("key"))
         return json_response({})
 
     @app.post("/detokenize")
     async def detokenize_route() -> Response:
-        return json_response(await detokenize(state, await _decoded(
+        return json_response(await detokenize(state, await decoded_body(
             state, detokenize_decoder, engine=False)))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        req = await _decoded(state, completion_decoder, refuse=True)
+        req = await decoded_body(state, completion_decoder, refuse=True)
         return await run_completion(state, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await run_chat(state, await _decoded(state, chat_decoder, refuse=True))
+        return await run_chat(state, await decoded_body(state, chat_decoder, refuse=True))
 
     @app.post("/infill")
     async def infill() -> Response:
-        req = await _decoded(state, infill_decoder)
+        req = await decoded_body(state, infill_decoder)
         group = _use_model(state, req)
         found = await infill_context(state, group, req, g.get("key"))
         prompt = await infill_tokens(state, group, req, found)
@@ -292,7 +295,7 @@ def _chat_budget(req: ChatRequest) -> int | None:
 async def chat_prompt_tokens(state: AppState, req: ChatRequest) -> int:
     """How many tokens ``req``'s prompt has, as :func:`run_chat` would lay it out (its
     model's chat template, tools, repository context): Anthropic's count_tokens."""
-    # Like /tokenize: its key place, a side route's, was taken with the body (_decoded).
+    # Like /tokenize: its key place, a side route's, was taken with the body (decoded_body).
     with state.models.use(req.model) as group:
         return len((await _chat_prompt(state, group, req))[2].tokens)
 
@@ -340,7 +343,7 @@ async def _drain_body() -> bool:
     return True
 
 
-async def _decoded(state: AppState, decoder: msgspec.json.Decoder[T], *,
+async def decoded_body(state: AppState, decoder: msgspec.json.Decoder[T], *,
                    engine: bool = True, refuse: bool = False) -> T:
     """The request's body, decoded; for the ``engine``, a full queue answers before any
     parsing, and a body that is not JSON, or JSON of the wrong shape, is a 400 naming

@@ -73,7 +73,7 @@ _template_decoder = msgspec.json.Decoder(ChatRequest)
 
 def add_routes(app: QuartTrio, state: AppState) -> None:
     async def completion() -> Response:
-        req = await api._decoded(state, _completion_decoder, refuse=True)
+        req = await api.decoded_body(state, _completion_decoder, refuse=True)
         return await api.run_completion(state, *_translated(state, req))
 
     app.post("/completion")(completion)
@@ -85,7 +85,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
-        req = await api._decoded(state, _template_decoder, engine=False)
+        req = await api.decoded_body(state, _template_decoder, engine=False)
         with state.models.use(req.model) as group:
             return json_response({"prompt": await chat_text(state, group, req)})
 

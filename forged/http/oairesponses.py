@@ -36,7 +36,7 @@ from quart import Response, g
 from quart_trio import QuartTrio
 
 from forged import errors as e
-from forged.http.api import _decoded, run_chat
+from forged.http.api import decoded_body, run_chat
 from forged.http.oaioutput import Turn, bound
 from forged.http.oaistore import ResponseStore, Stored
 from forged.http.refused import Refused
@@ -428,7 +428,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/v1/responses")
     async def create() -> Response:
-        body = _convert(await _decoded(state, _object_decoder), ResponsesBody)
+        body = _convert(await decoded_body(state, _object_decoder), ResponsesBody)
         return await _create(state, store, body)
 
     @app.get("/v1/responses/<response_id>")

@@ -210,14 +210,14 @@ def _add_model_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/api/show")
     async def show_route() -> Response:
-        body = await api._decoded(state, _show_decoder, engine=False)
+        body = await api.decoded_body(state, _show_decoder, engine=False)
         return json_response(show(served(state, body.model or body.name), body.verbose))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/chat")
     async def chat() -> Response:
-        body = await api._decoded(state, _chat_decoder)
+        body = await api.decoded_body(state, _chat_decoder)
         group = served(state, body.model)
         if not body.messages:  # Ollama's way to load a model, or to unload it
             return json_response(loaded(model_name(body.model), body.keep_alive, chat=True))
@@ -225,7 +225,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/api/generate")
     async def generate() -> Response:
-        body = await api._decoded(state, _generate_decoder)
+        body = await api.decoded_body(state, _generate_decoder)
         return await _generate(state, body)
 
     @app.post("/api/embed")
