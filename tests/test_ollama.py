@@ -200,7 +200,8 @@ async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
                   priority="interactive")
     refused: list[tuple[Any, int, str]] = [
         (lambda c: c.chat("gpt-9", HI), 404, "gpt-9"),
-        (lambda c: c.chat("tiny", HI, options={"mirostat": 2}), 400, "options.mirostat"),
+        (lambda c: c.chat("tiny", HI, options={"mirostat": 3}), 400, "options.mirostat"),
+        (lambda c: c.chat("tiny", HI, options={"tfs_z": 0.5}), 400, "options.tfs_z"),
         (lambda c: c.chat("tiny", HI, options={"mirostatt": 2}), 400, "mirostatt"),
         (lambda c: c.chat("tiny", HI, options={"temperature": 9}), 400,
          "options.temperature"),

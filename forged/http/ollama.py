@@ -14,7 +14,7 @@ log come with them. The answer goes back in Ollama's shapes
 ``options`` map to forged's sampling fields, checked as on ``/v1/`` (a bad value is a
 400 naming ``options.<name>``). Options that only say how Ollama loads a model
 (``num_gpu``, ``num_thread``, ...) change no answer and are accepted; one forged
-cannot honour (``mirostat`` other than 0, ...) is a 400 naming it, and so is an
+cannot honour (``tfs_z`` other than 1, ...) is a 400 naming it, and so is an
 option Ollama does not have. At the top level, fields this module does not know are
 ignored, as Ollama's server does; fields it knows and cannot honour (``images``,
 ``think``, a ``template`` of the request's own, ...) are a 400 naming them.
@@ -82,14 +82,14 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     use_mmap: Any = None
     use_mlock: Any = None
     num_thread: Any = None
-    # mirostat's own settings: they matter only with mirostat, which is refused
+    # llama.cpp's samplers, as on /v1/ (their ranges checked there)
+    mirostat: Any = None
     mirostat_tau: Any = None
     mirostat_eta: Any = None
-    # refused unless off (_REFUSED_OPTIONS)
-    mirostat: Any = None
-    tfs_z: Any = None
     typical_p: Any = None
     repeat_last_n: Any = None
+    # refused unless off (_REFUSED_OPTIONS)
+    tfs_z: Any = None
     penalize_newline: Any = None
     logits_all: Any = None
     vocab_only: Any = None
@@ -97,10 +97,7 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 _REFUSED_OPTIONS = {
-    "mirostat": Refused("mirostat sampling is not supported", (None, 0)),
     "tfs_z": Refused("tail-free sampling is not supported", (None, 1.0)),
-    "typical_p": Refused("typical sampling is not supported", (None, 1.0)),
-    "repeat_last_n": Refused("the penalties always look at the last 64 tokens", (None, 64)),
     "penalize_newline": Refused("newlines are never penalised apart", (None, False)),
     "logits_all": Refused("logits are not returned", (None, False)),
     "vocab_only": Refused("the model is always loaded whole", (None, False)),
@@ -329,7 +326,8 @@ def _check_prompt_as_is(body: GenerateBody) -> None:
 # Ollama's options by forged's field names (the rest share their names).
 _OPTION_OF = {"max_tokens": "num_predict"}
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty",
-             "presence_penalty", "frequency_penalty")
+             "presence_penalty", "frequency_penalty", "typical_p", "repeat_last_n",
+             "mirostat", "mirostat_tau", "mirostat_eta")
 
 
 def _generation_fields(body: _Body, group: ModelGroup) -> dict[str, Any]:
