@@ -195,13 +195,13 @@ def test_a_stop_sequence_ends_the_message_and_is_named(tiny: Tiny) -> None:
         assert msg.content[0].text == text[:text.index(stop)]
 
 
-def test_max_tokens_0_fills_the_cache_and_answers_nothing(tiny: Tiny) -> None:
+def test_max_tokens_0_is_a_bad_request_as_anthropic_s(tiny: Tiny) -> None:
+    """Anthropic's max_tokens is at least 1, as OpenAI chat's is (llama.cpp's
+    n_predict 0 warm-up is /completion's)."""
     messages = [{"role": "user", "content": "Warm this prompt up, please"}]
-    warm = tiny.client.messages.create(model="tiny", max_tokens=0, messages=messages)
-    assert warm.content == [] and warm.stop_reason == "max_tokens"
-    assert warm.usage.output_tokens == 0
-    again = tiny.client.messages.create(model="tiny", max_tokens=1, messages=messages)
-    assert again.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        tiny.client.messages.create(model="tiny", max_tokens=0, messages=messages)
+    assert "max_tokens" in _error(caught.value, "invalid_request_error")
 
 
 def test_an_output_format_is_json_of_its_schema(tiny: Tiny) -> None:

@@ -197,7 +197,7 @@ class CountTokensRequest(_Strict):
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     # 0 computes the prompt into the prefix cache and answers with no text.
-    max_tokens: Annotated[int, Meta(ge=0)]
+    max_tokens: Annotated[int, Meta(ge=1)]  # Anthropic's range, as OpenAI chat's
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
