@@ -396,6 +396,8 @@ def test_props_and_apply_template(http: httpx.Client, real_model: Path) -> None:
     ("/completion", {"prompt": "x", "id_slot": 0}, "id_slot"),
     ("/completion", {"prompt": "x", "n_probs": 21}, "n_probs"),
     ("/completion", {"prompt": "x", "lora": [{"id": 0, "scale": 1}]}, "lora"),
+    ("/completion", {"prompt": "x", "n_cmpl": 2}, "n_cmpl"),
+    ("/completion", {"prompt": "x", "n_cache_reuse": 256}, "n_cache_reuse"),
     ("/completion", {"prompt": ["a", "b"]}, "prompt"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "dynatemp_range": -1},
      "dynatemp_range"),

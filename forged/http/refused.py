@@ -70,6 +70,10 @@ FIELDS: dict[str, Refused] = {
     "return_progress": Refused("prompt progress events are not supported", (None, False)),
     "timings_per_token": Refused("timings come with the last event only", (None, False)),
     "lora": Refused("LoRA adapters are not supported", (None, [])),
+    "n_cmpl": Refused("one completion per /completion request: send it again, or use "
+                      "/v1/completions with n", (None, 1)),
+    "n_cache_reuse": Refused("reusing cached chunks by shifting them is not supported: "
+                             "forged reuses the longest cached prefix", (None, 0)),
 }
 
 # Content parts of chat messages other than text, by type: what they would carry.
