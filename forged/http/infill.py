@@ -108,6 +108,22 @@ async def infill_context(state: AppState, group: ModelGroup, req: InfillRequest,
                          cursor_names(prefix))
 
 
+def final_fields(done: fr.Done, text: str, model: str) -> dict[str, Any]:
+    """llama-server's fields of a completion's last event (``/infill``, ``/completion``)."""
+    return {
+        "id_slot": -1, "stop": True, "model": model,
+        "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
+        "has_new_line": "\n" in text,
+        # forged refuses a prompt that does not fit rather than cutting it
+        "truncated": False, "stop_type": done.stop_type,
+        "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
+        # as llama.cpp counts it: what the sequence holds now (the reused prefix is
+        # timings.cache_n)
+        "tokens_cached": done.prompt_tokens + done.completion_tokens,
+        "timings": timings(done),
+    }
+
+
 def timings(done: fr.Done) -> dict[str, float]:
     """llama.cpp's ``timings`` of a finished request."""
     prompt_n, predicted_n = done.prompt_tokens - done.cached_tokens, done.completion_tokens
@@ -153,16 +169,8 @@ class InfillFormat(sse.Format):
     def _choice(self, text: str, done: fr.Done, scores: sse.Scores) -> dict[str, Any]:
         body = {
             # not llama.cpp's: the id editors name in /v1/events
-            "id": self.id, "index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True,
-            "model": self.model, "tokens_predicted": done.completion_tokens,
-            "tokens_evaluated": done.prompt_tokens, "has_new_line": "\n" in text,
-            # forged refuses a prompt that does not fit rather than cutting it
-            "truncated": False, "stop_type": done.stop_type,
-            "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
-            # as llama.cpp counts it: what the sequence holds now (the reused prefix is
-            # timings.cache_n)
-            "tokens_cached": done.prompt_tokens + done.completion_tokens,
-            "timings": timings(done),
+            "id": self.id, "index": 0, "content": text, "tokens": [],
+            **final_fields(done, text, self.model),
         }
         if self.retrieved is not None:
             body["retrieved"] = self.retrieved

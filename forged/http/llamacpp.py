@@ -32,7 +32,7 @@ from forged.engine import frames as fr
 from forged.engine.request import Sampling
 from forged.http import api, sse
 from forged.http.chat import chat_text
-from forged.http.infill import select, timings
+from forged.http.infill import final_fields, select
 from forged.http.logprobs import Vocabulary
 from forged.http.responses import HTTPError, json_response
 from forged.http.sampling import sampling
@@ -192,18 +192,8 @@ class LlamaFormat(sse.CompletionFormat):
         body: dict[str, Any] = {
             "index": 0, "content": text,
             "tokens": [t.token for t in entries] if self.tokens else [],
-            "id_slot": -1, "stop": True, "model": self.model,
-            "tokens_predicted": done.completion_tokens,
-            "tokens_evaluated": done.prompt_tokens,
+            **final_fields(done, text, self.model),
             "generation_settings": {**self.settings, "model": self.model},
-            "has_new_line": "\n" in text,
-            # forged refuses a prompt that does not fit rather than cutting it
-            "truncated": False, "stop_type": done.stop_type,
-            "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
-            # as llama.cpp counts it: what the sequence holds now (the reused prefix is
-            # timings.cache_n)
-            "tokens_cached": done.prompt_tokens + done.completion_tokens,
-            "timings": timings(done),
         }
         if self.retrieved is not None:
             body["retrieved"] = self.retrieved
