@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import openai
@@ -24,9 +25,10 @@ ENGINE = {"kv_cells": 32768, "kv_layout": "per_slot", "max_context": 2048, "slot
           "flash_attn": False, "target_step_ms": 150.0}
 
 
-def _start(real_model: Path, tmp: Path) -> Iterator[DaemonProcess]:
+def _start(real_model: Path, tmp: Path, **engine: Any) -> Iterator[DaemonProcess]:
     port = free_port()
-    d = DaemonProcess(write_config(tmp / "forged.toml", real_model, port, engine=ENGINE), port)
+    d = DaemonProcess(write_config(tmp / "forged.toml", real_model, port,
+                                   engine={**ENGINE, **engine}), port)
     try:
         d.wait_ready()
         yield d
@@ -42,6 +44,16 @@ def daemon(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture
 def fresh_daemon(real_model: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
     yield from _start(real_model, tmp_path)
+
+
+@pytest.fixture
+def unsplit_daemon(real_model: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A short prompt is computed in one chunk however slow the machine is: the step's
+    time target (which the learned cost model applies) is far above any such prompt's
+    cost. So two requests of one prompt are the same computation, and give the same
+    greedy text (under load, a 150 ms target split the prompt one time and not the
+    other, and the two answers differed)."""
+    yield from _start(real_model, tmp_path, target_step_ms=5000.0, heartbeat_timeout=120.0)
 
 
 @pytest.fixture
@@ -191,8 +203,9 @@ def test_long_prompt_does_not_stall_running_streams(client: openai.OpenAI) -> No
 
 
 def test_text_held_for_a_stop_string_is_released_at_end_of_sequence(
-        fresh_daemon: DaemonProcess) -> None:
-    client = openai.OpenAI(base_url=fresh_daemon.url + "/v1", api_key="none", max_retries=0)
+        unsplit_daemon: DaemonProcess) -> None:
+    client = openai.OpenAI(base_url=unsplit_daemon.url + "/v1", api_key="none",
+                           max_retries=0)
 
     def answer(**kw: object) -> openai.types.chat.ChatCompletion:
         # No prompt cache: both answers come from the same computation.
