@@ -157,6 +157,10 @@ class Tiers:
         """Every entry, most recently used first, RAM before disk."""
         return [e for t in Tier for e in reversed(self._lru[t].values())]
 
+    @property
+    def on_disk(self) -> bool:
+        return bool(self._lru[Tier.DISK])
+
     def used(self, tier: Tier) -> int:
         return sum(e.nbytes for e in self._lru[tier].values())
 

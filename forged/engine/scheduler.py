@@ -548,7 +548,11 @@ class Scheduler:
 
     def _staging(self, item: Queued) -> bool:
         """Whether ``item`` waits this step for the saved state it would restore to be
-        read from disk (``Stage``, beside the decode loop): no step waits on the disk."""
+        read from disk (``Stage``, beside the decode loop): no step waits on the disk.
+        With nothing on disk (the usual case), no match is made here: admission makes
+        it, once."""
+        if not self.tiers.on_disk:
+            return False
         entry = self._reuse(item.req).entry
         if entry is None or self.tiers.ready(entry):
             return False
