@@ -318,7 +318,11 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat",
           "mirostat_tau", "mirostat_eta", "min_keep", "n_probs", "return_tokens", "n_keep",
           "adaptive_target", "post_sampling_probs", "lora", "timings_per_token",
-          "return_progress"]
+          "return_progress", "n_cmpl", "n_cache_reuse",
+          # the dialects': Anthropic's, OpenAI's Responses, Ollama's
+          "system", "stop_sequences", "metadata", "thinking", "output_config", "input",
+          "instructions", "max_output_tokens", "previous_response_id", "text",
+          "options", "raw", "format", "keep_alive", "think"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -445,12 +449,29 @@ structured = st.fixed_dictionaries({}, optional={
     "type": st.one_of(st.sampled_from(["view", "select", "dismiss", "x"]), values),
     "completion_id": st.one_of(st.sampled_from(["cmpl-1", "", "a b", "x" * 200]),
                                st.text(max_size=12), values),
+    # issue 32: the dialects' own fields
+    "system": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=10)}),
+        max_size=2), values),
+    "stop_sequences": st.one_of(st.lists(st.text(max_size=5), max_size=3), values),
+    "input": st.one_of(st.text(max_size=30), st.lists(good_message, max_size=2), values),
+    "instructions": st.one_of(st.text(max_size=20), values),
+    "max_output_tokens": st.one_of(st.integers(-1, 20), values),
+    "previous_response_id": st.one_of(st.text(max_size=12), values),
+    "options": st.one_of(st.dictionaries(st.sampled_from(
+        ["temperature", "num_predict", "top_k", "mirostat", "tfs_z", "typical_p",
+         "num_ctx", "stop", "seed", "repeat_last_n"]), values, max_size=3), values),
+    "raw": values, "format": st.one_of(st.just("json"), values), "think": values,
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens (-1 would run to the context's end): this is
     about the input."""
-    return {**d, **{k: 4 for k in ("max_tokens", "n_predict", "min_tokens")
-                    if isinstance(d.get(k), int) and (d[k] > 4 or d[k] == -1)}}
+    short = {**d, **{k: 4 for k in ("max_tokens", "n_predict", "min_tokens",
+                                    "max_output_tokens")
+                     if isinstance(d.get(k), int) and (d[k] > 4 or d[k] == -1)}}
+    if isinstance(d.get("options"), dict):  # Ollama's num_predict (-1, -2: the context)
+        short["options"] = {**d["options"], "num_predict": 4}
+    return short
 
 
 bodies = st.one_of(
@@ -468,7 +489,10 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("POST", "/detokenize"), ("GET", "/v1/models/tiny-fim"),
              ("GET", "/v1/models/nope"), ("POST", "/v1/retrieve"), ("POST", "/v1/events"),
              ("POST", "/completion"), ("POST", "/completions"), ("GET", "/props"),
-             ("POST", "/apply-template")]
+             ("POST", "/apply-template"), ("POST", "/v1/messages"),
+             ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+             ("GET", "/v1/responses/resp_nope"), ("POST", "/api/chat"),
+             ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags")]
 # llama.cpp's routes whose events end with the last one, without [DONE].
 NO_DONE = ("/infill", "/completion", "/completions")
 
@@ -542,19 +566,45 @@ class _HealthWatch:
         self._thread.join(60)
 
 
+# Dialects whose streams are named events (``event:`` lines) and end without [DONE].
+EVENTS = ("/v1/messages", "/v1/responses")
+
+
 def _check_answer(r: httpx.Response, path: str, body: bytes) -> None:
     assert r.status_code < 500, (path, body, r.status_code, r.text)
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
-        frames = [line for line in r.text.splitlines() if line]
-        if path in NO_DONE and frames[-1] != "data: [DONE]":
-            frames.append("data: [DONE]")  # llama.cpp's events end without one
-        assert frames[-1] == "data: [DONE]"
-        for f in frames[:-1]:
-            json.loads(f.removeprefix("data: "))
+    kind = r.headers.get("content-type", "")
+    if kind.startswith("text/event-stream"):
+        _check_events(r.text, path)
+    elif kind.startswith("application/x-ndjson"):  # Ollama's stream: a JSON object a line
+        lines = [json.loads(line) for line in r.text.splitlines() if line]
+        assert lines and (lines[-1].get("done") or set(lines[-1]) == {"error"}), lines[-1:]
+    elif r.status_code >= 400:
+        _check_error(r.json(), path)
     else:
-        data = r.json()
-        if r.status_code >= 400:
-            assert set(data["error"]) == {"message", "type", "param", "code"}
+        r.json()
+
+
+def _check_events(text: str, path: str) -> None:
+    frames = [line for line in text.splitlines() if line]
+    if path.startswith(EVENTS):
+        assert all(f.startswith(("event: ", "data: {")) for f in frames), frames
+        frames.append("data: [DONE]")
+    elif path in NO_DONE and frames[-1] != "data: [DONE]":
+        frames.append("data: [DONE]")  # llama.cpp's events end without one
+    assert frames[-1] == "data: [DONE]"
+    for f in frames[:-1]:
+        if not f.startswith("event: "):
+            json.loads(f.removeprefix("data: "))
+
+
+def _check_error(data: dict[str, Any], path: str) -> None:
+    """Each dialect's error body: Anthropic's, Ollama's, or OpenAI's."""
+    if path.startswith("/v1/messages"):
+        assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
+    elif path.startswith("/api/"):
+        assert set(data) == {"error"} and isinstance(data["error"], str)
+    else:
+        assert set(data["error"]) == {"message", "type", "param", "code"}
 
 
 def test_forged_bench_sends_an_api_key(tmp_path: Path, tiny_model: Path) -> None:
