@@ -2,7 +2,9 @@
 
 The keys file (``auth.keys_file``, by default ``/etc/forged/keys.toml``, mode 0640,
 root:forged) holds one ``[[key]]`` table per key. ``forged keys add NAME`` writes
-one and prints the key once; only its hash is ever stored. With no key configured
+one and prints the key once; only its hash is ever stored. ``forged keys list``,
+``rotate NAME`` (a new secret, same name and limits) and ``revoke NAME`` edit the file
+in place, keeping its other text, and a reload applies them. With no key configured
 the API is open (the daemon logs a warning); with any key, every ``/v1/`` request
 needs ``Authorization: Bearer <key>``.
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import grp
 import hashlib
 import os
+import re
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -114,12 +118,87 @@ def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
     with os.fdopen(fd, "a") as f:
         if new:
-            f.write("# forged API keys: SHA-256 hashes only. Add with `forged keys add NAME`;\n"
-                    "# revoke by deleting a [[key]] table, then `systemctl reload forged`.\n")
+            f.write("# forged API keys: SHA-256 hashes only. Manage them with `forged keys add`,\n"
+                    "# `list`, `rotate` and `revoke`, then `systemctl reload forged`.\n")
         f.write(block)
     if new:
         _give_to_forged_group(path)
     return key
+
+
+def list_keys(path: Path) -> list[KeyEntry]:
+    """The keys of ``path`` in file order; none if it does not exist."""
+    return [entry for entry, _ in _tables(path) if entry is not None]
+
+
+def revoke_key(path: Path, name: str) -> None:
+    """Remove the key named ``name`` from ``path``. What else the file says (other
+    keys, comments) is kept as written."""
+    tables = _tables(path)
+    _named(path, tables, name)
+    _rewrite(path, [text for entry, text in tables if entry is None or entry.name != name])
+
+
+def rotate_key(path: Path, name: str) -> str:
+    """Give the key named ``name`` a new secret, with the same name, limits and tenant;
+    return it. The old secret stops working when the daemon reloads."""
+    tables = _tables(path)
+    _named(path, tables, name)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    texts = []
+    for entry, text in tables:
+        if entry is not None and entry.name == name:
+            text, n = _SHA_LINE.subn(rf'\g<1>"{hash_key(key)}"', text, count=1)
+            if n != 1:  # written by hand in another form: say so rather than guess
+                raise ConfigError(f"{path}: key {name!r}: no `sha256 = \"...\"` line to "
+                                  "replace")
+        texts.append(text)
+    _rewrite(path, texts)
+    return key
+
+
+# A line that opens a key's table; what follows it, up to the next one, is that key's.
+_TABLE_START = re.compile(r"(?m)^(?=[ \t]*\[\[key\]\][ \t]*(?:#.*)?$)")
+_SHA_LINE = re.compile(r'(?m)^([ \t]*sha256[ \t]*=[ \t]*)"[0-9a-f]{64}"')
+
+
+def _tables(path: Path) -> list[tuple[KeyEntry | None, str]]:
+    """The file cut into its text before the first key (entry None) and one text per
+    key, each checked as the whole file is."""
+    KeyStore.load(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out: list[tuple[KeyEntry | None, str]] = []
+    for part in _TABLE_START.split(text):
+        keys = msgspec.toml.decode(part.encode(), type=KeysFile).key
+        out.append((keys[0] if keys else None, part))
+    return out
+
+
+def _named(path: Path, tables: list[tuple[KeyEntry | None, str]], name: str) -> None:
+    if not any(e is not None and e.name == name for e, _ in tables):
+        raise ConfigError(f"{path}: no key named {name!r}")
+
+
+def _rewrite(path: Path, texts: list[str]) -> None:
+    """Replace ``path`` by ``texts`` at once (a reload never reads half a file), with
+    its owner, group and mode."""
+    st = path.stat()
+    tmp = path.with_name(f".{path.name}.new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IMODE(st.st_mode))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(texts))
+            f.flush()
+            os.fsync(f.fileno())
+        if os.geteuid() == 0:
+            os.chown(tmp, st.st_uid, st.st_gid)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _give_to_forged_group(path: Path) -> None:

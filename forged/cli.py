@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+import msgspec
 import trio
 
 from forged import __version__
@@ -243,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from forged.auth import add_key
 
-    path = Path(args.keys_file or fc.load(Path(args.config)).auth.keys_file)
+    path = _keys_path(args)
     key = add_key(path, args.name, max_streams=args.max_streams, max_queued=args.max_queued,
                   priority=args.priority, tenant=args.tenant, repos=args.repo,
                   default_repo=args.default_repo)
@@ -253,13 +254,78 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_path(args: argparse.Namespace) -> Path:
+    return Path(args.keys_file or fc.load(Path(args.config), require_file=False)
+                .auth.keys_file)
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from forged.auth import list_keys
+
+    entries = list_keys(_keys_path(args))
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(e) for e in entries], indent=2))
+        return 0
+    print(f"{'NAME':<24} {'TENANT':<12} {'PRIORITY':<12} {'STREAMS':>7} {'QUEUED':>6}  "
+          f"{'HASH':<12}  REPOS")
+    for e in entries:
+        repos = "all" if e.repos is None else ",".join(e.repos) or "none"
+        print(f"{e.name:<24} {e.tenant or '-':<12} {e.priority:<12} {e.max_streams:>7} "
+              f"{e.max_queued:>6}  {e.sha256[:12]:<12}  {repos}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from forged.auth import revoke_key
+
+    path = _keys_path(args)
+    revoke_key(path, args.name)
+    print(f"forged: removed key {args.name!r} from {path}. Run `systemctl reload forged` "
+          "to apply it; its streams in flight finish, new requests get 401.",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_keys_rotate(args: argparse.Namespace) -> int:
+    from forged.auth import rotate_key
+
+    path = _keys_path(args)
+    key = rotate_key(path, args.name)
+    print(key)
+    print(f"forged: key {args.name!r} in {path} has a new secret, shown only this once. "
+          "Run `systemctl reload forged` to apply it; the old secret then gets 401.",
+          file=sys.stderr)
+    return 0
+
+
+def _keys_file_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    p.add_argument("--keys-file", help="default: auth.keys_file from the config")
+
+
 def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = sub.add_parser("keys", help="manage API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    listing = keys_sub.add_parser("list", help="the keys: names, tenants, priorities, "
+                                  "limits, repositories; never a secret")
+    _keys_file_options(listing)
+    listing.add_argument("--json", action="store_true", help="as JSON")
+    listing.set_defaults(func=cmd_keys_list)
+    for name, func, text in (
+            ("revoke", cmd_keys_revoke, "remove a key; a reload applies it"),
+            ("rotate", cmd_keys_rotate, "give a key a new secret, keeping its name and "
+                                        "limits; print it once")):
+        p = keys_sub.add_parser(name, help=text)
+        p.add_argument("name", help="the key's name, as `forged keys list` shows it")
+        _keys_file_options(p)
+        p.set_defaults(func=func)
+    _add_keys_add(keys_sub)
+
+
+def _add_keys_add(keys_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = keys_sub.add_parser("add", help="create a key, print it once, store its hash")
     add.add_argument("name", help="the key's name, as logs, metrics and reports show it")
-    add.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
-    add.add_argument("--keys-file", help="default: auth.keys_file from the config")
+    _keys_file_options(add)
     add.add_argument("--max-streams", type=int, default=16,
                      help="sequences it may generate at once (default: 16)")
     add.add_argument("--max-queued", type=int, default=32,
@@ -300,6 +366,10 @@ EXAMPLES = {
     "forged keys": "sudo forged keys add team-web --max-streams 8",
     "forged keys add": "sudo forged keys add nightly-evals --priority batch "
                        "&& sudo systemctl reload forged",
+    "forged keys list": "sudo forged keys list   (or: sudo forged keys list --json)",
+    "forged keys revoke": "sudo forged keys revoke intern-laptop && sudo systemctl reload "
+                          "forged",
+    "forged keys rotate": "sudo forged keys rotate team-web && sudo systemctl reload forged",
     "forged index": "sudo forged index add backend /srv/git/backend",
     "forged index add": "sudo forged index add backend /srv/git/backend",
     "forged index update": "sudo forged index update backend",

@@ -107,24 +107,64 @@ def test_keys_are_required_limited_per_key_and_revoked_on_reload(
             with httpx.Client(transport=httpx.HTTPTransport(
                     uds=str(d.config.parent / "admin.sock")), base_url="http://admin") as a:
                 a.post("/debug/slow-steps", params={"seconds": 0})
-
-            # revoke bob: remove his table and reload
-            text = (tmp_path / "keys.toml").read_text()
-            start_bob = text.index('[[key]]\nname = "bob"')
-            (tmp_path / "keys.toml").write_text(text[:start_bob])
-            d.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while c.post("/v1/completions", json=body,
-                         headers={"Authorization": f"Bearer {bob}"}).status_code != 401:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-            assert c.post("/v1/completions", json=body,
-                          headers={"Authorization": f"Bearer {alice}"}).status_code == 200
+            new_alice = revoke_bob_and_rotate_alice_under_carols_stream(tmp_path, d, c)
+            for key, status in ((bob, 401), (alice, 401), (new_alice, 200)):
+                r = c.post("/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == status
+            assert alice != new_alice
     finally:
         d.stop()
     log = d.log.read_text()
     assert alice not in log and bob not in log
     assert "key=alice" in log
+
+
+def revoke_bob_and_rotate_alice_under_carols_stream(tmp: Path, d: DaemonProcess,
+                                                    c: httpx.Client) -> str:
+    """`forged keys revoke` and `rotate`, applied by a reload while another key streams:
+    the stream ends whole; the new secret of alice is returned."""
+    keys = ["--keys-file", str(tmp / "keys.toml")]
+    carol = add_key(tmp, "carol")
+    reload_and_wait(d, c, carol, 200)
+    subprocess.run([sys.executable, "-m", "forged", "keys", "revoke", "bob", *keys],
+                   check=True, timeout=30, capture_output=True)
+    new_alice = subprocess.run(
+        [sys.executable, "-m", "forged", "keys", "rotate", "alice", *keys], check=True,
+        timeout=30, capture_output=True, text=True).stdout.strip()
+    listed = subprocess.run([sys.executable, "-m", "forged", "keys", "list", "--json", *keys],
+                            check=True, timeout=30, capture_output=True).stdout
+    assert [k["name"] for k in json.loads(listed)] == ["alice", "carol"]
+    assert new_alice.encode() not in listed
+    admin_slow_steps(d, 0.01)  # 400 tokens: at least 4 s, the reload takes milliseconds
+    body = {"prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with c.stream("POST", "/v1/completions", json=body,
+                  headers={"Authorization": f"Bearer {carol}"}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # carol is streaming
+        reload_and_wait(d, c, new_alice, 200)
+        rest = [line for line in lines if line]
+    admin_slow_steps(d, 0)
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in rest)  # all 400 made
+    assert not any('"error"' in line for line in rest)
+    return new_alice
+
+
+def reload_and_wait(d: DaemonProcess, c: httpx.Client, key: str, status: int) -> None:
+    """SIGHUP, then wait until ``key`` gets ``status``: the reload is applied."""
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                 headers={"Authorization": f"Bearer {key}"}).status_code != status:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def admin_slow_steps(d: DaemonProcess, seconds: float) -> None:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")),
+                      base_url="http://admin", timeout=30) as a:
+        a.post("/debug/slow-steps", params={"seconds": seconds})
 
 
 # --- slow clients --------------------------------------------------------------------------

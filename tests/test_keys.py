@@ -1,0 +1,85 @@
+"""`forged keys`: add, list, rotate and revoke edit the keys file in place (the daemon's
+side, a reload under a live stream, is in test_security)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from forged import cli
+from forged.auth import KeyStore, add_key, hash_key, list_keys, revoke_key, rotate_key
+from forged.config import ConfigError
+
+
+def three_keys(tmp: Path) -> tuple[Path, dict[str, str]]:
+    path = tmp / "keys.toml"
+    secrets = {"alice": add_key(path, "alice", max_streams=2, max_queued=0,
+                                priority="batch")}
+    secrets["bob"] = add_key(path, "bob", max_streams=16, max_queued=32,
+                             priority="interactive", tenant="t1", repos=["x"])
+    with path.open("a") as f:
+        f.write("# a note an admin wrote\n")
+    secrets["carol"] = add_key(path, "carol", max_streams=4, max_queued=8,
+                               priority="interactive", default_repo="x")
+    return path, secrets
+
+
+def test_revoke_removes_one_table_and_keeps_the_rest_as_written(tmp_path: Path) -> None:
+    path, secrets = three_keys(tmp_path)
+    before = path.read_text()
+    revoke_key(path, "bob")
+    after = path.read_text()
+    assert [e.name for e in list_keys(path)] == ["alice", "carol"]
+    assert 'name = "bob"' not in after and "# a note an admin wrote" not in after
+    assert after == before.replace(before[before.index("[[key]]\nname = \"bob\""):
+                                          before.index("[[key]]\nname = \"carol\"")], "")
+    store = KeyStore.load(path)
+    assert store.lookup(f"Bearer {secrets['bob']}") is None
+    assert store.lookup(f"Bearer {secrets['carol']}") is not None
+    assert oct(path.stat().st_mode & 0o777) == "0o640"
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.toml"]  # no temporary left
+
+
+def test_rotate_keeps_name_limits_and_tenant_with_a_new_secret(tmp_path: Path) -> None:
+    path, secrets = three_keys(tmp_path)
+    old = {e.name: e for e in list_keys(path)}
+    new_secret = rotate_key(path, "bob")
+    new = {e.name: e for e in list_keys(path)}
+    assert new_secret != secrets["bob"] and new_secret.startswith("fgd-")
+    assert new["bob"].sha256 == hash_key(new_secret)
+    assert new["bob"] == msgspec.structs.replace(old["bob"], sha256=hash_key(new_secret))
+    assert {k: v for k, v in new.items() if k != "bob"} == \
+        {k: v for k, v in old.items() if k != "bob"}
+    assert new_secret not in path.read_text()
+    assert "# a note an admin wrote" in path.read_text()
+    store = KeyStore.load(path)
+    assert store.lookup(f"Bearer {secrets['bob']}") is None
+    assert store.lookup(f"Bearer {new_secret}") == new["bob"]
+
+
+def test_unknown_names_and_missing_files_are_clear_errors(tmp_path: Path) -> None:
+    path, _ = three_keys(tmp_path)
+    for fn in (revoke_key, rotate_key):
+        with pytest.raises(ConfigError, match="no key named 'dave'"):
+            fn(path, "dave")
+    assert list_keys(tmp_path / "none.toml") == []
+    with pytest.raises(ConfigError, match="no key named 'alice'"):
+        revoke_key(tmp_path / "none.toml", "alice")
+
+
+def test_the_cli_lists_without_secrets_and_rotates_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, secrets = three_keys(tmp_path)
+    keys = ["--keys-file", str(path)]
+    assert cli.main(["keys", "list", *keys]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == ["NAME", "alice", "bob", "carol"]
+    assert "t1" in out and "batch" in out
+    assert not any(s in out for s in secrets.values())
+    assert cli.main(["keys", "rotate", "alice", *keys]) == 0
+    new = capsys.readouterr().out.strip()
+    assert KeyStore.load(path).lookup(f"Bearer {new}") is not None
+    assert cli.main(["keys", "revoke", "dave", *keys]) == 78
+    assert "no key named 'dave'" in capsys.readouterr().err
