@@ -34,6 +34,10 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
+    # A read-only listener (HOST:PORT or unix:PATH) for Prometheus and browsers: the
+    # status page at /, /metrics, /stats and /health, never an action. Empty: none
+    # (all four are on the admin listener too).
+    metrics_listen: str = ""
     # TLS on the API listener: a PEM certificate chain and its key. Both empty: plain
     # HTTP. A reload (SIGHUP) reads the files again, so a renewed certificate is used
     # from the next connection on.
@@ -314,6 +318,8 @@ def _check(path: Path, cfg: Config) -> None:
             _check_engine(path, key, engine)
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
+    if cfg.server.metrics_listen:
+        _parse_listen(path, "server.metrics_listen", cfg.server.metrics_listen)
     _check_agent_listen(path, cfg.server)
     _check_model_ids(path, cfg)
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
@@ -427,7 +433,7 @@ def with_overrides(
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
     "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
-    "server.tls_cert", "server.tls_key", "model.engine",
+    "server.metrics_listen", "server.tls_cert", "server.tls_key", "model.engine",
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",

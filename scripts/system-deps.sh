@@ -1,8 +1,10 @@
 #!/bin/sh
 # Debian packages the build and the tests need. Installs only what is missing.
 set -eu
-# haproxy: the multi-node test runs the shipped configuration in front of three nodes.
-needed="build-essential cmake git python3-venv python3-dev curl systemd procps haproxy"
+# haproxy: the multi-node test runs the shipped configuration in front of three nodes;
+# chromium: the status page's test; prometheus: the shipped rules (promtool) and a real
+# scrape of a running daemon.
+needed="build-essential cmake git python3-venv python3-dev curl systemd procps haproxy chromium prometheus"
 if [ "${1:-}" = deb ]; then
     # Building the .deb, booting it in a container, and running it on an emulated older
     # CPU (qemu-user).

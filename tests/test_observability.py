@@ -113,10 +113,13 @@ def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonP
                     break  # leave mid-stream: the connection closes here
     m = scrape(daemon)
     req = m["forged_requests_total"]
-    assert req[(("endpoint", "/v1/completions"), ("priority", "interactive"),
-                ("status", "200"))] == 4
-    assert req[(("endpoint", "/v1/completions"), ("priority", "none"), ("status", "400"))] == 1
-    assert total(m, "forged_generation_tokens_total") >= 15
+    # by key and model: "-" for no key, and for a request no model served
+    assert req[(("endpoint", "/v1/completions"), ("key", "-"), ("model", "tiny"),
+                ("priority", "interactive"), ("status", "200"))] == 4
+    assert req[(("endpoint", "/v1/completions"), ("key", "-"), ("model", "-"),
+                ("priority", "none"), ("status", "400"))] == 1
+    assert m["forged_generation_tokens_total"][(("key", "-"), ("model", "tiny"))] >= 15
+    assert m["forged_prompt_tokens_total"][(("key", "-"), ("model", "tiny"))] >= 4
     assert m["forged_time_to_first_token_seconds_count"][()] >= 3
     # (the tiny model's text often holds back partial UTF-8, so fewer pieces than tokens)
     assert m["forged_inter_token_latency_seconds_count"][()] >= 6

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from forged.observe import loadtest, status
@@ -62,3 +64,16 @@ def test_status_and_bench_agree_on_the_same_samples() -> None:
         "last_minute": served, "engine": {"uptime": 1.0, "totals": {}, "workers": []}})
     assert "TTFT        p50 0.200 s   p99 0.400 s" in shown
     assert "ITL         p50 0.040 s   p99 0.070 s" in shown
+
+
+def test_status_names_each_index_and_its_age() -> None:
+    now = time.time()
+    shown = status.render({
+        "version": "0", "model": "m", "ready": True, "draining": False, "open_streams": 0,
+        "last_minute": {"tokens_per_second": 0.0, "requests": 0, "ttft_p50": None,
+                        "ttft_p99": None, "itl_p50": None, "itl_p99": None},
+        "engine": {"uptime": 1.0, "totals": {}, "workers": []},
+        "indexes": [{"name": "backend", "files": 12, "chunks": 40, "updated_at": now - 3700},
+                    {"name": "new", "files": 0, "chunks": 0, "updated_at": None}]})
+    assert "index       backend: 12 files, 40 chunks, updated 1h 01m 40s ago" in shown
+    assert "index       new: 0 files, 0 chunks, never updated" in shown

@@ -26,8 +26,10 @@ from forged.observe.telemetry import (
     Completion,
     Event,
     Recorder,
+    Usage,
     open_db,
     prune,
+    report,
     telemetry_path,
     write,
 )
@@ -78,6 +80,14 @@ async def test_events_round_trip_into_the_report_without_text(
                           {"key": "team-a", "type": "select"}) == 1
             assert sample("forged_completions_total",
                           {"key": "team-a", "route": "/infill"}) == 3
+            model = (await c.get("/v1/models")).json()["data"][0]["id"]
+            usage = {"key": "team-a", "model": model}
+            registry = d.daemon.state.metrics.registry
+            assert summed(registry, "forged_requests_total",
+                          {**usage, "endpoint": "/infill", "status": "200"}) == 3
+            prompt_tokens = sample("forged_prompt_tokens_total", usage)
+            generated = sample("forged_generation_tokens_total", usage)
+            assert prompt_tokens and generated
     # The daemon has stopped: its writer has flushed what was queued.
     config = tmp_path / "report.toml"
     config.write_text(f'[server]\nstate_dir = "{tmp_path / "state"}"\n')
@@ -87,20 +97,30 @@ async def test_events_round_trip_into_the_report_without_text(
     row = rows[0]
     assert (row["key"], row["completions"], row["shown"], row["accepted"],
             row["dismissed"]) == ("team-a", 3, 3, 1, 1)
+    # usage per key: the same sums as the metrics' key and model labels
+    assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == \
+        (3, prompt_tokens, generated)
     assert row["acceptance"] == pytest.approx(1 / 3)
     assert 0 < row["infill_p50_ms"] <= row["infill_p95_ms"]
     assert main(["report", "--since", "2999-01-01", "--json", "--config", str(config)]) == 0
     assert json.loads(capsys.readouterr().out) == []
     assert main(["report", "--config", str(config)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:3] == ["DAY", "KEY", "COMPLETIONS"]
-    assert table[1].split()[1:6] == ["team-a", "3", "3", "1", "33%"]
+    assert table[0].split()[:3] == ["DAY", "KEY", "REQUESTS"]
+    cells = table[1].split()
+    assert cells[1:3] == ["team-a", "3"] and cells[5:9] == ["3", "3", "1", "33%"]
     data = b"".join(p.read_bytes() for p in telemetry_path(tmp_path / "state").parent.glob(
         "telemetry.sqlite3*"))
     assert MARKER.encode() not in data and b"return" not in data
     for text in texts:
         if len(text.strip()) >= 8:
             assert text.encode() not in data
+
+
+def summed(registry: Any, name: str, labels: dict[str, str]) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(s.value for metric in registry.collect() for s in metric.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 async def test_events_are_accepted_only_for_the_keys_own_completions(
@@ -207,6 +227,24 @@ def test_prune_drops_the_old_then_the_oldest_beyond_max_rows(tmp_path: Path) -> 
     db.close()
     assert rows(path, "completions") == rows(path, "events") == [float(i) for i in
                                                                    range(35, 50)]
+
+
+def test_usage_is_one_row_per_key_model_and_day_pruned_by_day(tmp_path: Path) -> None:
+    path = tmp_path / "telemetry.sqlite3"
+    db = open_db(path)
+    day0 = 1.9e9 - 1.9e9 % DAY  # a UTC midnight
+    write(db, [Usage("a", "m", day0 + i, 10, 2) for i in range(100)])
+    write(db, [Usage("a", "m", day0 + 5, 1, 1), Usage("a", "m2", day0, 7, 0),
+               Usage("b", "m", day0 + DAY, 3, 4)])
+    table = sorted(db.execute("SELECT * FROM usage"))
+    assert [r[:2] + r[3:] for r in table] == [
+        ("a", "m", 101, 1001, 201), ("a", "m2", 1, 7, 0), ("b", "m", 1, 3, 4)]
+    [a, b] = report(db)
+    assert (a.key, a.requests, a.prompt_tokens, a.completion_tokens) == ("a", 102, 1008, 201)
+    assert (b.key, b.day > a.day, b.requests) == ("b", True, 1)
+    assert prune(db, before=day0 + DAY + 1, max_rows=1000) == 2  # day0's rows
+    assert [r[0] for r in db.execute("SELECT key FROM usage")] == ["b"]
+    db.close()
 
 
 async def inline(func: Any, *args: Any) -> Any:

@@ -31,7 +31,7 @@ from forged.daemon.notify import Notifier, watchdog_interval
 from forged.daemon.tls import TLS
 from forged.engine.groups import ModelGroup, Models, Stamp, file_stamp
 from forged.engine.pool import EnginePool
-from forged.http.admin import create_admin_app
+from forged.http.admin import create_admin_app, create_metrics_app
 from forged.http.api import configure, create_app
 from forged.http.state import AppState, Holds
 from forged.observe.metrics import Metrics
@@ -133,6 +133,7 @@ class Daemon:
         self._listeners: trio.Nursery | None = None
         self._tls: TLS | None = None  # the API listener's, when server.tls_cert is set
         self.agent_bind: str | None = None  # the agent check's address, once listening
+        self.metrics_binds: list[str] = []  # the read-only listener's, once listening
         self.keys = KeyStore.load(Path(cfg.auth.keys_file))
         if not self.keys.enabled:
             log.warning("no API keys in %s: the API is open to anyone who can reach it",
@@ -216,6 +217,11 @@ class Daemon:
         admin_binds = await self._serve(
             http, create_admin_app(state, test_hooks=self.test_hooks), admin)
         log.info("admin listener on %s", ", ".join(admin_binds))
+        if server.metrics_listen:
+            self.metrics_binds = await self._serve(http, create_metrics_app(state),
+                                                   server.metrics_listen)
+            log.info("status page and metrics (read-only) on %s",
+                     ", ".join(self.metrics_binds))
         return binds
 
     async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str,

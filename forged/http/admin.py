@@ -9,6 +9,7 @@ token, and are refused when none is set.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 
@@ -24,17 +25,40 @@ from forged.engine import testhooks
 from forged.engine.groups import ModelGroup
 from forged.errors import ModelNotFound
 from forged.http.state import AppState
+from forged.observe.page import PAGE_HEADERS, status_page
 
 _json = msgspec.json.Encoder()
 
 
 def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
-    app = QuartTrio("forged-admin")
+    """The admin listener: what the read-only one serves, and the actions."""
+    app = create_metrics_app(state, "forged-admin")
+    _add_swap(app, state)
+    if test_hooks:
+        _add_test_hooks(app, state)
+    return app
+
+
+def create_metrics_app(state: AppState, name: str = "forged-metrics") -> QuartTrio:
+    """The read-only routes: the status page, statistics, metrics and health. Served
+    alone on ``server.metrics_listen``, where nothing can change the daemon."""
+    app = QuartTrio(name)
     app.config.update(RESPONSE_TIMEOUT=30, MAX_CONTENT_LENGTH=64 * 1024)
+    page = status_page()
+    indexes = _IndexInfos(state)
+
+    @app.get("/")
+    @app.get("/status")
+    async def status_page_route() -> Response:
+        return Response(page, content_type="text/html; charset=utf-8",
+                        headers=PAGE_HEADERS)
 
     @app.get("/stats")
     async def stats() -> Response:
-        return Response(_json.encode(_status(state)), content_type="application/json")
+        body = {**_status(state), "indexes": await indexes.get()}
+        # The status pages of a pool's other nodes read it from their own origin.
+        return Response(_json.encode(body), content_type="application/json",
+                        headers={"Access-Control-Allow-Origin": "*"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -47,11 +71,29 @@ def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
         return Response(_json.encode(status), status=200 if status["ready"] else 503,
                         content_type="application/json")
 
-    _add_swap(app, state)
-
-    if test_hooks:
-        _add_test_hooks(app, state)
     return app
+
+
+class _IndexInfos:
+    """The indexes' sizes and ages for /stats: read in a thread (they are SQLite
+    queries), at most once every ``EVERY`` seconds however often pages poll."""
+
+    EVERY = 10.0
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.at = -self.EVERY
+        self.infos: list[dict[str, object]] = []
+        self.lock = trio.Lock()
+
+    async def get(self) -> list[dict[str, object]]:
+        async with self.lock:
+            if trio.current_time() - self.at >= self.EVERY:
+                found = await trio.to_thread.run_sync(
+                    self.state.searcher.infos, limiter=self.state.search_limiter)
+                self.infos = [dataclasses.asdict(i) for i in found]
+                self.at = trio.current_time()
+        return self.infos
 
 
 def _add_swap(app: QuartTrio, state: AppState) -> None:
@@ -141,6 +183,7 @@ def _status(state: AppState) -> dict[str, object]:
         "open_streams": len(state.drain),
         "limits": msgspec.to_builtins(state.cfg.limits),
         "last_minute": state.metrics.last_minute(),
+        "completions": state.metrics.editor_totals(),
         "engine": _engine(state),
     }
 

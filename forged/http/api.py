@@ -162,7 +162,9 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
             resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
         priority = g.get("priority", "none")
-        state.metrics.requests.labels(rule, str(resp.status_code), priority).inc()
+        key = g.get("key")
+        state.metrics.requests.labels(rule, str(resp.status_code), priority,
+                                      key.name if key else "-", g.get("model_id", "-")).inc()
         if outcome is None:  # a generation logs its own line when it ends
             _log_access(rule, resp.status_code)
         return resp
@@ -481,6 +483,7 @@ def _use_model(state: AppState, req: Any) -> ModelGroup:
     """The group serving ``req.model``, held until the request ends (a swap drains a
     group only once nobody holds it), and the key's places for ``req`` on it."""
     group = resources().enter_context(state.models.use(req.model))
+    g.model_id = group.model_id  # the metrics' model label: configured, never as asked
     _hold_key(state, group, req)
     return group
 
@@ -582,7 +585,7 @@ async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")
     outcome = g.outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
-                                  key=key.name if key else "-")
+                                  key=key.name if key else "-", model=group.model_id)
     log_content(state, outcome, req)
     # Recorded once, when the request ends, however it ends: this also gives the key
     # its places back (forged.http.lifetime).

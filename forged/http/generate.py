@@ -31,7 +31,7 @@ from forged.http.keylimits import KeyHold
 from forged.http.lifetime import resources
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.state import AppState
-from forged.observe.telemetry import Completion
+from forged.observe.telemetry import Completion, Usage
 
 access_log = logging.getLogger("forged.access")
 
@@ -53,6 +53,7 @@ class Outcome:
     queue_time: float | None = None
     ttft: float | None = None
     key: str = "-"
+    model: str = "-"  # the id of the model that served it
     hold: KeyHold | None = None  # its places in its key's limits
     admitted: bool = False
     rs: RequestStream | None = None
@@ -108,15 +109,18 @@ class Outcome:
             m.observe_itl([b - a for a, b in itertools.pairwise(times)])
         m.e2e.observe(duration)
         self._telemetry(state, duration)
+        state.telemetry.record(Usage(self.key, self.model, time.time(), self.prompt_tokens,
+                                     self.completion_tokens))
         if self.queue_time is not None:
             m.queue_time.labels(self.priority).observe(self.queue_time)
-        m.prompt_tokens.inc(self.prompt_tokens)
-        m.observe_tokens(self.completion_tokens)
+        m.prompt_tokens.labels(self.key, self.model).inc(self.prompt_tokens)
+        m.observe_tokens(self.completion_tokens, self.key, self.model)
         if self.end in ("client_gone", "drain", "queue_timeout"):
             m.cancellations.labels(self.end).inc()
         ttft = f"{self.ttft:.3f}" if self.ttft is not None else "-"
         fields: dict[str, object] = {
-            "request_id": self.request_id, "key": self.key, "status": self.status,
+            "request_id": self.request_id, "key": self.key, "model": self.model,
+            "status": self.status,
             "end": self.end,
             "priority": self.priority, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,

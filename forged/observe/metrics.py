@@ -188,8 +188,13 @@ class Metrics:
         self.exposed = CollectorRegistry(auto_describe=False)
         self.exposed.register(_NodeLabelled(self.registry, node))
         r = self.registry
+        # key: the API key's name ("-" with no keys); model: the id of the model that
+        # served it ("-" for requests no model served). Both come from the config, never
+        # from what a caller sent, so their number is bounded by the keys file and the
+        # [[models]] tables.
         self.requests = Counter("forged_requests", "Requests answered.",
-                                ["endpoint", "status", "priority"], registry=r)
+                                ["endpoint", "status", "priority", "key", "model"],
+                                registry=r)
         self.ttft = Histogram("forged_time_to_first_token_seconds",
                               "From request arrival to the first generated text.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -203,9 +208,9 @@ class Metrics:
                                     "Time waiting for admission.", ["priority"],
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("forged_prompt_tokens", "Prompt tokens of requests.",
-                                     registry=r)
+                                     ["key", "model"], registry=r)
         self.generation_tokens = Counter("forged_generation_tokens", "Tokens generated.",
-                                         registry=r)
+                                         ["key", "model"], registry=r)
         self.cancellations = Counter("forged_cancellations", "Requests ended early.",
                                      ["reason"], registry=r)
         self._telemetry(r)
@@ -226,6 +231,17 @@ class Metrics:
             "forged_telemetry_dropped", "Telemetry records dropped: the writer's queue was "
             "full.", registry=r)
 
+    def editor_totals(self) -> dict[str, float]:
+        """Generations answered in full, and editors' events on them, since the start:
+        what the status page shows of completions shown and accepted."""
+        out = {"served": 0.0, "view": 0.0, "select": 0.0, "dismiss": 0.0}
+        for metric in (self.completions, self.completion_events):
+            for sample in (s for family in metric.collect() for s in family.samples):
+                if sample.name.endswith("_total"):
+                    kind = sample.labels.get("type", "served")
+                    out[kind] = out.get(kind, 0.0) + sample.value
+        return out
+
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
         self._ttft_window.add(seconds, time.monotonic())
@@ -236,8 +252,8 @@ class Metrics:
             self.itl.observe(gap)
             self._itl_window.add(gap, now)
 
-    def observe_tokens(self, n: int) -> None:
-        self.generation_tokens.inc(n)
+    def observe_tokens(self, n: int, key: str, model: str) -> None:
+        self.generation_tokens.labels(key, model).inc(n)
         self._tokens_window.add(float(n), time.monotonic())
 
     def last_minute(self) -> dict[str, float | None]:

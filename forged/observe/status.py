@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 import urllib.parse
 from typing import Any
 
@@ -90,6 +91,7 @@ def render(stats: dict[str, Any]) -> str:
         f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
         *_models(stats),
         *_tiers(t),
+        *_indexes(stats),
         f"routing     by cache {int(t.get('routed_by_cache', 0))}, by session "
         f"{int(t.get('routed_by_session', 0))}, by load {int(t.get('routed_by_load', 0))}; "
         f"{int(t.get('resubmitted', 0))} resubmitted after a worker was lost",
@@ -123,6 +125,15 @@ def _models(stats: dict[str, Any]) -> list[str]:
     return [f"model       {m['id']} {m['status']}: {m['path']}, {m['workers']} workers, "
             f"about {_mib(m['memory_bytes'])} MiB, {m['in_use']} requests"
             for m in models]
+
+
+def _indexes(stats: dict[str, Any]) -> list[str]:
+    """The repository indexes and how fresh each is (absent from older daemons)."""
+    now = time.time()
+    return [f"index       {i['name']}: {i['files']} files, {i['chunks']} chunks, "
+            + ("never updated" if i["updated_at"] is None
+               else f"updated {_uptime(now - i['updated_at'])} ago")
+            for i in stats.get("indexes", [])]
 
 
 def _state(stats: dict[str, Any]) -> str:

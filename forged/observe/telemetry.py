@@ -6,8 +6,12 @@ and latency. Both go to ``server.state_dir/telemetry.sqlite3`` under the API key
 *name*. No prompt, completion or event text is ever written: ids, names, times and
 numbers only (``test_telemetry`` greps the file's bytes for the prompt).
 
-``forged report`` reads the file: completions shown (viewed), accepted (selected),
-the acceptance rate, and /infill latency p50/p95, per key name and per UTC day.
+Every generation request also adds its tokens to a per-key, per-model, per-day sum
+(the ``usage`` table): its size grows with keys, models and days, not requests.
+
+``forged report`` reads the file: usage (requests, prompt and generated tokens),
+completions shown (viewed), accepted (selected), the acceptance rate, and /infill
+latency p50/p95, per key name and per UTC day.
 
 An event is accepted only for a completion this daemon served to the same key: the
 ids of the last ``RECENT`` completions served, with their key names, are kept in
@@ -64,6 +68,10 @@ CREATE TABLE IF NOT EXISTS events (
     completion_id TEXT NOT NULL, key TEXT NOT NULL, type TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS events_at ON events (at);
 CREATE INDEX IF NOT EXISTS completions_at ON completions (at);
+CREATE TABLE IF NOT EXISTS usage (
+    key TEXT NOT NULL, model TEXT NOT NULL, day TEXT NOT NULL,
+    requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, PRIMARY KEY (key, model, day));
 """
 
 
@@ -84,7 +92,18 @@ class Event:
     at: float
 
 
-Record = Completion | Event
+@dataclass(frozen=True)
+class Usage:
+    """One generation request, however it ended: what it cost its key."""
+
+    key: str
+    model: str
+    at: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Record = Completion | Event | Usage
 
 
 def telemetry_path(state_dir: str | Path) -> Path:
@@ -109,6 +128,25 @@ def write(db: sqlite3.Connection, records: list[Record]) -> None:
         db.executemany("INSERT INTO events VALUES (?, ?, ?, ?)",
                        [(r.completion_id, r.key, r.type, r.at)
                         for r in records if isinstance(r, Event)])
+        db.executemany(
+            "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+            "requests = requests + excluded.requests, "
+            "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+            "completion_tokens = completion_tokens + excluded.completion_tokens",
+            [(*k, *v) for k, v in _usage_by_day(records).items()])
+
+
+def _usage_by_day(records: list[Record]) -> dict[tuple[str, str, str], list[int]]:
+    """Usage summed per key, model and UTC day: one row each in the file, so that its
+    size grows with keys x models x days, not with requests."""
+    sums: dict[tuple[str, str, str], list[int]] = {}
+    for r in records:
+        if isinstance(r, Usage):
+            row = sums.setdefault((r.key, r.model, _day(r.at)), [0, 0, 0])
+            row[0] += 1
+            row[1] += r.prompt_tokens
+            row[2] += r.completion_tokens
+    return sums
 
 
 def prune(db: sqlite3.Connection, before: float, max_rows: int) -> int:
@@ -121,6 +159,7 @@ def prune(db: sqlite3.Connection, before: float, max_rows: int) -> int:
             gone += db.execute(
                 f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
                 "ORDER BY at DESC LIMIT -1 OFFSET ?)", (max_rows,)).rowcount
+        gone += db.execute("DELETE FROM usage WHERE day < ?", (_day(before),)).rowcount
     return gone
 
 
@@ -234,7 +273,10 @@ class Recorder:
 class ReportRow:
     key: str
     day: str  # UTC, YYYY-MM-DD
-    completions: int = 0
+    requests: int = 0  # generation requests, however they ended
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    completions: int = 0  # generations answered in full
     shown: int = 0  # completions with a view event
     accepted: int = 0  # completions with a select event
     dismissed: int = 0
@@ -251,23 +293,28 @@ def _day(at: float) -> str:
 
 
 def report(db: sqlite3.Connection, since: float = 0.0) -> list[ReportRow]:
-    """Per key name and day: completions, shown, accepted, dismissed, infill latency."""
+    """Per key name and day: usage (requests and tokens, all models), completions,
+    shown, accepted, dismissed, infill latency."""
     rows: dict[tuple[str, str], ReportRow] = {}
 
-    def row(key: str, at: float) -> ReportRow:
-        k = (key, _day(at))
-        return rows.setdefault(k, ReportRow(*k))
+    def row(key: str, day: str) -> ReportRow:
+        return rows.setdefault((key, day), ReportRow(key, day))
 
+    for key, day, n, prompt, completion in db.execute(
+            "SELECT key, day, sum(requests), sum(prompt_tokens), sum(completion_tokens) "
+            "FROM usage WHERE day >= ? GROUP BY key, day", (_day(since),)):
+        r = row(key, day)
+        r.requests, r.prompt_tokens, r.completion_tokens = n, prompt, completion
     latencies: dict[tuple[str, str], list[float]] = defaultdict(list)
     for key, route, at, ms in db.execute(
             "SELECT key, route, at, latency_ms FROM completions WHERE at >= ?", (since,)):
-        row(key, at).completions += 1
+        row(key, _day(at)).completions += 1
         if route == "/infill":
             latencies[key, _day(at)].append(ms)
     for key, type_, at, n in db.execute(
             "SELECT key, type, min(at), count(DISTINCT completion_id) FROM events "
             "WHERE at >= ? GROUP BY key, type, date(at, 'unixepoch')", (since,)):
-        r = row(key, at)
+        r = row(key, _day(at))
         setattr(r, {"view": "shown", "select": "accepted", "dismiss": "dismissed"}[type_],
                 n)
     for k, values in latencies.items():
@@ -292,11 +339,13 @@ def render_report(rows: list[ReportRow]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
 
-    lines = [f"{'DAY':<10}  {'KEY':<20} {'COMPLETIONS':>11} {'SHOWN':>7} {'ACCEPTED':>8} "
-             f"{'RATE':>6} {'INFILL P50 MS':>13} {'P95 MS':>7}"]
+    lines = [f"{'DAY':<10}  {'KEY':<20} {'REQUESTS':>8} {'PROMPT TOK':>10} {'GEN TOK':>9} "
+             f"{'COMPLETIONS':>11} {'SHOWN':>7} {'ACCEPTED':>8} {'RATE':>6} "
+             f"{'INFILL P50 MS':>13} {'P95 MS':>7}"]
     for r in rows:
         rate = "-" if r.acceptance is None else f"{r.acceptance:.0%}"
-        lines.append(f"{r.day:<10}  {r.key:<20} {r.completions:>11} {r.shown:>7} "
+        lines.append(f"{r.day:<10}  {r.key:<20} {r.requests:>8} {r.prompt_tokens:>10} "
+                     f"{r.completion_tokens:>9} {r.completions:>11} {r.shown:>7} "
                      f"{r.accepted:>8} {rate:>6} {ms(r.infill_p50_ms):>13} "
                      f"{ms(r.infill_p95_ms):>7}")
     return "\n".join(lines)

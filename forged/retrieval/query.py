@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forged.retrieval.errors import IndexError_
-from forged.retrieval.store import Hit, index_path, search_db
+from forged.retrieval.store import Hit, IndexInfo, index_path, info_db, list_indexes, search_db
 
 # Seconds a search waits for ``forged index update`` to commit before it fails.
 BUSY_TIMEOUT = 5.0
@@ -39,6 +39,17 @@ class Searcher:
 
     def search(self, name: str, query: str, k: int, focus: Sequence[str] = ()) -> list[Hit]:
         return search_db(self._connection(name), query, k, focus)
+
+    def infos(self) -> list[IndexInfo]:
+        """Every index's name, source, size and last update, read-only; an index removed
+        or replaced meanwhile is left out."""
+        out = []
+        for name in list_indexes(self.directory):
+            try:
+                out.append(info_db(self._connection(name), name))
+            except (IndexError_, sqlite3.Error):
+                continue
+        return out
 
     def exists(self, name: str) -> bool:
         return index_path(self.directory, name).is_file()

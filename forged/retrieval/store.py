@@ -202,14 +202,21 @@ class Index:
         return search_db(self.db, query, limit, focus)
 
     def info(self) -> IndexInfo:
-        files, chunks = self.db.execute(
-            "SELECT count(*), coalesce(sum(chunks), 0) FROM files WHERE skipped IS NULL"
-        ).fetchone()
-        row = self.db.execute("SELECT value FROM meta WHERE key = 'updated_at'").fetchone()
-        size = sum(Path(p).stat().st_size for _, _, p in self.db.execute("PRAGMA database_list")
-                   if p)
-        return IndexInfo(self.name, str(self.source), files, chunks, size,
-                         float(row[0]) if row else None)
+        return info_db(self.db, self.name)
+
+
+def info_db(db: sqlite3.Connection, name: str) -> IndexInfo:
+    """What ``forged index list`` and the status page say of an index."""
+    files, chunks = db.execute(
+        "SELECT count(*), coalesce(sum(chunks), 0) FROM files WHERE skipped IS NULL"
+    ).fetchone()
+    meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('source', "
+                           "'updated_at')").fetchall())
+    size = sum(Path(p).stat().st_size for _, _, p in db.execute("PRAGMA database_list")
+               if p)
+    updated = meta.get("updated_at")
+    return IndexInfo(name, str(meta.get("source", "")), files, chunks, size,
+                     float(updated) if updated else None)
 
 
 def search_db(db: sqlite3.Connection, query: str, limit: int,
