@@ -182,14 +182,16 @@ def cmd_model_swap(args: argparse.Namespace) -> int:
     it serves, or why the swap was refused (the old model serves on)."""
     from forged.errors import ForgedError
     from forged.observe.status import admin_call
+    from forged.progress import Progress
 
     cfg = fc.load(Path(args.config), require_file=False)
     admin = args.admin or cfg.server.admin_listen
     body = {"path": str(Path(args.path).absolute()), "model": args.model}
     try:
-        status, answer = admin_call(admin, "POST", "/models/swap", body,
-                                    timeout=cfg.engine.startup_timeout + 90,
-                                    token=cfg.server.admin_token)
+        with Progress().waiting(f"loading {args.path} beside the running model"):
+            status, answer = admin_call(admin, "POST", "/models/swap", body,
+                                        timeout=cfg.engine.startup_timeout + 90,
+                                        token=cfg.server.admin_token)
     except ForgedError as exc:
         print(f"forged: {exc}", file=sys.stderr)
         return 1
@@ -439,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw statistics")
     status.set_defaults(func=cmd_status)
     _add_model_commands(sub)
-    report = sub.add_parser("report", help="completions shown, accepted, acceptance rate "
-                            "and infill latency, per API key name and day")
+    report = sub.add_parser("report", help="usage (requests, prompt and generated tokens), "
+                            "completions shown and accepted, acceptance rate and infill "
+                            "latency, per API key name and day")
     report.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     report.add_argument("--since", help="from this UTC day on (YYYY-MM-DD)")
     report.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -37,6 +37,9 @@ mkdir -p "$src" "$out"
 # The working tree as git sees it (tracked and new files, nothing ignored).
 git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - | tar -xf - -C "$src"
 cp -r packaging/debian "$src/debian"
+# The man page and bash completion, made from the CLI's parser by the dev venv's
+# argparse-manpage and shtab (the package's own virtualenv needs neither).
+.venv/bin/python scripts/cli_docs.py "$src/debian/cli"
 cp systemd/forged.service systemd/forged.socket systemd/forged.sysusers "$src/debian/"
 # dh_installsystemd --name=forged-index finds the index units as debian/forged.forged-index.*
 for unit in service timer; do

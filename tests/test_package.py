@@ -106,6 +106,13 @@ def test_1_install(box: BootedContainer) -> None:
     box.run("openssl x509 -noout -in /etc/forged/tls/forged.crt")
     # The HAProxy configuration for a pool (README, "More than one node").
     box.run("grep -q 'agent-check' /usr/share/forged/haproxy/forged.cfg")
+    # Prometheus' rules and scrape job, Grafana's dashboard (README, "Prometheus and
+    # Grafana"), the man page and bash completion (built at package time).
+    box.run("grep -q ForgedWorkerRestarting /usr/share/forged/prometheus/forged-rules.yml && "
+            "grep -q 'job_name: forged' /usr/share/forged/prometheus/forged-scrape.yml && "
+            "grep -q forged-overview /usr/share/forged/grafana/forged-dashboard.json")
+    box.run("zcat /usr/share/man/man1/forged.1.gz | grep -q 'forged keys rotate'")
+    box.run("grep -q _shtab_forged /usr/share/bash-completion/completions/forged")
     # The hourly index update: the timer runs, and its service succeeds as the daemon's
     # user in its sandbox (no index yet: nothing to do).
     assert box.run("systemctl is-enabled forged-index.timer").stdout.strip() == "enabled"
@@ -228,7 +235,8 @@ def test_7_broken_config_fails_clearly_without_a_restart_loop(box: BootedContain
     status = box.run("systemctl show -p ExecMainStatus --value forged").stdout.strip()
     assert status == "78"
     assert n_restarts(box) == 0  # a manual restart resets the counter; none since
-    journal = box.run("journalctl -u forged --no-pager").stdout
+    # At priority err (journald reads each line's <3> prefix): `journalctl -p err` shows it.
+    journal = box.run("journalctl -u forged -p err --no-pager").stdout
     assert re.search(r"/etc/forged/forged.toml: server.bogus: unknown key", journal), journal
     box.run("cp /root/good.toml /etc/forged/forged.toml && systemctl reset-failed forged")
 

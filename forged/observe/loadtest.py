@@ -358,19 +358,38 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def _series(result: dict[str, Any]) -> list[tuple[str, list[tuple[float, float]], bool]]:
+    """Per server: p99 TTFT and p99 inter-token latency against concurrency."""
+    out = []
+    for url in dict.fromkeys(r["url"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["url"] == url and r["concurrency"]]
+        for key, dashed in (("ttft_p99", False), ("itl_p99", True)):
+            out.append((f"{key} {url}", [(float(r["concurrency"]), r["summary"][key])
+                                         for r in runs if r["summary"][key] is not None],
+                        dashed))
+    return out
 
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """An SVG (no dependency: the package can plot too), or a PNG with matplotlib."""
+    if path.suffix.lower() == ".svg":
+        from forged.observe.svgplot import svg
+
+        path.write_text(svg(_series(result), "latency versus concurrency",
+                            "concurrent requests", "seconds"))
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"forged bench: --plot {path}: a PNG needs matplotlib, which this "
+                         "installation lacks; name an .svg file instead") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for url in dict.fromkeys(r["url"] for r in result["runs"]):
-        runs = [r for r in result["runs"] if r["url"] == url and r["concurrency"]]
-        xs = [r["concurrency"] for r in runs]
-        for key, style in (("ttft_p99", "-o"), ("itl_p99", "--s")):
-            ys = [r["summary"][key] for r in runs]
-            ax.plot(xs, ys, style, label=f"{key} {url}")
+    for label, points, dashed in _series(result):
+        ax.plot([p[0] for p in points], [p[1] for p in points], "--s" if dashed else "-o",
+                label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
@@ -400,7 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     p.add_argument("--seed", type=int, default=0, help="the prompts' and arrivals' seed")
     p.add_argument("--out", type=Path, help="write the results as JSON")
-    p.add_argument("--plot", type=Path, help="write a latency-versus-concurrency PNG")
+    p.add_argument("--plot", type=Path, help="write latency against concurrency: FILE.svg "
+                   "(always), or FILE.png (with matplotlib)")
 
 
 def main(args: argparse.Namespace) -> int:

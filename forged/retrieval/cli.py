@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from forged import config as fc
+from forged.progress import Progress
 from forged.retrieval.errors import IndexError_
 from forged.retrieval.store import Index, index_path, list_indexes
 
@@ -49,8 +50,10 @@ def run_as_daemon_user() -> None:
 
 def cmd_add(args: argparse.Namespace) -> int:
     directory = index_dir(args)
+    progress = Progress()
     with Index.create(directory, args.name, Path(args.path)) as idx:
-        stats = idx.update()
+        stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"))
+    progress.clear()
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
           f"{stats.rechunked} chunked, in {stats.seconds:.1f} s", file=sys.stderr)
     return 0
@@ -59,8 +62,10 @@ def cmd_add(args: argparse.Namespace) -> int:
 def cmd_update(args: argparse.Namespace) -> int:
     directory = index_dir(args)
     for name in [args.name] if args.name else list_indexes(directory):
+        progress = Progress()
         with Index.open(directory, name) as idx:
-            stats = idx.update()
+            stats = idx.update(progress=progress.counter(f"updating {name!r}: files"))
+        progress.clear()
         print(f"forged: updated {name!r}: {stats.files} files, {stats.rechunked} "
               f"re-chunked, {stats.removed} removed, in {stats.seconds:.1f} s",
               file=sys.stderr)

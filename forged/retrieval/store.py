@@ -22,7 +22,7 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,7 +142,10 @@ class Index:
     def __exit__(self, *exc: object) -> None:
         self.db.close()
 
-    def update(self, max_bytes: int = MAX_FILE_BYTES) -> UpdateStats:
+    def update(self, max_bytes: int = MAX_FILE_BYTES,
+               progress: Callable[[int, int], None] | None = None) -> UpdateStats:
+        """Bring the index in line with its source; ``progress(done, total)`` after
+        each file read and chunked again."""
         t0 = time.monotonic()
         # Every file is read through the folder's descriptor, never by path
         # (forged.retrieval.source): nothing outside the folder is ever read.
@@ -154,9 +157,11 @@ class Index:
             with self.db:  # one transaction: a crash leaves the previous index intact
                 for path in gone:
                     self._forget(path)
-                for path in changed:
+                for done, path in enumerate(changed, 1):
                     self._forget(path)
                     self._add(tree, path, listed[path], max_bytes)
+                    if progress is not None:
+                        progress(done, len(changed))
                 if gone or changed or not self._has_terms():
                     self.db.execute("DELETE FROM terms")
                     self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
