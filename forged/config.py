@@ -34,6 +34,10 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class ServerConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "unix:/run/forged/admin.sock"
+    # Origins whose web pages may call the API from a browser (CORS), such as
+    # "https://tools.example.com"; "*": any. Empty: none (browsers block them).
+    cors_origins: list[Annotated[str, msgspec.Meta(
+        pattern=r"^(\*|https?://[A-Za-z0-9.\-\[\]:]+)$")]] = []
     # A read-only listener (HOST:PORT or unix:PATH) for Prometheus and browsers: the
     # status page at /, /metrics, /stats and /health, never an action. Empty: none
     # (all four are on the admin listener too).

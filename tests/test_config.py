@@ -36,6 +36,7 @@ def test_shipped_config_spells_out_every_default_with_a_comment() -> None:
     ("[engine]\ntarget_step_ms = 5000\n", "engine.heartbeat_timeout: must exceed 50 s"),
     ("[engine]\nheartbeat_interval = 20\n", "engine.heartbeat_timeout: must exceed 60 s"),
     ("[server]\nlisten = 'nowhere'\n", "server.listen: expected HOST:PORT"),
+    ("[server]\ncors_origins = ['tools.example']\n", "server.cors_origins[0]: Expected"),
     ("not toml at all [", "Expected '=' after a key"),
 ])
 def test_bad_configs_name_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:

@@ -34,6 +34,7 @@ from forged.engine.groups import ModelGroup
 from forged.engine.request import Grammar, Request
 from forged.http import refused, sse
 from forged.http.chat import ChatPrompt, chat_prompt
+from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
@@ -101,6 +102,7 @@ def create_app(state: AppState) -> QuartTrio:
     configure(app, state.cfg)
     # Every request's holdings are released when its ASGI call ends (forged.http.lifetime).
     app.asgi_app = RequestResources(app.asgi_app)  # type: ignore[method-assign]
+    add_cors(app, state)  # first: a browser's preflight carries no key
     _add_request_hooks(app, state)
     _add_error_handlers(app)
     _add_info_routes(app, state)
