@@ -242,6 +242,25 @@ def test_an_unknown_model_is_not_found(tiny: Tiny) -> None:
                                           messages=HELLO)
 
 
+def test_models_are_listed_in_anthropics_shape_to_its_clients(tiny: Tiny) -> None:
+    """Claude Code and the SDK read /v1/models with anthropic-version: Anthropic's list;
+    the OpenAI SDK, on the same path, still OpenAI's."""
+    page = tiny.client.models.list()
+    assert [m.id for m in page.data] == ["tiny"]
+    assert page.data[0].type == "model" and page.data[0].created_at.year >= 2025
+    one = tiny.client.models.retrieve("tiny")
+    assert (one.id, one.display_name) == ("tiny", "tiny")
+    with pytest.raises(anthropic.NotFoundError) as info:
+        tiny.client.models.retrieve("claude-sonnet-4-5")
+    assert "claude-sonnet-4-5" in _error(info.value, "not_found_error")
+    with pytest.raises(anthropic.BadRequestError):
+        tiny.client.models.list(limit=0)
+    assert tiny.client.models.list(after_id="tiny").data == []
+    openai_shape = httpx.get(tiny.daemon.url + "/v1/models", timeout=30,
+                             headers={"Authorization": f"Bearer {tiny.key}"}).json()
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
+
+
 def test_a_prompt_too_long_is_a_bad_request(tiny: Tiny) -> None:
     long = [{"role": "user", "content": "word " * 2000}]
     with pytest.raises(anthropic.BadRequestError) as info:

@@ -320,6 +320,40 @@ def test_get_and_delete(tiny: Any) -> None:
         c.responses.retrieve("resp_unknown")
 
 
+def test_input_items_list_the_whole_context_in_pages(tiny: Any) -> None:
+    c, bob = _client(tiny), _client(tiny, "bob")
+    first = c.responses.create(input="Tell me a story", instructions="Be brief",
+                               max_output_tokens=4, temperature=0)
+    second = c.responses.create(input=[
+        {"role": "user", "content": "Go on"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"}],
+        previous_response_id=first.id, max_output_tokens=4, temperature=0)
+    listed = c.responses.input_items.list(second.id, order="asc")
+    kinds = [(i.type, getattr(i, "role", None)) for i in listed.data]
+    # what its prompt was made of: the first turn, its answer, then its own input
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user"),
+                     ("function_call_output", None)]
+    assert listed.data[0].content[0].text == "Tell me a story"  # type: ignore[union-attr]
+    assert listed.data[1].content[0].text == first.output_text  # type: ignore[union-attr]
+    assert listed.data[3].output == "42"  # type: ignore[union-attr]
+    newest_first = c.responses.input_items.list(second.id)  # OpenAI's default: desc
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(listed.data)]
+    page = c.responses.input_items.list(second.id, order="asc", limit=3)
+    assert page.has_more and [i.id for i in page.data] == [i.id for i in listed.data[:3]]
+    rest = c.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [listed.data[3].id] and not rest.has_more
+    assert [i.id for i in c.responses.input_items.list(second.id, order="asc")] == \
+        [i.id for i in listed.data]  # the SDK's auto-pagination
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.input_items.list(second.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.input_items.list(second.id, limit=0)
+    assert info.value.body["param"] == "limit"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.input_items.list(second.id, include=["message.input_image.image_url"])
+    assert info.value.body["param"] == "include"  # type: ignore[index]
+
+
 def test_stored_responses_are_bounded(tiny: Any) -> None:
     c = _client(tiny)
     made = [c.responses.create(input=f"Hi {i}", max_output_tokens=1).id

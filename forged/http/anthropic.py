@@ -20,13 +20,14 @@ keys, per-key limits, priorities, the prefix cache, metrics) is :func:`api.run_c
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import errors as e
@@ -44,6 +45,8 @@ PREFIX = "/v1/messages"
 
 def add_routes(app: QuartTrio, state: AppState) -> None:
     api.add_error_shape(app, PREFIX, error_response)
+    api.add_shared_routes(app, api.SharedRoutes("anthropic-version", model_page, model_info,
+                                                error_response))
 
     @app.post(PREFIX)
     async def messages() -> Response:
@@ -544,6 +547,37 @@ def error_detail(err: HTTPError) -> dict[str, str]:
     if detail.param and detail.param not in message:
         message = f"{detail.param}: {message}"
     return {"type": kind, "message": message}
+
+
+def model_info(model: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI model object as Anthropic's Models API shows one."""
+    created = dt.datetime.fromtimestamp(model["created"], dt.UTC)
+    return {"type": "model", "id": model["id"], "display_name": model["id"],
+            "created_at": created.isoformat().replace("+00:00", "Z")}
+
+
+def model_page(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """``GET /v1/models`` for Anthropic's clients: one page, in its list's shape, cut
+    by its ``limit``, ``after_id`` and ``before_id``."""
+    data = [model_info(m) for m in models]
+    args = request.args
+    for name, after in (("after_id", True), ("before_id", False)):
+        if (given := args.get(name)) is not None:
+            ids = [m["id"] for m in data]
+            if given not in ids:
+                raise e.BadRequest(f"{name}: no model {given!r}", param=name)
+            at = ids.index(given)
+            data = data[at + 1:] if after else data[:at]
+    try:
+        limit = int(args.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise e.BadRequest("limit: expected an integer from 1 to 1000", param="limit")
+    page = data[:limit]
+    return {"data": page, "has_more": len(data) > len(page),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
 
 
 def error_response(err: HTTPError) -> Response:

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 from quart import Response, g, request
@@ -125,7 +125,34 @@ def _error_shape(app: QuartTrio) -> ErrorShape:
     for prefix, shape in app.config.get(_SHAPES, []):
         if request.path.startswith(prefix):
             return shape  # type: ignore[no-any-return]
+    if request.path.startswith("/v1/models") and (shared := _shared(app)) is not None:
+        return shared.error
     return error_response
+
+
+class SharedRoutes(NamedTuple):
+    """How a dialect answers a route it shares with OpenAI's (``/v1/models``), for the
+    requests that carry a header its clients always send (Anthropic's
+    ``anthropic-version``): the model list, one model, and errors, in its shapes."""
+
+    header: str
+    model_list: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    model: Callable[[dict[str, Any]], dict[str, Any]]
+    error: ErrorShape
+
+
+_SHARED = "FORGED_SHARED_ROUTES"
+
+
+def add_shared_routes(app: QuartTrio, shared: SharedRoutes) -> None:
+    app.config.setdefault(_SHARED, []).append(shared)
+
+
+def _shared(app: QuartTrio) -> SharedRoutes | None:
+    for shared in app.config.get(_SHARED, []):
+        if shared.header in request.headers:
+            return shared  # type: ignore[no-any-return]
+    return None
 
 
 def _add_dialects(app: QuartTrio, state: AppState) -> None:
@@ -223,11 +250,15 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response(model_list(state))
+        listed = model_list(state)
+        shared = _shared(app)
+        return json_response(listed if shared is None else shared.model_list(listed["data"]))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        return json_response(model_object(state, model_id))
+        found = model_object(state, model_id)
+        shared = _shared(app)
+        return json_response(found if shared is None else shared.model(found))
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:

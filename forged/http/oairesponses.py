@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
-from quart import Response, g
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from forged import errors as e
@@ -440,11 +440,80 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
             raise _not_found(response_id)
         return json_response(found.response)
 
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def listed_inputs(response_id: str) -> Response:
+        found = store.get(response_id, _key(), state.cfg.responses, time.monotonic())
+        if found is None:
+            raise _not_found(response_id)
+        return json_response(input_page(found, _page_args(request.args)))
+
     @app.delete("/v1/responses/<response_id>")
     async def delete(response_id: str) -> Response:
         if not store.delete(response_id, _key(), state.cfg.responses, time.monotonic()):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+class PageArgs(_Strict):
+    """``GET /v1/responses/{id}/input_items``'s query, as OpenAI's list endpoints take it."""
+
+    limit: Annotated[int, Meta(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+
+
+def _page_args(args: Any) -> PageArgs:
+    if any(k.partition("[")[0] == "include" for k in args):  # the SDK sends include[]
+        raise _unsupported("include is not supported: input items hold their text only",
+                           "include")
+    raw = dict(args.items())
+    try:
+        return msgspec.convert(raw, PageArgs, strict=False)
+    except msgspec.ValidationError as exc:
+        raise e.BadRequest(str(exc), param=_path_param(str(exc))) from exc
+
+
+def _path_param(message: str) -> str | None:
+    """The query parameter msgspec names in ``... - at `$.limit```, if any."""
+    _, at, where = message.rpartition("at `$.")
+    return where.rstrip("`") or None if at else None
+
+
+def input_page(stored: Stored, args: PageArgs) -> dict[str, Any]:
+    """One page of a stored response's input items: what its prompt was made of (its
+    predecessors' conversation included), each with a stable id."""
+    prefix = stored.id.removeprefix("resp_")
+    items = [item_json(item, f"{prefix}_{i}")
+             for i, item in enumerate(stored.conversation[:stored.inputs])]
+    if args.order == "desc":
+        items.reverse()
+    if args.after is not None:
+        ids = [item["id"] for item in items]
+        if args.after not in ids:
+            raise e.BadRequest(f"after: no input item {args.after!r} in this response",
+                               param="after")
+        items = items[ids.index(args.after) + 1:]
+    page = items[:args.limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page)}
+
+
+def item_json(item: Item, suffix: str) -> dict[str, Any]:
+    """A normalised item in the Responses API's shape, as OpenAI lists input items."""
+    match item:
+        case Said(role=role, text=text):
+            part = "output_text" if role == "assistant" else "input_text"
+            return {"id": f"msg_{suffix}", "type": "message", "role": role,
+                    "status": "completed", "content": [{"type": part, "text": text}]}
+        case Called(call_id=call_id, name=name, arguments=arguments):
+            return {"id": f"fc_{suffix}", "type": "function_call", "status": "completed",
+                    "call_id": call_id, "name": name, "arguments": arguments}
+        case Answered(call_id=call_id, output=output):
+            return {"id": f"fco_{suffix}", "type": "function_call_output",
+                    "status": "completed", "call_id": call_id, "output": output}
+    raise AssertionError(item)
 
 
 def _key() -> str:
@@ -475,7 +544,7 @@ async def _create(state: AppState, store: ResponseStore, body: ResponsesBody) ->
     def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
         if body.store:
             store.put(Stored(response["id"], key, time.monotonic(), response,
-                             (*history, *output_items(output)), session),
+                             (*history, *output_items(output)), session, len(history)),
                       state.cfg.responses)
 
     try:

@@ -32,6 +32,7 @@ class Stored:
     # Responses API's input items (forged.http.oairesponses), normalised.
     conversation: tuple[Any, ...]
     session: str | None  # the engine session its conversation's KV stays pinned to
+    inputs: int = 0  # how many of the conversation's first items were its input
 
 
 class ResponseStore:
