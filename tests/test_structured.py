@@ -131,7 +131,20 @@ def test_a_block_that_is_not_a_call_is_content() -> None:
     p = ToolCallParser()
     content, calls = p.feed("<tool_call>not json</tool_call> and <tool_call>{")
     assert calls == [] and content == "<tool_call>not json</tool_call> and "
-    assert p.flush() == "<tool_call>{"  # an unfinished block, at the end, is content
+    # An unfinished block at the end is a call the limit cut: dropped, markup and all.
+    assert p.flush() == "" and p.cut
+
+
+def test_a_call_cut_by_the_limit_is_never_half_sent_nor_content() -> None:
+    for tail in ('<tool_call>\n{"name": "f", "argu', "<tool_call>", "<tool_c"):
+        p = ToolCallParser()
+        content, calls = p.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+                                + tail)
+        assert content == "" and [c.name for c in calls] == ["f"]
+        assert p.flush() == "" and p.cut, tail
+    p = ToolCallParser()
+    assert p.feed("plain text <tool") == ("plain text ", [])
+    assert p.flush() == "" and p.cut  # the marker's start, cut: not shown either
 
 
 @pytest.mark.parametrize(("tools", "choice", "param"), [
@@ -377,6 +390,41 @@ def test_a_named_function_streams_as_tool_call_deltas(smol: DaemonProcess) -> No
     for c in calls:
         jsonschema.validate(json.loads(c.function.arguments or ""),
                             TIME["function"]["parameters"])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("max_tokens", [64, 256])
+def test_required_calls_end_cleanly_smollm2(smol: DaemonProcess, max_tokens: int) -> None:
+    """Issue 32's measurement: SmolLM2, the openai client, tool_choice required and one
+    tool. Before, at 256 the answer held the same call twice (the grammar allows another
+    call after each and the model repeats it), and at 64 the second copy was cut by the
+    limit and its raw <tool_call> markup leaked into content."""
+    c = _client(smol)
+    for stream in (False, True):
+        messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+        if stream:
+            calls, reason, content = _streamed_calls(
+                smol, messages=messages, tool_choice="required", max_tokens=max_tokens,
+                temperature=0, tools=[WEATHER])
+            names = [(tc.function.name, tc.function.arguments) for tc in calls]
+        else:
+            r = c.chat.completions.create(model=_model(smol), messages=messages,  # type: ignore[arg-type]
+                                          tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+                                          max_tokens=max_tokens, temperature=0)
+            choice = r.choices[0]
+            reason, content = choice.finish_reason, choice.message.content or ""
+            names = [(tc.function.name, tc.function.arguments)  # type: ignore[union-attr]
+                     for tc in choice.message.tool_calls or []]
+        assert "<tool" not in content and "tool_call>" not in content, content
+        # Calls, each whole and valid; never the same call twice (before: the model
+        # wrote its calls again and again until the limit).
+        assert names and len(set(names)) == len(names), names
+        for name, arguments in names:
+            assert name == "get_weather"
+            jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+        # A repeat ends the turn at 256; at 64 a call cut by the limit is dropped.
+        assert reason == "tool_calls" if max_tokens == 256 else reason in ("length",
+                                                                         "tool_calls")
 
 
 def test_auto_constrains_a_call_once_the_model_starts_one(tiny_tools: DaemonProcess) -> None:

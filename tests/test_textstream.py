@@ -49,3 +49,47 @@ def test_any_split_reassembles_the_text(text: str, size: int) -> None:
     for part in out:
         part.encode()  # never half a character (no lone surrogates, no U+FFFD)
         assert "\ufffd" not in part or "\ufffd" in text
+
+
+BLOCKS = ("<tool_call>", "</tool_call>")
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+def blocks(pieces: list[str], stop: list[str] | None = None) -> tuple[list[str], bool]:
+    ts = TextStream(stop or [], blocks=BLOCKS)
+    out = [ts.feed(p.encode()) for p in pieces]
+    if not ts.stopped:
+        out.append(ts.flush())
+    return out, ts.stopped
+
+
+def test_a_block_is_held_until_it_closes() -> None:
+    text = "Sure. " + CALL + " done"
+    out, stopped = blocks(list(text))  # one character at a time
+    assert not stopped and "".join(out) == text
+    # the text as it comes, the whole block at its close, then the rest
+    assert [o for o in out if o] == [*"Sure. ", CALL, *" done"]
+
+
+def test_a_block_written_again_verbatim_ends_the_stream_before_it() -> None:
+    other = CALL.replace('"x": 1', '"x": 2')
+    for pieces in ([CALL + "\n" + other + "\n" + CALL + "\n" + CALL],
+                   list(CALL + "\n" + other + "\n" + CALL + "\n" + CALL)):
+        out, stopped = blocks(pieces)
+        assert stopped
+        assert "".join(out) == CALL + "\n" + other + "\n"
+
+
+def test_a_repeat_differing_only_in_layout_is_a_repeat() -> None:
+    again = CALL.replace("\n", "\n  ")
+    out, stopped = blocks([CALL, "\n", again])
+    assert stopped and "".join(out) == CALL + "\n"
+
+
+def test_an_unclosed_block_is_released_by_flush_and_stops_still_work() -> None:
+    out, stopped = blocks([CALL, "\n<tool_call>{\"na"])
+    assert not stopped and out[-1] == '<tool_call>{"na'  # the limit: all of it
+    out, stopped = blocks(["one END two"], ["END"])
+    assert stopped and "".join(out) == "one "
+    out, stopped = blocks(["a <tool_", "x"])
+    assert not stopped and out == ["a ", "<tool_x", ""]  # a partial marker, held

@@ -248,9 +248,9 @@ class WorkerCore:
         try:
             for i in range(req.n):
                 sampler = self.backend.sampler(sampling.for_choice(i), req.prompt)
-                stream.choices.append(_Choice(sampler, TextStream(req.stop,
-                                                                  include=req.include_stop),
-                                              scores=_scores(req, i)))
+                text = TextStream(req.stop, include=req.include_stop,
+                                  blocks=req.unique_blocks)
+                stream.choices.append(_Choice(sampler, text, scores=_scores(req, i)))
         except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
             self.sched.drop(rid)
             self._close(rid)

@@ -138,6 +138,10 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # Special tokens whose text is part of the answer (llama.cpp's preserved tokens):
     # a tool call's <tool_call> where the vocabulary has it as one special token.
     preserve: list[int] = []
+    # Tool calls: the opening and closing markers of a call. A call written again
+    # verbatim ends the choice where it begins (forged.engine.textstream), and a call
+    # is sent only once it is whole.
+    unique_blocks: tuple[str, str] | None = None
     # Log-probabilities (forged.engine.logprobs): None asks for none; a number asks for
     # each generated token's and that many most likely alternatives'. With
     # ``prompt_logprobs`` every prompt token after the first is scored too (echo on

@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Config, LimitsConfig
+from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.groups import ModelGroup
 from forged.engine.request import Grammar, Request
 from forged.http import refused, sse
@@ -611,9 +612,13 @@ async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
                grammar: Grammar | None = None, asked: Asked | None = None) -> Response:
     """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own;
     ``asked``: the logprobs it wants."""
+    calls = grammar is not None  # the tools' grammar: the answer may hold calls
     grammar = await _grammar(state, group, req, grammar)
     engine_request = _request(state, group, req, prompt, requested, grammar,
                               asked or Asked())
+    if calls:
+        engine_request = msgspec.structs.replace(engine_request,
+                                                 unique_blocks=(TOOL_OPEN, TOOL_CLOSE))
     g.priority = engine_request.priority
     rule = request.url_rule.rule if request.url_rule is not None else "other"
     key = g.get("key")

@@ -201,6 +201,7 @@ class ToolCallParser:
     """
 
     calls: list[ToolCall] = field(default_factory=list)
+    cut: bool = False  # the answer ended inside a call, which was dropped
     _buf: str = ""
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -231,8 +232,12 @@ class ToolCallParser:
         return "" if self.calls and segment.isspace() else segment
 
     def flush(self) -> str:
-        """What is left at the end: an unfinished block is content."""
+        """What is left at the end, as content; but a call the limit cut short is
+        dropped (``self.cut``): neither a half-sent call nor its markup in the content."""
         rest, self._buf = self._buf, ""
+        if rest.startswith(OPEN) or (OPEN.startswith(rest) and rest):
+            self.cut = True
+            return ""
         return rest
 
 
