@@ -12,8 +12,10 @@ optionally with a worker killed every minute. One command:
 3. Every 30 s: the RSS of the daemon and of each worker. Flat means the mean of the
    last ten minutes is within 10% of that of minute 10 to minute 20 (or, shorter runs,
    the second sixth against the last).
-4. With ``--kill-every S``: SIGKILL one SmolLM2 worker every S seconds. Only streams on
-   that worker may fail, each with a clean error event (a 599 here); nothing else.
+4. With ``--kill-every S``: SIGKILL one SmolLM2 worker every S seconds, of two (one
+   thread each; the soak alone runs one of two threads). Only streams on that worker
+   may fail, each with a clean error event (a 599 here); nothing else: requests it had
+   not started go to the other worker, and new ones go there while it restarts.
 
 Writes bench/results/soak.json and a table for docs/benchmarks.md (soak.md). Every
 loop is bounded by the duration and stops by itself.
@@ -216,7 +218,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="forged-soak-"))
     fim = write_tiny_llama(tmp / "fim.gguf", fim=True)
     port = free_port()
-    config = write_config(tmp / "forged.toml", MODEL, port, engine={"threads": THREADS})
+    # The kill loop runs two SmolLM2 workers (the same threads in all): with one, the
+    # requests that arrive while it restarts find no worker and get a 503.
+    engine = ({"threads": THREADS // args.workers, "workers": args.workers}
+              if args.workers > 1 else {"threads": THREADS})
+    config = write_config(tmp / "forged.toml", MODEL, port, engine=engine)
     with config.open("a") as f:  # the FIM model beside SmolLM2
         f.write(f'[[models]]\npath = "{fim}"\nname = "fim"\n')
     _index(config)
@@ -233,6 +239,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         rc = d.stop(60)
     result.update(minutes=args.minutes, capacity=cap, rate=rate, load_factor=args.load,
+                  workers=args.workers,
                   daemon_exit=rc, daemon_flat=flat(result["rss"], "daemon_kib"),
                   workers_flat=flat(result["rss"], "workers_kib"))
     return result
@@ -244,12 +251,15 @@ def main() -> int:
     p.add_argument("--load", type=float, default=0.8, help="x capacity")
     p.add_argument("--kill-every", type=float, default=0.0,
                    help="SIGKILL a SmolLM2 worker every this many seconds (0: never)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="SmolLM2 workers (default: 2 with --kill-every, else 1)")
     p.add_argument("--hostile-per-minute", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--quick", action="store_true", help="a short capacity run")
     p.add_argument("--capacity", type=float, default=0.0,
                    help="requests/s to take as capacity instead of measuring it")
     args = p.parse_args()
+    args.workers = args.workers or (2 if args.kill_every else 1)
     result = trio.run(main_async, args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "soak-kill" if args.kill_every else "soak"

@@ -171,10 +171,16 @@ def test_5_restart_refuses_no_connection(box: BootedContainer) -> None:
     box.run("(for i in $(seq 120); do curl -s -o /dev/null --max-time 10 "
             f"-w '%{{exitcode}} %{{http_code}}\\n' {API}/health >> /root/loop.txt & "
             "sleep 0.1; done; wait; echo done > /root/loop.done) >/dev/null 2>&1 &")
+    # The restart also opens the read-only listener (README, "The status page").
+    box.run("sed -i 's/^metrics_listen = \"\"/metrics_listen = \"127.0.0.1:9464\"/' "
+            "/etc/forged/forged.toml")
     time.sleep(3)
     t0 = time.monotonic()
     box.run("systemctl restart forged", timeout=120)
     assert time.monotonic() - t0 < 20
+    box.run("curl -sf --max-time 10 http://127.0.0.1:9464/ | grep -q '<title>forged status'")
+    box.run("curl -sf --max-time 10 http://127.0.0.1:9464/metrics | grep -q "
+            "'^forged_requests_total{'")
     wait_until(lambda: box.run("test -f /root/loop.done", check=False).returncode == 0, 120,
                "the client loop")
     results = box.run("cat /root/loop.txt").stdout.split("\n")
