@@ -131,11 +131,19 @@ def list_keys(path: Path) -> list[KeyEntry]:
     return [entry for entry, _ in _tables(path) if entry is not None]
 
 
-def revoke_key(path: Path, name: str) -> None:
+def revoke_key(path: Path, name: str, *, allow_open: bool = False) -> None:
     """Remove the key named ``name`` from ``path``. What else the file says (other
-    keys, comments) is kept as written."""
+    keys, comments) is kept as written, but for comments between its table and the
+    next, which are read as its own.
+
+    Error handling: the last key is kept unless ``allow_open``: with no key at all the
+    daemon serves anyone (its documented default), which a revocation must not turn on
+    by surprise."""
     tables = _tables(path)
     _named(path, tables, name)
+    if not allow_open and not any(e is not None and e.name != name for e, _ in tables):
+        raise ConfigError(f"{path}: {name!r} is the last key; without any key the API "
+                          "is open to anyone. Add another key first, or pass --allow-open")
     _rewrite(path, [text for entry, text in tables if entry is None or entry.name != name])
 
 
@@ -172,7 +180,17 @@ def _tables(path: Path) -> list[tuple[KeyEntry | None, str]]:
         return []
     out: list[tuple[KeyEntry | None, str]] = []
     for part in _TABLE_START.split(text):
-        keys = msgspec.toml.decode(part.encode(), type=KeysFile).key
+        try:
+            keys = msgspec.toml.decode(part.encode(), type=KeysFile).key
+        except msgspec.MsgspecError as exc:  # e.g. a `[[key]]` line inside a string
+            raise ConfigError(f"{path}: cannot be edited in place ({exc}); edit it by "
+                              "hand") from exc
+        # TOML also spells a table `[[ key ]]` or `[["key"]]`, or writes the keys as an
+        # inline array: a part holding two keys would be revoked or listed as one.
+        if len(keys) > 1:
+            raise ConfigError(f"{path}: cannot be edited in place: keys "
+                              f"{', '.join(repr(k.name) for k in keys)} are not each "
+                              "under a `[[key]]` line of their own")
         out.append((keys[0] if keys else None, part))
     return out
 
@@ -187,9 +205,13 @@ def _rewrite(path: Path, texts: list[str]) -> None:
     its owner, group and mode."""
     st = path.stat()
     tmp = path.with_name(f".{path.name}.new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IMODE(st.st_mode))
+    tmp.unlink(missing_ok=True)  # a crash's leftover: its mode must not be kept
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
+            # os.open's mode is cut by the umask (077 would leave the daemon, group
+            # forged, unable to read the file, and the reload would keep the old keys).
+            os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
             f.write("".join(texts))
             f.flush()
             os.fsync(f.fileno())

@@ -281,7 +281,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from forged.auth import revoke_key
 
     path = _keys_path(args)
-    revoke_key(path, args.name)
+    revoke_key(path, args.name, allow_open=args.allow_open)
     print(f"forged: removed key {args.name!r} from {path}. Run `systemctl reload forged` "
           "to apply it; its streams in flight finish, new requests get 401.",
           file=sys.stderr)
@@ -321,6 +321,9 @@ def _add_keys_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         p.add_argument("name", help="the key's name, as `forged keys list` shows it")
         _keys_file_options(p)
         p.set_defaults(func=func)
+        if name == "revoke":
+            p.add_argument("--allow-open", action="store_true",
+                           help="revoke even the last key, which opens the API to anyone")
     _add_keys_add(keys_sub)
 
 

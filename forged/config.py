@@ -233,10 +233,11 @@ class RetrievalConfig(_Section, frozen=True):
 
 
 class TelemetryConfig(_Section, frozen=True):
-    # Days completions' and editor events' records are kept (server.state_dir/
-    # telemetry.sqlite3); older ones are deleted every few minutes.
+    # Days completions', editor events' and usage sums' records are kept
+    # (server.state_dir/telemetry.sqlite3); older ones are deleted every few minutes.
     retention_days: Annotated[int, msgspec.Meta(ge=1, le=3650)] = 30
-    # The most rows each of its two tables keeps, the oldest deleted first: the file
+    # The most rows completions and events each keep (usage is one row per key, model
+    # and day, pruned by age only), the oldest deleted first: the file
     # stops growing (about 125 bytes a row: some 500 MB at the default).
     max_rows: Annotated[int, msgspec.Meta(ge=1000, le=1_000_000_000)] = 2_000_000
     # Editor events (/v1/events) per API key: this many a second on average, and this

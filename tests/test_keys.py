@@ -3,6 +3,7 @@ side, a reload under a live stream, is in test_security)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -83,3 +84,36 @@ def test_the_cli_lists_without_secrets_and_rotates_once(
     assert KeyStore.load(path).lookup(f"Bearer {new}") is not None
     assert cli.main(["keys", "revoke", "dave", *keys]) == 78
     assert "no key named 'dave'" in capsys.readouterr().err
+
+
+def test_the_last_key_is_revoked_only_when_asked_to_open_the_api(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    add_key(path, "only", max_streams=1, max_queued=0, priority="batch")
+    with pytest.raises(ConfigError, match="last key"):
+        revoke_key(path, "only")
+    assert [e.name for e in list_keys(path)] == ["only"]
+    revoke_key(path, "only", allow_open=True)
+    assert not KeyStore.load(path).enabled
+
+
+def test_tables_spelled_otherwise_are_refused_not_half_edited(tmp_path: Path) -> None:
+    path, _ = three_keys(tmp_path)
+    text = path.read_text().replace('[[key]]\nname = "carol"', '[[ key ]]\nname = "carol"')
+    path.write_text(text)
+    assert len(KeyStore.load(path).by_hash) == 3  # valid TOML, and three keys
+    for call in (lambda: revoke_key(path, "bob"), lambda: rotate_key(path, "bob"),
+                 lambda: list_keys(path)):
+        with pytest.raises(ConfigError, match="cannot be edited in place"):
+            call()
+    assert path.read_text() == text
+
+
+def test_a_rewrite_keeps_the_mode_whatever_the_umask(tmp_path: Path) -> None:
+    path, _ = three_keys(tmp_path)
+    path.chmod(0o640)
+    old = os.umask(0o077)
+    try:
+        revoke_key(path, "bob")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640

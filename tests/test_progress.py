@@ -4,6 +4,7 @@ update's count of files done."""
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 
 from forged.progress import EVERY, Progress
@@ -43,9 +44,12 @@ def test_a_pipe_gets_nothing() -> None:
 def test_waiting_counts_seconds_while_the_call_runs() -> None:
     out = Terminal()
     p = Progress(out)
-    with p.waiting("loading m.gguf", every=0.01):
-        import time
-        time.sleep(0.1)  # the long call the admin waits on
+    with p.waiting("loading m.gguf", every=0.001):
+        # The long call the admin waits on: until the thread has shown the line once.
+        for _ in range(5000):
+            if "loading m.gguf... 0 s" in out.getvalue():
+                break
+            threading.Event().wait(0.001)
     assert "loading m.gguf... 0 s" in out.getvalue()
     assert out.getvalue().endswith("\r\x1b[K")
 

@@ -39,7 +39,9 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
     (src / "a.py").write_text("def alpha():\n    return 1\n")
     subprocess.run([sys.executable, "-m", "forged", "index", "add", "demo", str(src),
                     "--config", str(config)], check=True, timeout=120, capture_output=True)
-    d = DaemonProcess(config, port)
+    # With the test hooks, the admin listener has a debug action the read-only one
+    # must not serve.
+    d = DaemonProcess(config, port, extra=["--test-hooks"])
     try:
         d.wait_ready(180)
         yield d, metrics
@@ -48,7 +50,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator
 
 
 def test_the_listener_is_read_only(node: tuple[DaemonProcess, int]) -> None:
-    _, metrics = node
+    d, metrics = node
     with httpx.Client(base_url=f"http://127.0.0.1:{metrics}", timeout=30) as c:
         page = c.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -61,6 +63,11 @@ def test_the_listener_is_read_only(node: tuple[DaemonProcess, int]) -> None:
         assert c.get("/health").status_code == 200
         for method, path in (("POST", "/models/swap"), ("POST", "/debug/slow-steps")):
             assert c.request(method, path, json={"path": "/x"}).status_code in (404, 405)
+    # ... which the admin listener does serve: the check above is not vacuous.
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(d.config.parent / "admin.sock")),
+                      base_url="http://admin", timeout=30) as a:
+        assert a.post("/debug/slow-steps", params={"seconds": 0}).status_code == 200
+        assert "access-control-allow-origin" not in a.get("/stats").headers
 
 
 def load(url: str, stop: threading.Event) -> None:

@@ -145,6 +145,9 @@ def test_a_call_cut_by_the_limit_is_never_half_sent_nor_content() -> None:
     p = ToolCallParser()
     assert p.feed("plain text <tool") == ("plain text ", [])
     assert p.flush() == "" and p.cut  # the marker's start, cut: not shown either
+    p = ToolCallParser()
+    assert p.feed("if a <") == ("if a ", [])
+    assert p.flush() == "<" and not p.cut  # too short to be the marker: text
 
 
 @pytest.mark.parametrize(("tools", "choice", "param"), [

@@ -93,3 +93,22 @@ def test_an_unclosed_block_is_released_by_flush_and_stops_still_work() -> None:
     assert stopped and "".join(out) == "one "
     out, stopped = blocks(["a <tool_", "x"])
     assert not stopped and out == ["a ", "<tool_x", ""]  # a partial marker, held
+
+
+def test_blocks_are_held_and_remembered_before_min_tokens_too() -> None:
+    """vLLM's min_tokens (``match=False``): a call is still sent whole, and its repeat
+    once min_tokens is past still ends the stream."""
+    ts = TextStream([], blocks=BLOCKS)
+    out = [ts.feed(c.encode(), match=False) for c in CALL + "\n"]
+    assert [o for o in out if o] == [CALL, "\n"]
+    assert ts.feed(CALL.encode()) == "" and ts.stopped
+
+
+def test_a_repeat_held_for_a_stop_strings_start_is_caught_at_the_end() -> None:
+    """The repeat's closing '>' may begin the stop string '>>': it is held, and the
+    stream ends (flush) before the next token could release it."""
+    out, _ = blocks([CALL + "\n", CALL], [">>"])
+    assert "".join(out) == CALL + "\n"
+    ts = TextStream([">>"], blocks=BLOCKS)
+    text = ts.feed((CALL + "\n").encode()) + ts.feed(CALL.encode()) + ts.flush()
+    assert text == CALL + "\n" and ts.stopped

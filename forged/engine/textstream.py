@@ -42,7 +42,10 @@ class TextStream:
             return ""
         self._pending += self._decoder.decode(piece)
         if not match:
-            return self._release(len(self._pending))
+            # Blocks are held and recorded still: a call made before min_tokens must
+            # be whole when sent, and its repeat after min_tokens caught.
+            n = len(self._pending)
+            return self._release_blocks(n) if self._blocks else self._release(n)
         hit = self._find_stop()
         if hit is not None:
             start, self.matched = hit
@@ -83,7 +86,12 @@ class TextStream:
         if self.stopped:
             return ""
         self._pending += self._decoder.decode(b"", final=True)
-        out, self._pending = self._pending, ""
+        # A block held only because a stop string's possible start overlapped its
+        # closing marker is whole now: a repeat must still end the stream.
+        out = self._release_blocks(len(self._pending)) if self._blocks else ""
+        if self.stopped:
+            return out
+        out, self._pending = out + self._pending, ""
         return out
 
     def _find_stop(self) -> tuple[int, str] | None:

@@ -32,16 +32,20 @@ _json = msgspec.json.Encoder()
 
 def create_admin_app(state: AppState, *, test_hooks: bool = False) -> QuartTrio:
     """The admin listener: what the read-only one serves, and the actions."""
-    app = create_metrics_app(state, "forged-admin")
+    app = create_metrics_app(state, "forged-admin", cross_origin=False)
     _add_swap(app, state)
     if test_hooks:
         _add_test_hooks(app, state)
     return app
 
 
-def create_metrics_app(state: AppState, name: str = "forged-metrics") -> QuartTrio:
+def create_metrics_app(state: AppState, name: str = "forged-metrics", *,
+                       cross_origin: bool = True) -> QuartTrio:
     """The read-only routes: the status page, statistics, metrics and health. Served
-    alone on ``server.metrics_listen``, where nothing can change the daemon."""
+    alone on ``server.metrics_listen``, where nothing can change the daemon.
+    ``cross_origin``: any web page may read /stats (a pool's pages read each other's);
+    never on the admin listener, which a TCP admin_listen would otherwise expose to
+    every page its admins' browsers open."""
     app = QuartTrio(name)
     app.config.update(RESPONSE_TIMEOUT=30, MAX_CONTENT_LENGTH=64 * 1024)
     page = status_page()
@@ -57,8 +61,9 @@ def create_metrics_app(state: AppState, name: str = "forged-metrics") -> QuartTr
     async def stats() -> Response:
         body = {**_status(state), "indexes": await indexes.get()}
         # The status pages of a pool's other nodes read it from their own origin.
+        headers = {"Access-Control-Allow-Origin": "*"} if cross_origin else {}
         return Response(_json.encode(body), content_type="application/json",
-                        headers={"Access-Control-Allow-Origin": "*"})
+                        headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -43,7 +43,7 @@ def add_cors(app: QuartTrio, state: AppState) -> None:
                 "Access-Control-Max-Age": MAX_AGE})
             if asked:  # whichever headers the page's client sends (SDKs add their own)
                 resp.headers["Access-Control-Allow-Headers"] = asked
-        resp.headers["Vary"] = "Origin"
+        resp.vary.update(("Origin", "Access-Control-Request-Headers"))
         return resp
 
     @app.after_request
@@ -53,7 +53,7 @@ def add_cors(app: QuartTrio, state: AppState) -> None:
             resp.headers["Access-Control-Allow-Origin"] = origin
             resp.headers["Access-Control-Expose-Headers"] = EXPOSED
         if state.cfg.server.cors_origins:
-            resp.headers["Vary"] = "Origin"
+            resp.vary.add("Origin")  # caches must not give one origin's answer to another
         return resp
 
 
@@ -66,4 +66,5 @@ def _allowed(state: AppState) -> str | None:
         return None
     if "*" in allowed:
         return "*"
-    return origin if origin in allowed else None
+    # Scheme and host are case-insensitive; browsers send them in lower case.
+    return origin if origin.lower() in (a.lower() for a in allowed) else None

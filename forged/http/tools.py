@@ -235,7 +235,8 @@ class ToolCallParser:
         """What is left at the end, as content; but a call the limit cut short is
         dropped (``self.cut``): neither a half-sent call nor its markup in the content."""
         rest, self._buf = self._buf, ""
-        if rest.startswith(OPEN) or (OPEN.startswith(rest) and rest):
+        # "<tool" and longer: the marker's start, cut (a lone "<" is ordinary text).
+        if rest.startswith(OPEN) or (OPEN.startswith(rest) and len(rest) >= len("<tool")):
             self.cut = True
             return ""
         return rest

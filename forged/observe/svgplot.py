@@ -54,7 +54,8 @@ def svg(series: list[Series], title: str, xlabel: str, ylabel: str) -> str:
         out.append(f"<line x1='{LEFT}' y1='{ly - 4}' x2='{LEFT + 24}' y2='{ly - 4}' "
                    f"stroke='{colour}' stroke-width='2'{dash}/>"
                    f"<text x='{LEFT + 30}' y='{ly}' font-size='11'>{escape(label)}</text>")
-    return _frame(title, out)
+    # One legend line per series: three servers' six would run past HEIGHT.
+    return _frame(title, out, max(HEIGHT, HEIGHT - BOTTOM + 50 + 14 * len(series)))
 
 
 def _axes(xa: int, xb: int, x: Axis, ya: int, yb: int, y: Axis, w: float, h: float,
@@ -84,9 +85,9 @@ def _axes(xa: int, xb: int, x: Axis, ya: int, yb: int, y: Axis, w: float, h: flo
     return out
 
 
-def _frame(title: str, body: list[str]) -> str:
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{HEIGHT}' "
-            f"viewBox='0 0 {WIDTH} {HEIGHT}' font-family='sans-serif'>"
+def _frame(title: str, body: list[str], height: int = HEIGHT) -> str:
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{height}' "
+            f"viewBox='0 0 {WIDTH} {height}' font-family='sans-serif'>"
             f"<rect width='100%' height='100%' fill='white'/>"
             f"<text x='{WIDTH / 2}' y='24' text-anchor='middle' font-size='15'>"
             f"{escape(title)}</text>" + "".join(body) + "</svg>\n")

@@ -51,9 +51,11 @@ def run_as_daemon_user() -> None:
 def cmd_add(args: argparse.Namespace) -> int:
     directory = index_dir(args)
     progress = Progress()
-    with Index.create(directory, args.name, Path(args.path)) as idx:
-        stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"))
-    progress.clear()
+    try:
+        with Index.create(directory, args.name, Path(args.path)) as idx:
+            stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"))
+    finally:
+        progress.clear()  # an error's message then starts on a line of its own
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
           f"{stats.rechunked} chunked, in {stats.seconds:.1f} s", file=sys.stderr)
     return 0
@@ -63,9 +65,11 @@ def cmd_update(args: argparse.Namespace) -> int:
     directory = index_dir(args)
     for name in [args.name] if args.name else list_indexes(directory):
         progress = Progress()
-        with Index.open(directory, name) as idx:
-            stats = idx.update(progress=progress.counter(f"updating {name!r}: files"))
-        progress.clear()
+        try:
+            with Index.open(directory, name) as idx:
+                stats = idx.update(progress=progress.counter(f"updating {name!r}: files"))
+        finally:
+            progress.clear()
         print(f"forged: updated {name!r}: {stats.files} files, {stats.rechunked} "
               f"re-chunked, {stats.removed} removed, in {stats.seconds:.1f} s",
               file=sys.stderr)

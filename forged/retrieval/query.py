@@ -47,7 +47,7 @@ class Searcher:
         for name in list_indexes(self.directory):
             try:
                 out.append(info_db(self._connection(name), name))
-            except (IndexError_, sqlite3.Error):
+            except (IndexError_, sqlite3.Error, OSError):  # OSError: removed meanwhile
                 continue
         return out
 
