@@ -90,6 +90,10 @@ class ModelConfig(_Section, frozen=True):
     # This model's own [engine] settings (slots, context, threads, ...), over [engine]'s:
     # a small FIM model beside a large chat model is sized apart.
     engine: dict[str, Any] = {}
+    # Which requests naming no model it serves: "fim" (/infill, completions with a
+    # suffix) or "chat" (chat and other completions). Empty: from the GGUF, "fim" if
+    # it has fill-in-the-middle tokens, else "chat" (docs/operations.md, "Roles").
+    role: Literal["", "chat", "fim"] = ""
 
     @property
     def model_id(self) -> str:
@@ -439,6 +443,7 @@ def with_overrides(
 RESTART_KEYS = (
     "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
     "server.metrics_listen", "server.tls_cert", "server.tls_key", "model.engine",
+    "model.role",
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",

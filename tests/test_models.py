@@ -84,7 +84,8 @@ async def test_two_models_are_served_at_once_each_with_its_own_vocabulary(
             assert await answer(c, model="fim") == coder
             # Templating and FIM follow the model: only the coder has FIM tokens.
             infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
-            assert (await c.post("/infill", json=infill)).status_code == 400
+            assert (await c.post("/infill", json={**infill, "model": "tiny"})
+                    ).status_code == 400
             r = await c.post("/infill", json={**infill, "model": "coder"})
             assert r.status_code == 200, r.text
             missing = await c.post("/v1/completions", json={**PROMPT, "model": "nope"})
@@ -92,6 +93,39 @@ async def test_two_models_are_served_at_once_each_with_its_own_vocabulary(
             metrics = (await a.get("/metrics")).text
             assert model_samples(metrics, "forged_kv_cells_total") == {"tiny", "coder"}
             assert len((await a.get("/stats")).json()["engine"]["workers"]) == 2
+
+
+async def test_requests_naming_no_model_go_to_the_model_whose_role_fits(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """Editors send no model name: their fill-in-the-middle goes to the model with FIM
+    tokens (detected from its GGUF), chat and plain completions to the chat model."""
+    coder = {"path": str(fim_model), "name": "coder"}
+    infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[coder]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            listed = (await c.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["role"]) for m in listed] == [("tiny", "chat"),
+                                                            ("coder", "fim")]
+            tags = (await c.get("/api/tags")).json()["models"]
+            assert [(m["name"], m["role"]) for m in tags] == [("tiny", "chat"),
+                                                             ("coder", "fim")]
+            r = await c.post("/infill", json=infill)
+            assert r.status_code == 200 and r.json()["model"] == "coder", r.text
+            r = await c.post("/v1/completions", json={**PROMPT, "suffix": "\n"})
+            assert r.status_code == 200 and r.json()["model"] == "coder", r.text
+            r = await c.post("/v1/completions", json=PROMPT)
+            assert r.json()["model"] == "tiny"
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.json()["model"] == "tiny"
+    # A role in the config is over the GGUF's: the coder as a chat model leaves no FIM
+    # model, so FIM naming no model goes to [model]'s, which has no FIM tokens.
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[{**coder, "role": "chat"}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/infill", json=infill)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "fim_not_supported"
 
 
 async def test_each_model_has_its_own_engine_settings(

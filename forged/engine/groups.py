@@ -92,6 +92,12 @@ class ModelGroup:
     def max_context(self) -> int:
         return self.pool.limits.max_context
 
+    @property
+    def role(self) -> str:
+        """What it serves of the requests that name no model: as configured, else
+        "fim" when its GGUF has fill-in-the-middle tokens, else "chat"."""
+        return self.model.role or ("fim" if self.prompter.fim is not None else "chat")
+
     @contextmanager
     def use(self) -> Iterator[ModelGroup]:
         self.users += 1
@@ -183,11 +189,14 @@ class Models:
     def all(self) -> list[ModelGroup]:
         return [*self.serving, *self.others]
 
-    def resolve(self, model: str | None) -> ModelGroup:
-        """The serving group ``model`` names (None: the default); ModelNotFound if
-        none does."""
+    def resolve(self, model: str | None, *, fim: bool = False) -> ModelGroup:
+        """The serving group ``model`` names; ModelNotFound if none does. None: the
+        first whose role fits the request (``fim``: fill-in-the-middle), else the
+        default, [model]'s: editors send no model name, and an appliance serving a chat
+        model and a small FIM model must send each request to the right one."""
         if model is None:
-            return self.default
+            role = "fim" if fim else "chat"
+            return next((g for g in self.serving if g.role == role), self.default)
         for group in self.serving:
             if model in group.ids:
                 return group
@@ -202,8 +211,8 @@ class Models:
         raise ModelNotFound(model_id)
 
     @contextmanager
-    def use(self, model: str | None) -> Iterator[ModelGroup]:
-        with self.resolve(model).use() as group:
+    def use(self, model: str | None, *, fim: bool = False) -> Iterator[ModelGroup]:
+        with self.resolve(model, fim=fim).use() as group:
             yield group
 
     def place_of(self, group: ModelGroup) -> int:

@@ -295,7 +295,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/infill")
     async def infill() -> Response:
         req = await decoded_body(state, infill_decoder)
-        group = _use_model(state, req)
+        group = _use_model(state, req, fim=True)
         found = await infill_context(state, group, req, g.get("key"))
         prompt = await infill_tokens(state, group, req, found)
         try:
@@ -350,7 +350,7 @@ async def run_completion(state: AppState, req: CompletionRequest,
                          ) -> Response:
     """A completion of ``req``, answered in ``shape`` (as :func:`run_chat`; a shape may
     come with settings of this request bound, as a ``functools.partial``)."""
-    group = _use_model(state, req)
+    group = _use_model(state, req, fim=req.suffix is not None)
     asked = completion_asked(req)
     prompt, found = await _completion_prompt(state, group, req)
     fmt = with_retrieved(_completion_format(group, req, prompt, asked, shape), found)
@@ -513,10 +513,11 @@ def _refuse_raw_fim(group: ModelGroup, text: str) -> None:
                            "model has none", param="prompt", code="fim_not_supported")
 
 
-def _use_model(state: AppState, req: Any) -> ModelGroup:
-    """The group serving ``req.model``, held until the request ends (a swap drains a
-    group only once nobody holds it), and the key's places for ``req`` on it."""
-    group = resources().enter_context(state.models.use(req.model))
+def _use_model(state: AppState, req: Any, *, fim: bool = False) -> ModelGroup:
+    """The group serving ``req.model`` (none named: the one whose role fits, ``fim``
+    or chat), held until the request ends (a swap drains a group only once nobody
+    holds it), and the key's places for ``req`` on it."""
+    group = resources().enter_context(state.models.use(req.model, fim=fim))
     g.model_id = group.model_id  # the metrics' model label: configured, never as asked
     _hold_key(state, group, req)
     return group

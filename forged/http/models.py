@@ -25,7 +25,7 @@ def _object(state: AppState, group: ModelGroup, model_id: str) -> dict[str, Any]
     info = group.prompter.info
     return {"id": model_id, "object": "model", "created": int(state.started),
             "owned_by": "forged", "root": group.model_id, "parent": None,
-            "max_model_len": group.max_context,
+            "max_model_len": group.max_context, "role": group.role,
             "status": {"value": STATUS_WORDS[group.status]},
             "meta": {k: v for k, v in msgspec.structs.asdict(info).items()
                      if k != "identity"}}

@@ -219,7 +219,9 @@ def _digest(group: ModelGroup) -> str:
 def _entry(group: ModelGroup, model_id: str) -> dict[str, Any]:
     size, mtime_ns = group.file.stamp[2], group.file.stamp[3]
     return {"name": model_id, "model": model_id, "modified_at": _timestamp(mtime_ns / 1e9),
-            "size": size, "digest": _digest(group), "details": _details(group)}
+            "size": size, "digest": _digest(group), "details": _details(group),
+            # forged's: what it serves of requests naming no model, and its context
+            "role": group.role, "context_length": group.max_context}
 
 
 def model_list(state: AppState) -> dict[str, Any]:
