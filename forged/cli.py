@@ -23,7 +23,7 @@ import trio
 
 from forged import __version__
 from forged import config as fc
-from forged.daemon.startup import check_gguf_header, model_key, open_prompter
+from forged.daemon.startup import check_gguf_header, model_key
 
 
 def logfmt_value(value: object) -> str:
@@ -122,12 +122,36 @@ def check_state_dir(path: str) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from forged.daemon.memplan import plan, render
+
     cfg = load_checked(args)
-    for place, model in enumerate(cfg.served):  # the vocabulary loads, as serve's will
-        open_prompter(args.config, model, model_key(place)).close()
+    # Each vocabulary loads, as serve's will, and the memory plan must fit.
+    memory = plan(Path(args.config), cfg)
+    if not memory.fits:
+        print(f"forged: {args.config}: the models do not fit in memory:\n{render(memory)}",
+              file=sys.stderr)
+        return fc.EX_CONFIG
     models = ", ".join(m.model_id for m in cfg.served)
     print(f"{args.config}: OK (model {models}, API on {cfg.server.listen})")
     return 0
+
+
+def cmd_model_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan of the config's models; 1 if it does not fit."""
+    from forged.daemon.memplan import plan, render
+
+    memory = plan(Path(args.config), load_checked(args))
+    if args.json:
+        print(json.dumps({"fits": memory.fits, "total_bytes": memory.total,
+                          "checks": [{"what": w, "bytes": u, "allowed_bytes": a}
+                                     for w, u, a in memory.checks()],
+                          "ram_tier_bytes": memory.ram_tier,
+                          "models": [{**dataclasses.asdict(m), "kv_bytes": m.kv,
+                                      "total_bytes": m.total} for m in memory.models]},
+                         indent=2))
+    else:
+        print(render(memory))
+    return 0 if memory.fits else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -360,6 +384,11 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     swap.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "
                       "(default: server.admin_listen from the config)")
     swap.set_defaults(func=cmd_model_swap)
+    planned = model_sub.add_parser("plan", help="will the config's models fit in memory? "
+                                   "weights, KV caches, RAM tier and workers, per model")
+    planned.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
+    planned.add_argument("--json", action="store_true", help="as JSON")
+    planned.set_defaults(func=cmd_model_plan)
 
 
 # One example per command, shown under its --help (and in the man page).
@@ -383,6 +412,7 @@ EXAMPLES = {
     "forged status": "sudo forged status   (or: forged status --json)",
     "forged model": "sudo forged model swap /usr/share/forged/models/coder.gguf",
     "forged model swap": "sudo forged model swap /usr/share/forged/models/coder.gguf",
+    "forged model plan": "forged model plan --config /etc/forged/forged.toml",
     "forged report": "sudo forged report --since 2026-12-01",
     "forged bench": "forged bench --url http://127.0.0.1:8080 --concurrency 1,8,32 "
                     "--api-key fgd-...",
