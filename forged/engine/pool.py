@@ -156,6 +156,7 @@ class EnginePool:
         # Bounded by the admission limits, as the requests are.
         self._parked: dict[int, tuple[RequestStream, str, float]] = {}
         self._parked_changed = trio.Event()
+        self._heard = trio.Event()  # set (and renewed) at each Step from any worker
         self.resubmitted = 0
 
     def _supervisor(self, index: int) -> WorkerSupervisor:
@@ -207,6 +208,9 @@ class EnginePool:
     # --- what workers say ----------------------------------------------------------------
 
     def _deliver(self, index: int, step: fr.Step) -> None:
+        # A worker was heard: requests waiting for a late one may go (_late_workers).
+        self._heard.set()
+        self._heard = trio.Event()
         if step.digests is not None:
             self.router.reported(index, step.digests)
         pending = self.pending[index]
@@ -294,7 +298,7 @@ class EnginePool:
         if self.draining:
             raise Unavailable(self.ended or "the server is shutting down", lim.retry_after)
         routable = self._routable()
-        if not routable:
+        if not routable and not any(w.ready for w in self.workers):
             raise Unavailable("no model worker is ready; retry shortly", lim.retry_after)
         queued = len(self._parked) + sum(
             1 for p in self.pending for r in p.values() if not r.admitted)
@@ -302,12 +306,25 @@ class EnginePool:
             raise Overloaded("the server is at capacity; retry later", lim.retry_after)
         # Each worker estimates how long even the shortest new request would wait before
         # its prompt is computed; past the queue timeout everywhere, waiting is futile.
-        wait = min(w.stats.get("wait_estimate_s", 0.0) for w in routable)
+        wait = min((w.stats.get("wait_estimate_s", 0.0) for w in routable), default=0.0)
         if wait > lim.queue_timeout:
             raise Overloaded(f"the server is at capacity: a request would wait about "
                              f"{wait:.0f} s for a slot and the prompts ahead",
                              retry_after_seconds(wait - lim.queue_timeout))
-        return routable
+        return routable  # empty: every ready worker is late (open_request waits)
+
+    async def _late_workers(self) -> list[WorkerSupervisor]:
+        """Every ready worker's heartbeat is late. A worker is far likelier to be busy
+        (a long step, a moment without CPU) than wedged, and refusing everything then
+        turned a hiccup of a few seconds into a burst of 503s: wait up to
+        ``heartbeat_late`` more for one to be heard. A wedged worker is killed at
+        ``heartbeat_timeout``; what it had not admitted goes elsewhere."""
+        with trio.move_on_after(self.cfg.engine.heartbeat_late):
+            while not (routable := self._routable()):
+                await self._heard.wait()
+            return routable
+        raise Unavailable("no model worker answered in time; retry shortly",
+                          self.cfg.limits.retry_after)
 
     def would_wait(self, places: int) -> bool:
         """Whether a request of ``places`` sequences would wait for a slot now: no
@@ -344,7 +361,7 @@ class EnginePool:
             raise BadRequest("this prompt was running when the model worker crashed, "
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")
-        routable = self.check_capacity()
+        routable = self.check_capacity() or await self._late_workers()
         rs = RequestStream(next(self._rids), request, fingerprint)
         if (size := fr.encoded_size(fr.Submit(rid=rs.rid, request=request))) > fr.MAX_FRAME:
             # A worker would refuse the frame, and die of it.
