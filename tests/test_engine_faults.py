@@ -3,10 +3,12 @@ prompt that keeps killing workers is refused instead of run again."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from forged.engine import testhooks
@@ -59,7 +61,9 @@ async def test_a_request_waits_for_a_worker_late_by_a_moment(
 
 
 async def test_no_request_is_routed_to_a_worker_whose_heartbeat_is_late(
-        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+        tiny_model: Path, start_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="forged.access")
     engine = {"heartbeat_interval": 0.2, "heartbeat_timeout": 4.0, "target_step_ms": 50.0,
               "restart_backoff": 0.1}
     with trio.fail_after(60):
@@ -77,6 +81,9 @@ async def test_no_request_is_routed_to_a_worker_whose_heartbeat_is_late(
             # for the kill at heartbeat_timeout.
             assert 0.5 < time.monotonic() - t0 < 2.0
             assert "retry-after" in r.headers
+            # The access log names the error: a 503 may be a worker, the queue, a loss.
+            await until(lambda: any(getattr(rec, "fields", {}).get("error") == "unavailable"
+                                    for rec in caplog.records if rec.name == "forged.access"))
             await until(lambda: w.ready and w.pid != old_pid, limit=20)
             r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
             assert r.status_code == 200

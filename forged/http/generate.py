@@ -63,6 +63,7 @@ class Outcome:
     prompt: str | None = None
     completion: dict[int, list[str]] | None = None
     completion_id: str = ""  # the response's id, which editors' events name
+    error: str = ""  # the error code of a generation that failed, for the access log
 
     def _telemetry(self, state: AppState, duration: float) -> None:
         """A generation that answered in full, for ``forged report``: id, key name,
@@ -92,6 +93,9 @@ class Outcome:
     def failed(self, exc: e.ForgedError) -> None:
         if self.end == "client_gone":  # not said more precisely where it was raised
             self.end = "queue_timeout" if isinstance(exc, e.QueueTimeout) else "error"
+        # Which error, as the caller's body names it: a 503 is unavailable (no worker),
+        # overloaded (the queue) or worker_lost, and the log must tell them apart.
+        self.error = from_exception(exc).body.error.code or ""
 
     def text(self, piece: str, index: int) -> None:
         if self.completion is not None:
@@ -120,7 +124,7 @@ class Outcome:
         ttft = f"{self.ttft:.3f}" if self.ttft is not None else "-"
         fields: dict[str, object] = {
             "request_id": self.request_id, "key": self.key, "model": self.model,
-            "status": self.status,
+            "status": self.status, **({"error": self.error} if self.error else {}),
             "end": self.end,
             "priority": self.priority, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
