@@ -121,11 +121,18 @@ async def _hostile(client: httpx.AsyncClient, base: str, every: float,
 
 
 async def _watch(d: DaemonProcess, every: float, rows: list[dict[str, Any]]) -> None:
+    """RSS every ``every`` s; the workers' also less their RAM tier of saved KV states,
+    a cache that grows by design up to engine.cache_ram_mib (what must stay flat is
+    the rest)."""
     t0 = time.monotonic()
     while True:
         workers = [w for w in _children(d.proc.pid) if rss_kb(w)]
+        stats = await trio.to_thread.run_sync(_workers, d)
+        tier = sum(w["stats"].get("kv_ram_bytes", 0) for w in stats) // 1024
+        total = sum(rss_kb(w) for w in workers)
         rows.append({"t": time.monotonic() - t0, "daemon_kib": rss_kb(d.proc.pid),
-                     "workers_kib": sum(rss_kb(w) for w in workers)})
+                     "workers_kib": total, "tier_kib": tier,
+                     "workers_less_tier_kib": total - tier})
         await trio.sleep(every)
 
 
@@ -195,12 +202,13 @@ def report(result: dict[str, Any]) -> str:
                                                (h[0] == "/tokenize" and h[1] == 200))]
     lines = [
         "| minutes | load | requests | ok | errors | hostile (4xx / all) | kills | "
-        "daemon RSS late/early | workers RSS late/early |",
+        "daemon RSS late/early | workers RSS late/early (less the RAM tier) |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {result['minutes']:g} | {result['rate']:.2f}/s ({result['load_factor']:g}x) | "
         f"{load['requests']} | {load['ok']} | {load['errors'] or 0} | "
         f"{len(hostile) - len(bad_hostile)} / {len(hostile)} | {len(result['kills'])} | "
-        f"{_ratio(result['daemon_flat'])} | {_ratio(result['workers_flat'])} |",
+        f"{_ratio(result['daemon_flat'])} | {_ratio(result['workers_flat'])} "
+        f"({_ratio(result.get('workers_less_tier_flat'))}) |",
         "",
         f"TTFT p50 {load['ttft_p50']}, p99 {load['ttft_p99']}; "
         f"ITL p50 {load['itl_p50']}, p99 {load['itl_p99']}",
@@ -241,7 +249,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     result.update(minutes=args.minutes, capacity=cap, rate=rate, load_factor=args.load,
                   workers=args.workers,
                   daemon_exit=rc, daemon_flat=flat(result["rss"], "daemon_kib"),
-                  workers_flat=flat(result["rss"], "workers_kib"))
+                  workers_flat=flat(result["rss"], "workers_kib"),
+                  workers_less_tier_flat=flat(result["rss"], "workers_less_tier_kib"))
     return result
 
 

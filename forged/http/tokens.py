@@ -49,11 +49,15 @@ def _tokenize(p: Prompter, req: TokenizeRequest) -> bytes:
                         parse_special=req.parse_special)
     if not req.with_pieces:
         return _json.encode({"tokens": tokens})
-    pieces: dict[int, str | list[int]] = {}  # text repeats its tokens: each once
+    # Each distinct token's JSON object, encoded once, then joined: a megabyte of text
+    # is some 300,000 tokens, and an object apiece (as msgspec would be given) took
+    # about 100 MB for a moment, which glibc's arenas kept: the daemon's memory grew
+    # by megabytes with every such request (the soak, docs/benchmarks.md).
+    objects: dict[int, bytes] = {}
     for t in tokens:
-        if t not in pieces:
-            pieces[t] = _piece(p.piece(t))
-    return _json.encode({"tokens": [{"id": t, "piece": pieces[t]} for t in tokens]})
+        if t not in objects:
+            objects[t] = _json.encode({"id": t, "piece": _piece(p.piece(t))})
+    return b'{"tokens":[' + b",".join([objects[t] for t in tokens]) + b"]}"
 
 
 def _piece(data: bytes) -> str | list[int]:
