@@ -109,12 +109,7 @@ async def one(c: httpx.AsyncClient, base: str, dialect: Dialect, i: int) -> Samp
             async for line in r.aiter_lines():
                 if not text_of(line):
                     continue
-                now = time.monotonic()
-                if s.ttft is None:
-                    s.ttft = now - t0
-                else:
-                    s.itl.append(now - last)
-                last = now
+                last = s.arrived(t0, last)
                 s.out_tokens += 1
     except httpx.HTTPError:
         s.status = 598

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from forged import config as fc
 from forged.daemon.startup import model_key, open_prompter
+from forged.engine.groups import meminfo_bytes
 
 MIB = 1 << 20
 OVERHEAD = 256 * MIB  # per worker: the process and llama.cpp's compute buffers
@@ -78,15 +79,6 @@ class Plan:
         return min(allowed - (used - m.kv) for _, used, allowed in self.checks())
 
 
-def machine_bytes() -> int:
-    """MemTotal: what the machine has, whatever runs on it now."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
     """The plan of ``cfg``; ``memory``: the machine's bytes (default: MemTotal)."""
     models = []
@@ -101,7 +93,8 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
         models.append(ModelPlan(key, model.model_id, Path(model.path).stat().st_size,
                                 per_cell, engine.workers, engine.kv_cells, engine.slots,
                                 engine.max_context))
-    machine = machine_bytes() if memory is None else memory
+    # MemTotal: what the machine has, whatever runs on it now.
+    machine = meminfo_bytes("MemTotal") if memory is None else memory
     return Plan(models, cfg.engine.cache_ram_mib * MIB, max(0, machine - RESERVE),
                 cfg.engine.memory_mib)
 

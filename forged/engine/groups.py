@@ -51,9 +51,15 @@ def memory_bytes(prompter: Prompter, path: str, engine: EngineConfig) -> int:
 
 def available_bytes() -> int:
     """The kernel's estimate of memory a new allocation may take (MemAvailable)."""
+    return meminfo_bytes("MemAvailable")
+
+
+def meminfo_bytes(field: str) -> int:
+    """A line of /proc/meminfo (``MemTotal``, ``MemAvailable``, ...) in bytes; 0 if
+    absent."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
 

@@ -97,6 +97,16 @@ class Sample:
     cached_tokens: int | None = None
     text: str = ""  # the first choice's text, for a conversation's next turn
 
+    def arrived(self, t0: float, last: float) -> float:
+        """Text arrived now: the first is the TTFT (since ``t0``), each next an
+        inter-token gap (since ``last``). Returns now, the next ``last``."""
+        now = time.monotonic()
+        if self.ttft is None:
+            self.ttft = now - t0
+        else:
+            self.itl.append(now - last)
+        return now
+
 
 async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
                       prompt: Prompt) -> Sample:
@@ -126,12 +136,7 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str | None,
                 if not _has_text(data):
                     continue
                 s.text += _first_text(data)
-                now = time.monotonic()
-                if s.ttft is None:
-                    s.ttft = now - t0
-                else:
-                    s.itl.append(now - last)
-                last = now
+                last = s.arrived(t0, last)
                 chunks += 1
             s.out_tokens = s.out_tokens or chunks
     except httpx.HTTPError:

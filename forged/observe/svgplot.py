@@ -63,26 +63,26 @@ def _axes(xa: int, xb: int, x: Axis, ya: int, yb: int, y: Axis, w: float, h: flo
     """The plot's box, a line and a label per decade (and 2, 5 between), axis names."""
     out = [f"<rect x='{LEFT}' y='{TOP}' width='{w}' height='{h}' fill='none' "
            "stroke='#888'/>"]
-    for d in range(xa, xb + 1):
-        for m in (1, 2, 5):
-            v = m * 10.0 ** d
-            if 10.0 ** xa <= v <= 10.0 ** xb:
-                px = LEFT + x(v)
-                out.append(f"<line x1='{px:.1f}' y1='{TOP}' x2='{px:.1f}' y2='{TOP + h}' "
-                           "stroke='#ddd'/><text x='{:.1f}' y='{}' text-anchor='middle' "
-                           "font-size='11'>{:g}</text>".format(px, TOP + h + 15, v))
-    for d in range(ya, yb + 1):
-        for m in (1, 2, 5):
-            v = m * 10.0 ** d
-            if 10.0 ** ya <= v <= 10.0 ** yb:
-                py = TOP + y(v)
-                out.append(f"<line x1='{LEFT}' y1='{py:.1f}' x2='{LEFT + w}' y2='{py:.1f}' "
-                           "stroke='#ddd'/><text x='{}' y='{:.1f}' text-anchor='end' "
-                           "font-size='11'>{:g}</text>".format(LEFT - 5, py + 4, v))
+    for v in _ticks(xa, xb):
+        px = LEFT + x(v)
+        out.append(f"<line x1='{px:.1f}' y1='{TOP}' x2='{px:.1f}' y2='{TOP + h}' "
+                   f"stroke='#ddd'/><text x='{px:.1f}' y='{TOP + h + 15}' "
+                   f"text-anchor='middle' font-size='11'>{v:g}</text>")
+    for v in _ticks(ya, yb):
+        py = TOP + y(v)
+        out.append(f"<line x1='{LEFT}' y1='{py:.1f}' x2='{LEFT + w}' y2='{py:.1f}' "
+                   f"stroke='#ddd'/><text x='{LEFT - 5}' y='{py + 4:.1f}' "
+                   f"text-anchor='end' font-size='11'>{v:g}</text>")
     out.append(f"<text x='{LEFT + w / 2}' y='{TOP + h + 32}' text-anchor='middle'>"
                f"{escape(xlabel)}</text><text x='16' y='{TOP + h / 2}' text-anchor='middle' "
                f"transform='rotate(-90 16 {TOP + h / 2})'>{escape(ylabel)}</text>")
     return out
+
+
+def _ticks(a: int, b: int) -> list[float]:
+    """1, 2 and 5 times each power of ten from 10**a to 10**b."""
+    return [m * 10.0 ** d for d in range(a, b + 1) for m in (1, 2, 5)
+            if 10.0 ** a <= m * 10.0 ** d <= 10.0 ** b]
 
 
 def _frame(title: str, body: list[str], height: int = HEIGHT) -> str:
