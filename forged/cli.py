@@ -76,6 +76,14 @@ def on_journal(stream: TextIO) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+def fatal(message: str) -> None:
+    """A command's last word on what stopped it, on stderr: with the ``<3>`` prefix
+    when stderr is the journal, so that ``journalctl -p err`` shows why a start
+    failed (a bad config at `forged serve`)."""
+    prefix = "<3>" if on_journal(sys.stderr) else ""
+    print(f"{prefix}forged: {message}", file=sys.stderr)
+
+
 def setup_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(LogfmtFormatter(priorities=on_journal(sys.stdout)))
@@ -166,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         check_state_dir(cfg.server.state_dir)
     except StateDirError as exc:
-        print(f"forged: {exc}", file=sys.stderr)
+        fatal(str(exc))
         return fc.EX_CANTCREAT
     daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
     try:
@@ -495,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except fc.ConfigError as exc:
-        print(f"forged: {exc}", file=sys.stderr)
+        fatal(str(exc))
         return fc.EX_CONFIG
 
 

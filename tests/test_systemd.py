@@ -581,3 +581,23 @@ def test_log_lines_carry_their_syslog_priority_on_the_journal_stream(tmp_path: P
     plain = LogfmtFormatter().format(logging.LogRecord("forged", logging.ERROR, "", 0, "m",
                                                        None, None))
     assert plain.startswith("level=error")
+
+
+def test_a_bad_config_is_an_error_on_the_journal_stream(tmp_path: Path) -> None:
+    """`forged serve` with a bad config prints one line and exits 78: on journald's
+    stream it is at priority err (the package test's `journalctl -p err` missed it:
+    the line had no prefix, so journald filed it as info)."""
+    config = tmp_path / "forged.toml"
+    config.write_text("[server]\nbogus = 1\n")
+    err = tmp_path / "stderr"
+    with err.open("w") as f:
+        st = os.fstat(f.fileno())
+        env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        r = subprocess.run([sys.executable, "-m", "forged", "serve", "--config", str(config)],
+                           stderr=f, env=env, timeout=60)
+    assert r.returncode == 78
+    assert err.read_text().startswith("<3>forged: ") and "server.bogus: unknown key" in \
+        err.read_text()
+    r = subprocess.run([sys.executable, "-m", "forged", "check-config", "--config",
+                        str(config)], capture_output=True, text=True, timeout=60)
+    assert r.stderr.startswith("forged: ")  # a terminal or a pipe: no prefix
