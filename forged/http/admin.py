@@ -92,12 +92,15 @@ class _IndexInfos:
         self.lock = trio.Lock()
 
     async def get(self) -> list[dict[str, object]]:
-        async with self.lock:
-            if trio.current_time() - self.at >= self.EVERY:
-                found = await trio.to_thread.run_sync(
-                    self.state.searcher.infos, limiter=self.state.search_limiter)
-                self.infos = [dataclasses.asdict(i) for i in found]
-                self.at = trio.current_time()
+        # Bounded: searches may hold every thread of the limiter; the page then shows
+        # the indexes as last read rather than wait.
+        with trio.move_on_after(self.state.cfg.server.door_timeout):
+            async with self.lock:
+                if trio.current_time() - self.at >= self.EVERY:
+                    found = await trio.to_thread.run_sync(
+                        self.state.searcher.infos, limiter=self.state.search_limiter)
+                    self.infos = [dataclasses.asdict(i) for i in found]
+                    self.at = trio.current_time()
         return self.infos
 
 
