@@ -8,6 +8,7 @@ the engine cancelled, which stops the worker processes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -377,6 +378,7 @@ class Daemon:
             rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t = tokens, now
             self.notifier.status(_status_line(state, rate))
+            await trio.to_thread.run_sync(_give_back_freed_memory)
 
     async def _watchdog_loop(self, interval: float) -> None:
         # Ping only while the event loop runs and the workers answer: a blocked loop
@@ -393,6 +395,20 @@ class Daemon:
         now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout / 2
         return any(w.ready and now - w.last_heard > limit
                    for g in self.models.all() for w in g.pool.workers)
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap's free pages to the kernel. glibc keeps what a large request
+    freed (a /tokenize answer with pieces of a megabyte's prompt is ~50 MB), so the
+    daemon's RSS stayed at each high-water mark in the soak. malloc_trim(0) takes about
+    0.1 ms on a 200 MB heap; a libc without it (musl) is left alone."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+# The process itself: its symbols include the C library's, with no path lookup.
+_LIBC = ctypes.CDLL(None)
 
 
 def _keep_restart_keys(old: fc.Config, new: fc.Config) -> fc.Config:
