@@ -83,13 +83,18 @@ def resolve_repo(state: AppState, repo: str | None, key: KeyEntry | None) -> str
 
 
 async def search(state: AppState, repo: str, query: str, k: int,
-                 focus: Sequence[str] = ()) -> list[Hit]:
+                 focus: Sequence[str] = (), key: KeyEntry | None = None) -> list[Hit]:
     """The ``k`` best chunks of ``repo`` for ``query`` (definitions of ``focus``
-    first), searched in a thread."""
+    first), searched in a thread: by BM25 and, with an embedding model whose vectors
+    the index holds, by meaning too (forged.retrieval.vectors)."""
+    # Here, not at the top: forged.http.embeddings imports api, which imports this.
+    from forged.http.embeddings import query_vector
+
+    vector, model = await query_vector(state, query, key.tenant if key else "")
     try:
         return await in_thread(state.search_limiter, state.cfg.server.door_timeout,
-                               state.cfg.limits.retry_after,
-                               state.searcher.search, repo, query, k, focus)
+                               state.cfg.limits.retry_after, state.searcher.search,
+                               repo, query, k, focus, vector, model)
     except IndexError_ as exc:  # removed between the check and the search
         raise e.NotFound(str(exc), param="repo", code="repo_not_found") from exc
     except sqlite3.OperationalError as exc:
@@ -111,7 +116,7 @@ async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
     if repo is None:
         raise e.BadRequest("name the repository index to search in `repo` (`forged index "
                            "list` shows them)", param="repo")
-    hits = await search(state, repo, req.query, req.k)
+    hits = await search(state, repo, req.query, req.k, key=key)
     return {"object": "list", "repo": repo, "data": [
         {"repo": repo, "path": h.path, "start_line": h.start_line, "end_line": h.end_line,
          "score": h.score, "text": h.text} for h in hits]}
@@ -129,7 +134,7 @@ async def context(state: AppState, prompter: Prompter, repo: str | None,
     if cfg.context_chunks == 0 or cfg.context_tokens == 0:
         return Retrieved(name, [])
     try:
-        hits = await search(state, name, query, cfg.context_chunks, focus)
+        hits = await search(state, name, query, cfg.context_chunks, focus, key)
     except (e.Unavailable, e.Overloaded):  # the completion goes on without context,
         return Retrieved(name, [])           # and says so
     kept = await state.off_loop(within_budget, prompter, hits, cfg.context_tokens)

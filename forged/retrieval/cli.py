@@ -7,13 +7,15 @@ import os
 import pwd
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from forged import config as fc
 from forged.progress import Progress
 from forged.retrieval.errors import IndexError_
-from forged.retrieval.store import Index, index_path, list_indexes
+from forged.retrieval.store import Index, UpdateStats, index_path, list_indexes
+from forged.retrieval.vectors import Embedding
 
 DAEMON_USER = "forged"  # systemd/forged.sysusers
 
@@ -50,30 +52,54 @@ def run_as_daemon_user() -> None:
 
 def cmd_add(args: argparse.Namespace) -> int:
     directory = index_dir(args)
+    embedding = _embedding(args)
     progress = Progress()
     try:
         with Index.create(directory, args.name, Path(args.path)) as idx:
-            stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"))
+            stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"),
+                               embedding=embedding, embed_progress=progress.counter(
+                                   f"embedding {args.name!r}: chunks"))
     finally:
         progress.clear()  # an error's message then starts on a line of its own
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
-          f"{stats.rechunked} chunked, in {stats.seconds:.1f} s", file=sys.stderr)
+          f"{stats.rechunked} chunked, in {stats.seconds:.1f} s{_embedded(stats)}",
+          file=sys.stderr)
     return 0
 
 
 def cmd_update(args: argparse.Namespace) -> int:
     directory = index_dir(args)
+    embedding = _embedding(args)
     for name in [args.name] if args.name else list_indexes(directory):
         progress = Progress()
         try:
             with Index.open(directory, name) as idx:
-                stats = idx.update(progress=progress.counter(f"updating {name!r}: files"))
+                stats = idx.update(progress=progress.counter(f"updating {name!r}: files"),
+                                   embedding=embedding, embed_progress=progress.counter(
+                                       f"embedding {name!r}: chunks"))
         finally:
             progress.clear()
         print(f"forged: updated {name!r}: {stats.files} files, {stats.rechunked} "
-              f"re-chunked, {stats.removed} removed, in {stats.seconds:.1f} s",
-              file=sys.stderr)
+              f"re-chunked, {stats.removed} removed, in {stats.seconds:.1f} s"
+              f"{_embedded(stats)}", file=sys.stderr)
     return 0
+
+
+def _embedding(args: argparse.Namespace) -> Embedding | None:
+    """The config's embedding model (args.embedding: forged.indexembed's loader, given
+    by forged.cli), unless --no-embed; None without one: BM25 alone."""
+    if args.no_embed or args.embedding is None:
+        return None
+    loaded: Embedding | None = args.embedding(Path(args.config))
+    return loaded
+
+
+def _embedded(stats: UpdateStats) -> str:
+    """What the embeddings cost, when there were any."""
+    if not stats.embedded:
+        return ""
+    return (f"; {stats.embedded} chunks embedded in {stats.embed_seconds:.1f} s "
+            f"({stats.embedded / max(stats.embed_seconds, 1e-9):.0f}/s, at nice 19)")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -107,8 +133,10 @@ def _guarded(func: Any) -> Any:
     return run
 
 
-def add_index_commands(sub: Any) -> None:
-    """Add ``index`` and its subcommands to ``forged``'s subparsers."""
+def add_index_commands(sub: Any, embedding: Callable[[Path], Embedding | None] | None = None
+                       ) -> None:
+    """Add ``index`` and its subcommands to ``forged``'s subparsers; ``embedding`` loads
+    the config's embedding model (none: chunks get no vectors)."""
     index = sub.add_parser("index", help="manage the repository indexes for retrieval")
     index_sub = index.add_subparsers(dest="index_command", required=True)
     specs: list[tuple[str, str, Any, list[str]]] = [
@@ -122,4 +150,8 @@ def add_index_commands(sub: Any) -> None:
         for pos in positionals:
             p.add_argument(pos.rstrip("?"), nargs="?" if pos.endswith("?") else None)
         p.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
-        p.set_defaults(func=_guarded(func))
+        if command in ("add", "update"):
+            p.add_argument("--no-embed", action="store_true", help="index for BM25 "
+                           "only: give no chunk a vector (the config's embedding model "
+                           "embeds them otherwise)")
+        p.set_defaults(func=_guarded(func), embedding=embedding, no_embed=False)

@@ -23,22 +23,53 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
+from forged.retrieval import vectors
 from forged.retrieval.errors import IndexError_
 from forged.retrieval.store import Hit, IndexInfo, index_path, info_db, list_indexes, search_db
+from forged.retrieval.vectors import Matrix
 
 # Seconds a search waits for ``forged index update`` to commit before it fails.
 BUSY_TIMEOUT = 5.0
 
 
 class Searcher:
-    """Searches the indexes in ``directory``; safe to call from many threads at once."""
+    """Searches the indexes in ``directory``; safe to call from many threads at once.
+
+    Each index's vectors are read once per version of the index (its last update) and
+    kept, shared by every thread: a version replaces the one before."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._matrices: dict[str, tuple[tuple[int, str], Matrix | None]] = {}
 
-    def search(self, name: str, query: str, k: int, focus: Sequence[str] = ()) -> list[Hit]:
-        return search_db(self._connection(name), query, k, focus)
+    def search(self, name: str, query: str, k: int, focus: Sequence[str] = (),
+               vector: bytes = b"", model: str = "") -> list[Hit]:
+        """With ``vector`` (the query's, by the embedding model ``model``), BM25 is
+        fused with the nearest chunks, if the index's vectors are that model's."""
+        db = self._connection(name)
+        matrix = self._matrix(name, db) if vector else None
+        query_vector = np.frombuffer(vector, dtype="<f4")
+        semantic = (matrix, query_vector) if matrix is not None and matrix.model == model \
+            and matrix.vectors.shape[1] == len(query_vector) else None
+        return search_db(db, query, k, focus, semantic)
+
+    def _matrix(self, name: str, db: sqlite3.Connection) -> Matrix | None:
+        version = (self._inode(name), _updated_at(db))
+        with self._lock:
+            held = self._matrices.get(name)
+        if held is not None and held[0] == version:
+            return held[1]
+        matrix = vectors.load(db)  # outside the lock: another index's search goes on
+        with self._lock:
+            self._matrices[name] = (version, matrix)
+        return matrix
+
+    def _inode(self, name: str) -> int:
+        return os.stat(index_path(self.directory, name)).st_ino
 
     def infos(self) -> list[IndexInfo]:
         """Every index's name, source, size and last update, read-only; an index removed
@@ -70,3 +101,10 @@ class Searcher:
                              timeout=BUSY_TIMEOUT, check_same_thread=True)
         held[name] = (inode, db)
         return db
+
+
+def _updated_at(db: sqlite3.Connection) -> str:
+    """What changes when chunks or vectors do: their commits' times."""
+    rows = db.execute("SELECT value FROM meta WHERE key IN ('updated_at', 'vectors_at') "
+                      "ORDER BY key").fetchall()
+    return " ".join(str(r[0]) for r in rows)

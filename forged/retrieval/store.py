@@ -18,6 +18,7 @@ exist, raises ``IndexError_`` with a message meant for the admin.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sqlite3
@@ -26,9 +27,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from forged.retrieval.chunking import chunk_file, identifiers, search_words, split_words
 from forged.retrieval.errors import IndexError_
 from forged.retrieval.source import SourceTree, list_source, open_root
+from forged.retrieval.vectors import (
+    FUSE_DEPTH,
+    VECTORS_SCHEMA,
+    Embedding,
+    Matrix,
+    embed_missing,
+    forget,
+    fuse,
+    nearest,
+)
 
 MAX_FILE_BYTES = 1 << 20
 # bm25() weights, one per column of ``chunks`` in order; UNINDEXED columns get 0.
@@ -48,7 +62,7 @@ CREATE VIRTUAL TABLE IF NOT EXISTS chunks_vocab USING fts5vocab(chunks, 'row');
 -- a search keeps its rarest words (fts5vocab counts by reading a word's whole list).
 CREATE TABLE IF NOT EXISTS terms (term TEXT PRIMARY KEY, docs INTEGER NOT NULL)
     WITHOUT ROWID;
-"""
+""" + VECTORS_SCHEMA
 # A search scores every chunk that holds any of its words: only the rarest few are kept
 # (the code around a cursor has dozens of identifiers, and the common ones weigh ~0 in
 # BM25 while costing the most).
@@ -71,6 +85,8 @@ class UpdateStats:
     rechunked: int  # files read and chunked again
     removed: int  # files gone from the source
     seconds: float
+    embedded: int = 0  # chunks given a vector
+    embed_seconds: float = 0.0  # of ``seconds``
 
 
 @dataclass(frozen=True)
@@ -143,9 +159,12 @@ class Index:
         self.db.close()
 
     def update(self, max_bytes: int = MAX_FILE_BYTES,
-               progress: Callable[[int, int], None] | None = None) -> UpdateStats:
+               progress: Callable[[int, int], None] | None = None,
+               embedding: Embedding | None = None,
+               embed_progress: Callable[[int, int], None] | None = None) -> UpdateStats:
         """Bring the index in line with its source; ``progress(done, total)`` after
-        each file read and chunked again."""
+        each file read and chunked again. With ``embedding``, every chunk without a
+        vector gets one (``embed_progress`` after each batch), once the chunks are in."""
         t0 = time.monotonic()
         # Every file is read through the folder's descriptor, never by path
         # (forged.retrieval.source): nothing outside the folder is ever read.
@@ -167,7 +186,12 @@ class Index:
                     self.db.execute("INSERT INTO terms SELECT term, doc FROM chunks_vocab")
                 self.db.execute("INSERT OR REPLACE INTO meta VALUES ('updated_at', ?)",
                                 (repr(time.time()),))
-        return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0)
+        # After the chunks' commit, in transactions of its own (forged.retrieval.vectors).
+        embedded = embed_missing(self.db, embedding, embed_progress) \
+            if embedding is not None else None
+        return UpdateStats(len(listed), len(changed), len(gone), time.monotonic() - t0,
+                           embedded.chunks if embedded else 0,
+                           embedded.seconds if embedded else 0.0)
 
     def _has_terms(self) -> bool:
         return self.db.execute("SELECT 1 FROM terms LIMIT 1").fetchone() is not None
@@ -181,11 +205,12 @@ class Index:
         if row is None:
             return
         first, n = row
-        if first is None:  # recorded before first_row existed
+        if first is None:  # recorded before first_row existed (and before vectors)
             self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
         elif n:
             self.db.execute("DELETE FROM chunks WHERE rowid >= ? AND rowid < ?",
                             (first, first + n))
+            forget(self.db, first, n)
         self.db.execute("DELETE FROM files WHERE path = ?", (path,))
 
     def _add(self, tree: SourceTree, path: str, version: str, max_bytes: int) -> None:
@@ -224,18 +249,39 @@ def info_db(db: sqlite3.Connection, name: str) -> IndexInfo:
                      float(updated) if updated else None)
 
 
+# A query's vector and the index's vectors (of the same model) to search with.
+Semantic = tuple[Matrix, npt.NDArray[np.float32]]
+
+
 def search_db(db: sqlite3.Connection, query: str, limit: int,
-              focus: Sequence[str] = ()) -> list[Hit]:
+              focus: Sequence[str] = (), semantic: Semantic | None = None) -> list[Hit]:
     """The ``limit`` best chunks of an index's database for ``query``, best first.
 
     ``focus``: names whose definitions come first (the name being called at a cursor:
     what a completion most needs to see), up to ``limit // 2 + 1`` of them, then the
-    rest by BM25 over the whole query."""
+    rest by BM25 over the whole query, fused with the nearest by meaning when
+    ``semantic`` is given (forged.retrieval.vectors)."""
     first = _ranked(db, _defining(focus), limit // 2 + 1) if focus else []
     seen = {(h.path, h.start_line) for h in first}
-    rest = [h for h in _ranked(db, fts_query(rarest(db, query_words(query))), limit)
-            if (h.path, h.start_line) not in seen]
+    words = fts_query(rarest(db, query_words(query)))
+    ranked = _ranked(db, words, limit) if semantic is None else \
+        _hybrid(db, words, semantic)
+    rest = [h for h in ranked if (h.path, h.start_line) not in seen]
     return (first + rest)[:limit]
+
+
+def _hybrid(db: sqlite3.Connection, words: str, semantic: Semantic) -> list[Hit]:
+    lexical = _ranked(db, words, FUSE_DEPTH)
+    rowids = nearest(semantic[0], semantic[1], FUSE_DEPTH)
+    marks = ", ".join("?" * len(rowids))
+    rows = {r: Hit(p, int(s), int(e), 0.0, t) for r, p, s, e, t in db.execute(
+        f"SELECT rowid, path, start_line, end_line, text FROM chunks WHERE rowid IN "
+        f"({marks})", rowids)} if rowids else {}
+    near = [rows[r] for r in rowids if r in rows]
+    hits = {(h.path, h.start_line): h for h in [*near, *lexical]}
+    fused = fuse([[(h.path, h.start_line) for h in lexical],
+                  [(h.path, h.start_line) for h in near]])
+    return [dataclasses.replace(hits[k], score=score) for k, score in fused]
 
 
 def _ranked(db: sqlite3.Connection, match: str, limit: int) -> list[Hit]:

@@ -1,0 +1,168 @@
+"""Hybrid retrieval (issue 36): chunks' vectors kept beside FTS5 in the index, embedded
+only when missing, and a search that fuses BM25 with the nearest by meaning; then the
+same through ``forged index add`` and ``/v1/retrieve`` with the tiny BERT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import trio
+
+from forged.engine.kvdisk import model_identity
+from forged.indexembed import index_embedding
+from forged.retrieval.query import Searcher
+from forged.retrieval.store import Index
+from forged.retrieval.vectors import Embedding, fuse
+from tests.conftest import DaemonFactory
+
+# A stand-in model that knows two "meanings": texts about adding and texts about
+# waiting, whatever words they use.
+TOPICS = {"add": ("sum", "plus", "total", "add"), "wait": ("sleep", "pause", "wait")}
+
+
+def concept(text: str) -> bytes:
+    v = np.array([sum(text.count(w) for w in words) for words in TOPICS.values()]
+                 + [0.01], dtype="<f4")
+    return (v / np.linalg.norm(v)).astype("<f4").tobytes()
+
+
+class Counting:
+    def __init__(self, model: str = "concepts") -> None:
+        self.texts: list[str] = []
+        self.model = model
+
+    def embedding(self) -> Embedding:
+        return Embedding(self.model, self.embed, batch=2)
+
+    def embed(self, texts: list[str]) -> list[bytes]:
+        self.texts += texts
+        return [concept(t) for t in texts]
+
+
+def repo(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "maths.py").write_text("def combine(a, b):\n    # the sum of both\n"
+                                   "    return a + b  # plus\n")
+    (root / "timing.py").write_text("def hold(seconds):\n    # sleep a while\n"
+                                    "    time.sleep(seconds)  # pause\n")
+    (root / "other.py").write_text("def unrelated(x):\n    return x\n")
+    return root
+
+
+def vectors(idx: Index) -> int:
+    return int(idx.db.execute("SELECT count(*) FROM vectors").fetchone()[0])
+
+
+def test_chunks_are_embedded_once_and_again_only_when_they_change(tmp_path: Path) -> None:
+    src = repo(tmp_path / "src")
+    counting = Counting()
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        stats = idx.update(embedding=counting.embedding())
+        assert stats.embedded == 3 == vectors(idx)
+        assert all(t.split("\n")[0].endswith(".py") for t in counting.texts)  # path first
+        assert idx.update(embedding=counting.embedding()).embedded == 0
+        (src / "maths.py").write_text("def combine(a, b):\n    return a + b\n")
+        (src / "other.py").unlink()
+        stats = idx.update(embedding=counting.embedding())
+        assert stats.embedded == 1 and vectors(idx) == 2
+        assert counting.texts[-1].startswith("maths.py\n")
+        # Another model's vectors are not comparable: all of them are made again.
+        assert idx.update(embedding=Counting("other").embedding()).embedded == 2
+        # Without an embedding model, an update leaves the vectors as they are.
+        assert idx.update().embedded == 0 and vectors(idx) == 2
+
+
+def test_a_search_by_meaning_finds_what_no_word_matches(tmp_path: Path) -> None:
+    src = repo(tmp_path / "src")
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        idx.update(embedding=Counting().embedding())
+    searcher = Searcher(tmp_path / "index")
+    query = "total amount"  # no word of the code matches
+    assert searcher.search("demo", query, 3) == []
+    hits = searcher.search("demo", query, 3, vector=concept(query), model="concepts")
+    assert hits[0].path == "maths.py"
+    hits = searcher.search("demo", "wait a moment", 3, vector=concept("wait"),
+                           model="concepts")
+    assert hits[0].path == "timing.py"
+    # A vector of another model than the index's is not used.
+    assert searcher.search("demo", query, 3, vector=concept(query), model="x") == []
+
+
+def test_reciprocal_rank_fusion_puts_what_both_find_first() -> None:
+    a, b, c = ("a.py", 1), ("b.py", 1), ("c.py", 1)
+    fused = fuse([[a, b], [c, b]])
+    assert [k for k, _ in fused] == [b, a, c]
+    assert fused[0][1] > fused[1][1] == fused[2][1]
+
+
+def test_the_searcher_reads_the_vectors_again_after_an_update(tmp_path: Path) -> None:
+    src = repo(tmp_path / "src")
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        idx.update(embedding=Counting().embedding())
+        searcher = Searcher(tmp_path / "index")
+        q = concept("sleep")
+        assert searcher.search("demo", "x", 1, vector=q, model="concepts")[0].path == \
+            "timing.py"
+        (src / "timing.py").unlink()
+        idx.update(embedding=Counting().embedding())
+        assert searcher.search("demo", "x", 1, vector=q, model="concepts")[0].path != \
+            "timing.py"
+
+
+def config_with_bert(tmp_path: Path, tiny_model: Path, tiny_bert: Path) -> Path:
+    config = tmp_path / "forged.toml"
+    config.write_text(f'[model]\npath = "{tiny_model}"\n[server]\nstate_dir = '
+                      f'"{tmp_path / "state"}"\n[[models]]\npath = "{tiny_bert}"\n'
+                      f'name = "bert"\n')
+    return config
+
+
+def test_index_add_embeds_with_the_configs_embedding_model(
+        tmp_path: Path, tiny_model: Path, tiny_bert: Path) -> None:
+    src = repo(tmp_path / "src")
+    config = config_with_bert(tmp_path, tiny_model, tiny_bert)
+    run = subprocess.run([sys.executable, "-m", "forged", "index", "add", "demo", str(src),
+                          "--config", str(config)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "3 chunks embedded" in run.stderr and "nice 19" in run.stderr
+    with Index.open(tmp_path / "state" / "index", "demo") as idx:
+        assert vectors(idx) == 3
+        row = idx.db.execute("SELECT value FROM meta WHERE key = 'embed_model'").fetchone()
+        assert row[0] == model_identity(str(tiny_bert))
+    (src / "other.py").write_text("def changed(y):\n    return y\n")
+    run = subprocess.run([sys.executable, "-m", "forged", "index", "update", "demo",
+                          "--no-embed", "--config", str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "embedded" not in run.stderr, run.stderr
+    with Index.open(tmp_path / "state" / "index", "demo") as idx:
+        assert vectors(idx) == 2  # the changed file's chunk waits for the next update
+
+
+async def test_retrieve_fuses_meaning_when_the_daemon_serves_the_indexs_model(
+        tmp_path: Path, tiny_model: Path, tiny_bert: Path,
+        start_daemon: DaemonFactory) -> None:
+    src = repo(tmp_path / "src")
+    # Not at nice 19: that would stay with the test process.
+    embedding = index_embedding(config_with_bert(tmp_path, tiny_model, tiny_bert), nice=0)
+    assert embedding is not None
+    with Index.create(tmp_path / "state" / "index", "demo", src) as idx:
+        assert idx.update(embedding=embedding).embedded == 3
+    query = "total amount"  # no word of the code: BM25 finds nothing
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert),
+                                                     "name": "bert"}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/retrieve", json={"repo": "demo", "query": query, "k": 3})
+            assert r.status_code == 200, r.text
+            # The tiny BERT's weights are random: which chunk is nearest means nothing,
+            # but that chunks are found by meaning at all shows the fusion ran.
+            assert len(r.json()["data"]) == 3
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/retrieve", json={"repo": "demo", "query": query, "k": 3})
+            assert r.status_code == 200 and r.json()["data"] == []  # BM25 alone
