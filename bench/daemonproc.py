@@ -20,7 +20,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(path: Path, model: Path, port: int, **sections: dict[str, Any]) -> Path:
+def write_config(path: Path, model: Path, port: int, **sections: Any) -> Path:
+    """A config on loopback; each of ``sections`` a table's keys over the defaults, or a
+    list of tables (``models=[{...}]`` for ``[[models]]``)."""
+    tables: dict[str, list[dict[str, Any]]] = {
+        name: values for name, values in sections.items() if isinstance(values, list)}
     raw: dict[str, dict[str, Any]] = {
         "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"unix:{path.parent}/admin.sock",
                    "drain_timeout": 10.0, "state_dir": str(path.parent / "state")},
@@ -28,13 +32,25 @@ def write_config(path: Path, model: Path, port: int, **sections: dict[str, Any])
         "model": {"path": str(model)},
     }
     for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
+        if name not in tables:
+            raw.setdefault(name, {}).update(values)
     lines = []
     for name, values in raw.items():
         lines.append(f"[{name}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    for name, listed in tables.items():
+        for values in listed:
+            lines.append(f"[[{name}]]")
+            lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _toml(value: Any) -> str:
+    # JSON is TOML for strings, numbers, booleans and lists; a table is inline.
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
 
 
 def health_ok(url: str, timeout: float = 1.0) -> bool:

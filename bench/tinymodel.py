@@ -138,3 +138,55 @@ if __name__ == "__main__":
     import sys
 
     write_tiny_llama(Path(sys.argv[1]), fim="--fim" in sys.argv)
+
+
+# A tiny BERT for embedding tests: a WordPiece vocabulary of BERT's specials, lower-
+# case letters, digits and a few words and continuations, written by the same code that
+# converts a real one (forged.convert), from Hugging Face's tensor names.
+BERT_EMBD, BERT_LAYER, BERT_HEAD, BERT_FF, BERT_CTX = 32, 2, 4, 64, 128
+_BERT_WORDS = ["def", "return", "class", "import", "the", "function", "error", "test",
+               "##ing", "##ed", "(", ")", ":", ".", ",", "=", "_"]
+
+
+def _bert_vocab() -> list[str]:
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    digits = [str(d) for d in range(10)]
+    return [*specials, *letters, *(f"##{c}" for c in letters + digits), *digits,
+            *_BERT_WORDS]
+
+
+def write_tiny_bert(path: Path, seed: int = 0) -> Path:
+    from forged.convert import write_bert
+
+    rng = np.random.default_rng(seed)
+    vocab = _bert_vocab()
+    config = {"max_position_embeddings": BERT_CTX, "hidden_size": BERT_EMBD,
+              "intermediate_size": BERT_FF, "num_hidden_layers": BERT_LAYER,
+              "num_attention_heads": BERT_HEAD, "type_vocab_size": 2}
+
+    def r(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    tensors = {"embeddings.word_embeddings.weight": r(len(vocab), BERT_EMBD),
+               "embeddings.position_embeddings.weight": r(BERT_CTX, BERT_EMBD),
+               "embeddings.token_type_embeddings.weight": r(2, BERT_EMBD),
+               "embeddings.LayerNorm.weight": np.ones(BERT_EMBD, np.float32),
+               "embeddings.LayerNorm.bias": np.zeros(BERT_EMBD, np.float32)}
+    for i in range(BERT_LAYER):
+        p = f"encoder.layer.{i}."
+        for name, shape in (("attention.self.query", (BERT_EMBD, BERT_EMBD)),
+                            ("attention.self.key", (BERT_EMBD, BERT_EMBD)),
+                            ("attention.self.value", (BERT_EMBD, BERT_EMBD)),
+                            ("attention.output.dense", (BERT_EMBD, BERT_EMBD)),
+                            ("intermediate.dense", (BERT_FF, BERT_EMBD)),
+                            ("output.dense", (BERT_EMBD, BERT_FF))):
+            tensors[p + name + ".weight"] = r(*shape)
+            tensors[p + name + ".bias"] = r(shape[0])
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            tensors[p + norm + ".weight"] = np.ones(BERT_EMBD, np.float32)
+            tensors[p + norm + ".bias"] = np.zeros(BERT_EMBD, np.float32)
+    specials = {t for t in vocab if t.startswith("[")}
+    write_bert(path, config, vocab, specials, tensors, pooling=gguf.PoolingType.MEAN,
+               name="forged-tiny-bert")
+    return path

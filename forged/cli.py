@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 import trio
@@ -24,6 +24,9 @@ import trio
 from forged import __version__
 from forged import config as fc
 from forged.daemon.startup import check_gguf_header, model_key
+
+if TYPE_CHECKING:
+    from forged.retrieval.vectors import Embedding
 
 
 def logfmt_value(value: object) -> str:
@@ -206,6 +209,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"forged: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=2) if args.json else render(stats))
+    return 0
+
+
+def _index_embedding(config_path: Path) -> Embedding | None:
+    """The config's embedding model for ``forged index``: imported only when a command
+    embeds (it loads llama.cpp)."""
+    from forged.indexembed import index_embedding
+
+    return index_embedding(config_path)
+
+
+def cmd_model_convert(args: argparse.Namespace) -> int:
+    """Write a BERT embedding model as a GGUF; 1 if the source is not one."""
+    try:
+        from forged.convert import ConvertError, convert_bert
+    except ImportError as exc:
+        fatal(f"forged model convert needs the gguf and safetensors packages ({exc}): "
+              "pip install 'forged[convert]'")
+        return 1
+    try:
+        out = convert_bert(Path(args.source), Path(args.output), name=args.name)
+    except ConvertError as exc:
+        fatal(str(exc))
+        return 1
+    print(f"{out}: written")
     return 0
 
 
@@ -397,6 +425,13 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     planned.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     planned.add_argument("--json", action="store_true", help="as JSON")
     planned.set_defaults(func=cmd_model_plan)
+    convert = model_sub.add_parser("convert", help="a BERT embedding model (Hugging Face "
+                                   "safetensors and tokenizer.json) as a GGUF, without torch")
+    convert.add_argument("source", help="the folder with config.json, tokenizer.json and "
+                         "model.safetensors (and 1_Pooling/ for sentence-transformers)")
+    convert.add_argument("output", help="the GGUF to write")
+    convert.add_argument("--name", default="", help="the model's name in the GGUF")
+    convert.set_defaults(func=cmd_model_convert)
 
 
 # One example per command, shown under its --help (and in the man page).
@@ -421,6 +456,7 @@ EXAMPLES = {
     "forged model": "sudo forged model swap /usr/share/forged/models/coder.gguf",
     "forged model swap": "sudo forged model swap /usr/share/forged/models/coder.gguf",
     "forged model plan": "forged model plan --config /etc/forged/forged.toml",
+    "forged model convert": "forged model convert all-MiniLM-L6-v2/ minilm.gguf",
     "forged report": "sudo forged report --since 2026-12-01",
     "forged bench": "forged bench --url http://127.0.0.1:8080 --concurrency 1,8,32 "
                     "--api-key fgd-...",
@@ -471,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys_commands(sub)
     from forged.retrieval.cli import add_index_commands
 
-    add_index_commands(sub)
+    add_index_commands(sub, _index_embedding)
     status = sub.add_parser("status", help="summarise a running daemon")
     status.add_argument("--config", default=str(fc.DEFAULT_CONFIG_PATH))
     status.add_argument("--admin", help="admin listener: unix:PATH or HOST:PORT "

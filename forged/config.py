@@ -91,9 +91,11 @@ class ModelConfig(_Section, frozen=True):
     # a small FIM model beside a large chat model is sized apart.
     engine: dict[str, Any] = {}
     # Which requests naming no model it serves: "fim" (/infill, completions with a
-    # suffix) or "chat" (chat and other completions). Empty: from the GGUF, "fim" if
-    # it has fill-in-the-middle tokens, else "chat" (docs/operations.md, "Roles").
-    role: Literal["", "chat", "fim"] = ""
+    # suffix), "chat" (chat and other completions) or "embed" (embeddings: an
+    # embedding model, which serves nothing else). Empty: from the GGUF, "embed" if it
+    # pools (an embedding model), "fim" if it has fill-in-the-middle tokens, else
+    # "chat" (docs/operations.md, "Roles").
+    role: Literal["", "chat", "fim", "embed"] = ""
 
     @property
     def model_id(self) -> str:

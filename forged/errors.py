@@ -25,6 +25,18 @@ class ModelNotFound(ForgedError):
         self.model = model
 
 
+class NotServedHere(BadRequest):
+    """The model exists but does not serve this kind of request: an embedding model
+    asked to generate, or a generation model asked for embeddings."""
+
+    def __init__(self, model: str, embed: bool) -> None:
+        what = ("is not an embedding model: no embedding model serves this request"
+                if embed else "is an embedding model: it makes embeddings only")
+        super().__init__(f"The model `{model}` {what}.", param="model",
+                         code="model_not_supported")
+        self.model = model
+
+
 class Overloaded(ForgedError):
     """No room in the queue. The caller should retry after ``retry_after`` seconds."""
 

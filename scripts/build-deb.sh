@@ -1,7 +1,9 @@
 #!/bin/sh
-# Build forged_<version>_amd64.deb and forged-model-smollm2_<version>_all.deb.
+# Build forged_<version>_amd64.deb, forged-model-smollm2_<version>_all.deb and
+# forged-model-minilm_<version>_all.deb (the embedding model).
 # Usage: scripts/build-deb.sh [OUT_DIR]   (default build/deb)
-# Needs: make setup (the dev venv builds the llama-cpp-python wheel) and make model.
+# Needs: make setup (the dev venv builds the llama-cpp-python wheel, make model and
+# make embed-model).
 set -eu
 cd "$(dirname "$0")/.."
 out=${1:-build/deb}
@@ -46,7 +48,7 @@ for unit in service timer; do
     cp "systemd/forged-index.$unit" "$src/debian/forged.forged-index.$unit"
 done
 mkdir -p "$src/models"
-cp models/SmolLM2-135M-Instruct.Q4_1.gguf "$src/models/"
+cp models/SmolLM2-135M-Instruct.Q4_1.gguf models/all-MiniLM-L6-v2.f16.gguf "$src/models/"
 (cd "$src" && FORGED_WHEELHOUSE="$wheelhouse" dpkg-buildpackage -us -uc -b >../build.log 2>&1) || {
     tail -40 build/deb-src/build.log >&2
     exit 1

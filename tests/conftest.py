@@ -11,7 +11,7 @@ import trio
 
 from forged import config as fc
 from forged.daemon.lifespan import Daemon
-from tests.tinymodel import write_tiny_llama
+from tests.tinymodel import write_tiny_bert, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,6 +26,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with fill-in-the-middle tokens in its vocabulary."""
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-fim.gguf", fim=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT embedding model (random weights, mean pooling)."""
+    return write_tiny_bert(tmp_path_factory.mktemp("models") / "tiny-bert.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ API = "http://127.0.0.1:8080"
 
 def _debs() -> list[Path]:
     debs = sorted(DEB_DIR.glob("forged*_*.deb"))
-    if len(debs) != 2:
+    if len(debs) != 3:
         pytest.fail(f"build the packages first (make deb): found {debs} in {DEB_DIR}")
     return debs
 
@@ -144,6 +144,32 @@ def test_3_completion_and_streamed_chat(box: BootedContainer) -> None:
                 f"-H 'Content-Type: application/json' -d '{body}'")
     frames = [line for line in r.stdout.splitlines() if line.startswith("data: ")]
     assert frames[-1] == "data: [DONE]" and len(frames) >= 3
+
+
+def test_3b_embeddings_from_the_model_package(box: BootedContainer) -> None:
+    """The embedding model's package, added as a [[models]] table: /v1/embeddings
+    answers with its 384 dimensions, and `forged index add` (as root, becoming the
+    daemon's user) embeds a folder's chunks with it at nice 19. The config is put back
+    after."""
+    box.run("cp /etc/forged/forged.toml /root/forged.toml.orig")
+    box.run("printf '\\n[[models]]\\npath = \"/usr/share/forged/models/"
+            "all-MiniLM-L6-v2.f16.gguf\"\\nname = \"minilm\"\\n' >> /etc/forged/forged.toml")
+    box.run("systemctl restart forged", timeout=120)
+    body = json.dumps({"input": ["def add(a, b):", "a function that sums"]})
+    r = box.run(f"curl -sf --max-time 60 {API}/v1/embeddings "
+                f"-H 'Content-Type: application/json' -d '{body}'", timeout=90)
+    out = json.loads(r.stdout)
+    assert out["model"] == "minilm" and len(out["data"][1]["embedding"]) == 384
+    box.run("mkdir -p /srv/demo && printf 'def add(a, b):\\n    return a + b\\n' "
+            "> /srv/demo/maths.py && chmod -R a+rX /srv/demo")
+    r = box.run("forged index add demo /srv/demo", timeout=120)
+    assert "1 chunks embedded" in r.stderr and "nice 19" in r.stderr, r.stderr
+    body = json.dumps({"repo": "demo", "query": "summing two numbers", "k": 1})
+    r = box.run(f"curl -sf --max-time 60 {API}/v1/retrieve "
+                f"-H 'Content-Type: application/json' -d '{body}'", timeout=90)
+    assert json.loads(r.stdout)["data"][0]["path"] == "maths.py"  # found by meaning
+    box.run("forged index rm demo && cp /root/forged.toml.orig /etc/forged/forged.toml")
+    box.run("systemctl restart forged", timeout=120)
 
 
 def test_4_reload_applies_a_new_limit_and_keeps_streams(box: BootedContainer) -> None:
@@ -329,12 +355,12 @@ def test_8_upgrade_restarts_once_and_keeps_the_admins_config(
 def test_9_remove_keeps_the_conffile_and_purge_removes_it(box: BootedContainer) -> None:
     box.run("mkdir -p /var/lib/forged && echo x > /var/lib/forged/state")
     box.run("systemctl stop forged.socket forged", timeout=120)
-    box.run("dpkg -r forged forged-model-smollm2", timeout=300)
+    box.run("dpkg -r forged forged-model-smollm2 forged-model-minilm", timeout=300)
     assert box.run("test -f /etc/forged/forged.toml", check=False).returncode == 0
     assert box.run("test -e /usr/lib/forged", check=False).returncode != 0
     assert box.run("test -e /usr/bin/forged", check=False).returncode != 0
     assert box.run("test -e /usr/share/forged/models", check=False).returncode != 0
-    box.run("dpkg -P forged forged-model-smollm2", timeout=300)
+    box.run("dpkg -P forged forged-model-smollm2 forged-model-minilm", timeout=300)
     assert box.run("test -e /etc/forged", check=False).returncode != 0
     assert box.run("test -e /var/lib/forged", check=False).returncode != 0
     # Debian policy: the system user stays, so files it owned elsewhere keep an owner.

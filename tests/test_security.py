@@ -29,7 +29,7 @@ ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots"
           "step_tokens": 64}
 
 
-def start(tmp: Path, model: Path, **sections: dict[str, Any]) -> DaemonProcess:
+def start(tmp: Path, model: Path, **sections: Any) -> DaemonProcess:
     port = free_port()
     sections.setdefault("engine", ENGINE)
     d = DaemonProcess(write_config(tmp / "forged.toml", model, port, **sections), port,
@@ -362,7 +362,9 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           # the dialects': Anthropic's, OpenAI's Responses, Ollama's
           "system", "stop_sequences", "metadata", "thinking", "output_config", "input",
           "instructions", "max_output_tokens", "previous_response_id", "text",
-          "options", "raw", "format", "keep_alive", "think"]
+          "options", "raw", "format", "keep_alive", "think",
+          # issue 36: the embedding routes'
+          "encoding_format", "dimensions", "truncate", "embd_normalize", "user"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
                                                          st.integers(-5, 600)), max_size=4))
 good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bogus"]),
@@ -494,7 +496,10 @@ structured = st.fixed_dictionaries({}, optional={
         {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=10)}),
         max_size=2), values),
     "stop_sequences": st.one_of(st.lists(st.text(max_size=5), max_size=3), values),
-    "input": st.one_of(st.text(max_size=30), st.lists(good_message, max_size=2), values),
+    "input": st.one_of(st.text(max_size=30), st.lists(good_message, max_size=2),
+                       st.lists(st.integers(-5, 200), max_size=6),
+                       st.lists(st.text(max_size=300), max_size=40),
+                       st.just(["def f(x):\n    return x\n" * 60] * 3), values),
     "instructions": st.one_of(st.text(max_size=20), values),
     "max_output_tokens": st.one_of(st.integers(-1, 20), values),
     "previous_response_id": st.one_of(st.text(max_size=12), values),
@@ -502,6 +507,10 @@ structured = st.fixed_dictionaries({}, optional={
         ["temperature", "num_predict", "top_k", "mirostat", "tfs_z", "typical_p",
          "num_ctx", "stop", "seed", "repeat_last_n"]), values, max_size=3), values),
     "raw": values, "format": st.one_of(st.just("json"), values), "think": values,
+    # issue 36: embeddings (input as text and token ids is above, and content)
+    "encoding_format": st.one_of(st.sampled_from(["float", "base64", "int8"]), values),
+    "dimensions": st.one_of(st.integers(-1, 64), values),
+    "truncate": values, "embd_normalize": st.one_of(st.integers(-1, 3), values),
 })
 def _short(d: dict[str, Any]) -> dict[str, Any]:
     """Generations of at most 4 tokens (-1 would run to the context's end): this is
@@ -532,12 +541,15 @@ ENDPOINTS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("POST", "/apply-template"), ("POST", "/v1/messages"),
              ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
              ("GET", "/v1/responses/resp_nope"), ("POST", "/api/chat"),
-             ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags")]
+             ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags"),
+             ("POST", "/v1/embeddings"), ("POST", "/embedding"), ("POST", "/api/embed"),
+             ("POST", "/api/embeddings")]
 # llama.cpp's routes whose events end with the last one, without [DONE].
 NO_DONE = ("/infill", "/completion", "/completions")
 
 
-def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
+def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path,
+                                       tiny_bert: Path) -> None:
     """Over 5,000 generated bodies: never a 5xx, always a well-formed answer; then the
     daemon is healthy and holds nothing. One test, with its own daemon, so that what it
     counts and checks does not depend on which tests ran before it."""
@@ -545,8 +557,10 @@ def test_fuzz_every_endpoint_never_5xx(tmp_path: Path, fim_model: Path) -> None:
     # generation on a busy machine would only test the client's patience.
     # The tiny model with FIM tokens: /infill and `suffix` run, not only refuse.
     rag_index(tmp_path)  # under the daemon's state_dir: searches run, not only refuse
+    # And an embedding model: the embedding routes compute, not only refuse.
     d = start(tmp_path, fim_model, engine={**ENGINE, "max_running": 16},
-              limits={"max_queued": 1024, "default_max_tokens": 16})
+              limits={"max_queued": 1024, "default_max_tokens": 16},
+              models=[{"path": str(tiny_bert), "name": "bert"}])
     posted: list[tuple[str, str, bytes]] = []
     restarts = worker_restarts(d)
     try:

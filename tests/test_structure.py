@@ -16,7 +16,8 @@ MAX_FUNCTION_LINES = 40
 SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
            "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
            "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py",
-           "forged/engine/logprobs.py", "forged/agent/weight.py"]
+           "forged/engine/logprobs.py", "forged/engine/embedcore.py",
+           "forged/agent/weight.py"]
 # (modules, what they must never import)
 NEVER = [
     (SANS_IO, ("trio", "llama_cpp", "forged.engine.backend", "forged.engine.worker",

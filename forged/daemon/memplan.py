@@ -87,7 +87,8 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
         engine = cfg.for_model(model).engine
         prompter = open_prompter(config_path, model, key)
         try:
-            per_cell = prompter.model.kv_bytes_per_cell()
+            # An encoder (an embedding model) keeps no KV cache.
+            per_cell = 0 if prompter.embedding else prompter.model.kv_bytes_per_cell()
         finally:
             prompter.close()
         models.append(ModelPlan(key, model.model_id, Path(model.path).stat().st_size,

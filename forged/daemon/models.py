@@ -67,9 +67,10 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
                              f"cannot open: {exc.strerror}") from exc
     pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
                       cache_dir=kv_cache_dir(cfg.server.state_dir, file),
-                      model_fd=file.fd)
+                      model_fd=file.fd, embedding=prompter.embedding)
     return ModelGroup(number, model, prompter, pool, file,
                       memory=memory_bytes(prompter, model.path, cfg.engine))
+
 
 
 async def run_group(group: ModelGroup, *,
@@ -84,10 +85,15 @@ async def run_group(group: ModelGroup, *,
 
 
 async def warm_up(group: ModelGroup) -> None:
-    """One greedy token through the group: its workers load, decode and answer."""
-    prompt = group.prompter.encode_completion("Hello") or [0]
-    request = Request(prompt=prompt, max_tokens=1, sampling=Sampling(temperature=0.0),
-                      cache=False)
+    """One greedy token (an embedding model: one embedding) through the group: its
+    workers load, compute and answer."""
+    if group.pool.embedding:
+        prompt = group.prompter.tokenize("Hello", add_special=True, parse_special=False)
+        request = Request(prompt=prompt, max_tokens=0, inputs=[len(prompt)])
+    else:
+        prompt = group.prompter.encode_completion("Hello") or [0]
+        request = Request(prompt=prompt, max_tokens=1, sampling=Sampling(temperature=0.0),
+                          cache=False)
     async with group.pool.open_request(request) as rs:
         while not rs.finished:
             for ev in await rs.receive():

@@ -76,7 +76,7 @@ def open_prompter(config_path: Path | str, model: fc.ModelConfig,
 
     check_gguf_header(config_path, model, key)
     try:
-        return Prompter(model.path, model.chat_template)
+        prompter = Prompter(model.path, model.chat_template)
     except BackendError as exc:
         raise fc.ConfigError(f"{config_path}: {key}.path: {model.path}: llama.cpp "
                              "cannot load it (a damaged or unsupported GGUF file)") from exc
@@ -84,3 +84,17 @@ def open_prompter(config_path: Path | str, model: fc.ModelConfig,
         where = f"{key}.chat_template" if model.chat_template else \
             f"{key}.path: {model.path}: its chat template"
         raise fc.ConfigError(f"{config_path}: {where}: {exc}".replace("\n", " ")) from exc
+    if why := _role_problem(model, prompter.embedding):
+        prompter.close()
+        raise fc.ConfigError(f"{config_path}: {key}.role: \"{model.role}\", but "
+                             f"{model.path} {why}")
+    return prompter
+
+
+def _role_problem(model: fc.ModelConfig, embedding: bool) -> str:
+    """An embedding model serves embeddings only, and only it does."""
+    if model.role == "embed" and not embedding:
+        return "pools nothing: it is not an embedding model"
+    if embedding and model.role not in ("", "embed"):
+        return "is an embedding model: it makes embeddings only"
+    return ""

@@ -162,6 +162,14 @@ class Model(_Closing):
         """Whether the model wants BOS at the start of a prompt."""
         return bool(ll.llama_vocab_get_add_bos(self.vocab))
 
+    @property
+    def pools(self) -> bool:
+        """Whether the GGUF pools a text to one vector (mean, CLS or last token): an
+        embedding model, which forged serves embeddings from and nothing else."""
+        return self._hparam("pooling_type") in (ll.LLAMA_POOLING_TYPE_MEAN,
+                                                ll.LLAMA_POOLING_TYPE_CLS,
+                                                ll.LLAMA_POOLING_TYPE_LAST)
+
     def fim_tokens(self) -> FimTokens | None:
         """The vocabulary's fill-in-the-middle tokens; None without prefix, suffix and
         middle (llama.cpp reports an absent one as -1)."""
@@ -224,6 +232,10 @@ class Model(_Closing):
         return buf.raw[:n].decode("utf-8", "replace")
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
+        if not 0 <= token < self.n_vocab:
+            # A model without one (a BERT has no EOS: -1) or a bad id: llama.cpp would
+            # throw out_of_range through C, which aborts the process.
+            return b""
         buf = self._piece_buf
         n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -672,4 +684,76 @@ class Llama(_Closing):
 
     def close(self) -> None:
         self.ctx.close()
+        self.model.close()
+
+
+class Embedder(_Closing):
+    """An embedding model and its context as :class:`forged.engine.embedcore.
+    EmbedBackend`: every input its own sequence in one batch, pooled by the model's own
+    pooling (a GGUF without one is refused: its tokens' vectors are not a text's)."""
+
+    def __init__(self, model_path: str, params: ContextParams) -> None:
+        self.model = Model(model_path)
+        try:
+            self._ptr = self._context(params)
+        except BaseException:
+            self.model.close()
+            raise
+        self.n_embd: int = self.model.n_embd
+        self.params = params
+        self._mem = ll.llama_get_memory(self._ptr)  # None for an encoder without a cache
+        self._batch = ll.llama_batch_init(params.n_batch, 0, 1)
+
+    def _context(self, p: ContextParams) -> Any:
+        cp = ll.llama_context_default_params()
+        # An encoder computes a sequence in one micro-batch: the batch is the context.
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = p.n_batch
+        cp.n_seq_max = p.n_seq_max
+        cp.n_threads = cp.n_threads_batch = p.threads
+        cp.embeddings = True
+        cp.kv_unified = True  # one stream: llama.cpp would split n_ctx per sequence
+        cp.no_perf = True
+        ptr = ll.llama_init_from_model(self.model.ptr, cp)
+        if not ptr:
+            raise BackendError("llama.cpp could not create a context (out of memory?)")
+        if ll.llama_pooling_type(ptr) in (ll.LLAMA_POOLING_TYPE_NONE,
+                                          ll.LLAMA_POOLING_TYPE_RANK):
+            ll.llama_free(ptr)
+            raise BackendError("the model pools no text to one vector (pooling none "
+                               "or rank): it is not an embedding model forged serves")
+        return ptr
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> bytes:
+        b, n = self._batch, 0
+        total = sum(len(x) for x in inputs)
+        if total > self.params.n_batch or not total or len(inputs) > self.params.n_seq_max:
+            # llama.cpp would abort() the process; refuse here instead.
+            raise ValueError(f"an embedding batch of {total} tokens in {len(inputs)} "
+                             f"inputs, outside {self.params.n_batch} and "
+                             f"{self.params.n_seq_max}")
+        for seq, toks in enumerate(inputs):
+            for pos, tok in enumerate(toks):
+                b.token[n], b.pos[n], b.n_seq_id[n] = tok, pos, 1
+                b.seq_id[n][0] = seq
+                b.logits[n] = True  # pooling reads every token's output
+                n += 1
+        b.n_tokens = n
+        if self._mem:
+            ll.llama_memory_clear(self._mem, True)
+        status = ll.llama_decode(self._ptr, b)
+        if status != 0:
+            raise DecodeError(status)
+        rows = np.empty((len(inputs), self.n_embd), dtype="<f4")
+        for seq in range(len(inputs)):
+            rows[seq] = np.ctypeslib.as_array(ll.llama_get_embeddings_seq(self._ptr, seq),
+                                              shape=(self.n_embd,))
+        norms = np.linalg.norm(rows, axis=1, keepdims=True)
+        unit: npt.NDArray[np.float32] = (rows / np.maximum(norms, 1e-12)).astype("<f4")
+        return unit.tobytes()
+
+    def close(self) -> None:
+        if self._ptr:
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ptr)
+            self._ptr = None
         self.model.close()

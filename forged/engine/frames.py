@@ -43,6 +43,8 @@ class Init(_Frame, tag="init"):
     # it (llama.cpp's threads spin, and two sets of them on the same cores stall
     # both). Renice brings it back once it serves.
     nice: int = 0
+    # An embedding model's worker (forged.engine.embedcore): it pools, it never samples.
+    embedding: bool = False
 
 
 class Submit(_Frame, tag="submit"):
@@ -159,6 +161,9 @@ class Done(msgspec.Struct, tag="done", tag_field="e", forbid_unknown_fields=True
     stop_reason: str | int | None = None
     index: int = 0  # the choice
     logprobs: list[TokenLogprob] | None = None  # as Delta's, for ``text``
+    # An embedding request's answer: one unit-length vector per input, float32
+    # little-endian, one after another (the model's embedding length each).
+    embeddings: bytes = b""
 
     @property
     def finish_reason(self) -> FinishReason:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import trio
 
 from forged.config import EngineConfig, ModelConfig
-from forged.errors import ModelNotFound
+from forged.errors import ModelNotFound, NotServedHere
 
 if TYPE_CHECKING:
     from forged.engine.pool import EnginePool
@@ -45,7 +45,8 @@ def memory_bytes(prompter: Prompter, path: str, engine: EngineConfig) -> int:
     """What a group of this model allocates: the weights (the file, mapped) and each
     worker's KV cache. Compute buffers and the RAM tier of saved states are not
     counted: the first are small beside these, the second grows within its budget."""
-    kv = prompter.model.kv_bytes_per_cell() * engine.kv_cells
+    # An encoder keeps no KV cache.
+    kv = 0 if prompter.embedding else prompter.model.kv_bytes_per_cell() * engine.kv_cells
     return os.path.getsize(path) + engine.workers * kv
 
 
@@ -101,8 +102,13 @@ class ModelGroup:
     @property
     def role(self) -> str:
         """What it serves of the requests that name no model: as configured, else
-        "fim" when its GGUF has fill-in-the-middle tokens, else "chat"."""
-        return self.model.role or ("fim" if self.prompter.fim is not None else "chat")
+        "embed" when its GGUF pools (an embedding model), "fim" when it has
+        fill-in-the-middle tokens, else "chat"."""
+        if self.model.role:
+            return self.model.role
+        if self.prompter.embedding:
+            return "embed"
+        return "fim" if self.prompter.fim is not None else "chat"
 
     @contextmanager
     def use(self) -> Iterator[ModelGroup]:
@@ -195,18 +201,31 @@ class Models:
     def all(self) -> list[ModelGroup]:
         return [*self.serving, *self.others]
 
-    def resolve(self, model: str | None, *, fim: bool = False) -> ModelGroup:
+    def resolve(self, model: str | None, *, fim: bool = False,
+                embed: bool | None = False) -> ModelGroup:
         """The serving group ``model`` names; ModelNotFound if none does. None: the
-        first whose role fits the request (``fim``: fill-in-the-middle), else the
-        default, [model]'s: editors send no model name, and an appliance serving a chat
-        model and a small FIM model must send each request to the right one."""
-        if model is None:
-            role = "fim" if fim else "chat"
-            return next((g for g in self.serving if g.role == role), self.default)
+        first whose role fits the request (``fim``: fill-in-the-middle; ``embed``:
+        embeddings), else the first generation model: editors send no model name, and
+        an appliance serving a chat model and a small FIM model must send each request
+        to the right one. An embedding model serves embeddings only, and only it does
+        (NotServedHere otherwise); ``embed`` None takes either (tokenizing)."""
+        group = self._named(model) if model is not None else self._by_role(
+            "embed" if embed else "fim" if fim else "chat")
+        if embed is not None and (group.role == "embed") != embed:
+            raise NotServedHere(group.model_id, embed)
+        return group
+
+    def _named(self, model: str) -> ModelGroup:
         for group in self.serving:
             if model in group.ids:
                 return group
         raise ModelNotFound(model)
+
+    def _by_role(self, role: str) -> ModelGroup:
+        fits = [g for g in self.serving if g.role == role]
+        if fits or role == "embed":
+            return fits[0] if fits else self.default  # the default then says why not
+        return next((g for g in self.serving if g.role != "embed"), self.default)
 
     def listed(self, model_id: str) -> ModelGroup:
         """The group listed under ``model_id`` in /v1/models (any status)."""
@@ -217,8 +236,9 @@ class Models:
         raise ModelNotFound(model_id)
 
     @contextmanager
-    def use(self, model: str | None, *, fim: bool = False) -> Iterator[ModelGroup]:
-        with self.resolve(model, fim=fim).use() as group:
+    def use(self, model: str | None, *, fim: bool = False,
+            embed: bool | None = False) -> Iterator[ModelGroup]:
+        with self.resolve(model, fim=fim, embed=embed).use() as group:
             yield group
 
     def place_of(self, group: ModelGroup) -> int:

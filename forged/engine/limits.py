@@ -77,13 +77,17 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.kv_cells, self.slots, self.per_slot_cells
 
 
-def scheduler_limits(cfg: Config, n_ctx_train: int) -> SchedulerLimits:
-    """The scheduler's limits under ``cfg``, for a model trained on ``n_ctx_train``."""
+def scheduler_limits(cfg: Config, n_ctx_train: int, *,
+                     encoder: bool = False) -> SchedulerLimits:
+    """The scheduler's limits under ``cfg``, for a model trained on ``n_ctx_train``.
+    An ``encoder`` (an embedding model) has no KV cache to bound a request, but its
+    position embeddings end at ``n_ctx_train``: no input may be longer."""
     e, lim = cfg.engine, cfg.limits
+    room = n_ctx_train if encoder else e.room
     return SchedulerLimits(
         kv_cells=e.kv_cells, slots=e.slots, max_running=e.max_running,
         step_tokens=e.step_tokens, prefill_step_tokens=e.prefill_step_tokens,
-        room=e.room, max_context=min(e.room, e.max_context or n_ctx_train),
+        room=e.room, max_context=min(room, e.max_context or n_ctx_train),
         target_step_ms=e.target_step_ms, kv_headroom=e.kv_headroom,
         decode_reservation=e.decode_reservation, per_slot_cells=e.per_slot_cells,
         max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,

@@ -131,7 +131,8 @@ class EnginePool:
     ``model.path``)."""
 
     def __init__(self, cfg: Config, model: ModelConfig, n_ctx_train: int, *,
-                 cache_dir: Path, model_fd: int = -1, test_hooks: bool = False) -> None:
+                 cache_dir: Path, model_fd: int = -1, test_hooks: bool = False,
+                 embedding: bool = False) -> None:
         self.cfg = cfg
         self.model = model
         self.cache_dir = cache_dir
@@ -139,7 +140,8 @@ class EnginePool:
         self.nice = 0  # what new processes load at (a swap's new model: nicer)
         self.ended = ""  # why fail_all ended it (a swap's old model): said to latecomers
         self.n_ctx_train = n_ctx_train
-        self.limits = scheduler_limits(cfg, n_ctx_train)
+        self.embedding = embedding  # its workers embed (forged.engine.embedcore)
+        self.limits = scheduler_limits(cfg, n_ctx_train, encoder=embedding)
         self.test_hooks = test_hooks
         self.draining = False
         # Each worker's open requests, by routing id.
@@ -179,7 +181,7 @@ class EnginePool:
         return fr.Init(model_path=path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
-                       nice=self.nice)
+                       nice=self.nice, embedding=self.embedding)
 
     def supervisor(self, index: int) -> WorkerSupervisor:
         return self.workers[index]
@@ -197,7 +199,7 @@ class EnginePool:
     def set_limits(self, cfg: Config) -> None:
         """Apply the live-reloadable settings of a new config to every worker."""
         self.cfg = cfg
-        self.limits = scheduler_limits(cfg, self.n_ctx_train)
+        self.limits = scheduler_limits(cfg, self.n_ctx_train, encoder=self.embedding)
         self.router.policy = routing_policy(cfg)
         frame = fr.SetLimits(limits=self.limits)
         for w in self.workers:

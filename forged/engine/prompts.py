@@ -84,8 +84,12 @@ class Prompter:
         self.n_vocab = self.model.n_vocab
         self.n_ctx_train = self.model.n_ctx_train
         self.fim = self.model.fim_tokens()
+        self.embedding = self.model.pools
         self._bos = self.model.bos if self.model.add_bos else None
-        self.info = model_info(self.model, template, model_identity(model_path))
+        # The file's content (its size and ends): what an index's vectors must be made
+        # by to be compared with this model's (forged.retrieval.vectors).
+        self.content_id = model_identity(model_path)
+        self.info = model_info(self.model, template, self.content_id)
         self.template = template  # the one in use (Ollama's /api/show reports it)
         self._pieces: dict[int, bytes] = {}
 

@@ -149,6 +149,9 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     # whose cells kept no logits.
     logprobs: Annotated[int, Meta(ge=0)] | None = None
     prompt_logprobs: bool = False
+    # An embedding request (forged.engine.embedcore): the lengths of the inputs that
+    # ``prompt`` holds one after another; each is embedded apart. Empty: generation.
+    inputs: list[Annotated[int, Meta(ge=1)]] = []
 
     @property
     def rank(self) -> int:

@@ -24,8 +24,9 @@ from pathlib import Path
 import msgspec
 
 from forged.engine import frames as fr
-from forged.engine.backend import ContextParams, Llama, llama_version
+from forged.engine.backend import ContextParams, Embedder, Llama, llama_version
 from forged.engine.core import Backend, WorkerCore, calibrate
+from forged.engine.embedcore import EmbedCore, batch_tokens
 from forged.engine.kvdisk import DiskStore, model_identity
 from forged.engine.testhooks import HookedBackend
 
@@ -34,21 +35,27 @@ class WorkerShell:
     def __init__(self, sock: socket.socket, init: fr.Init) -> None:
         self.sock = sock
         self.init = init
-        lim = init.limits
-        self.llama = Llama(init.model_path, ContextParams(
-            n_ctx=lim.kv_cells, n_seq_max=lim.slots,
-            n_batch=max(lim.step_tokens, lim.prefill_step_tokens),
-            threads=init.threads, flash_attn=init.flash_attn, kv_unified=not lim.per_slot,
-        ))
-        self.hooks = HookedBackend(self.llama) if init.test_hooks else None
-        backend: Backend = self.hooks or self.llama
-        disk = _disk_tier(init)
-        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn, per_slot=lim.per_slot)
-        self.core = WorkerCore(backend, lim, cost, disk=disk,
-                               saved=disk.scan() if disk is not None else ())
+        self.hooks: HookedBackend | None = None
+        self.core: WorkerCore | EmbedCore
+        self.llama: Llama | Embedder
+        if init.embedding:
+            self.llama = Embedder(init.model_path, _context_params(init))
+            self.core = EmbedCore(self.llama, init.limits)
+        else:
+            self.llama = Llama(init.model_path, _context_params(init))
+            self.core = self._generation_core(self.llama)
         self.inbuf = fr.FrameBuffer()
         self.running = True
         self._last_send = 0.0
+
+    def _generation_core(self, llama: Llama) -> WorkerCore:
+        init, lim = self.init, self.init.limits
+        self.hooks = HookedBackend(llama) if init.test_hooks else None
+        backend: Backend = self.hooks or llama
+        disk = _disk_tier(init)
+        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn, per_slot=lim.per_slot)
+        return WorkerCore(backend, lim, cost, disk=disk,
+                          saved=disk.scan() if disk is not None else ())
 
     def _read_frames(self, timeout: float) -> list[fr.ToWorker]:
         ready, _, _ = select.select([self.sock], [], [], timeout)
@@ -104,6 +111,17 @@ class WorkerShell:
         finally:
             self.core.close()
             self.llama.close()
+
+
+def _context_params(init: fr.Init) -> ContextParams:
+    lim = init.limits
+    if init.embedding:
+        return ContextParams(n_ctx=batch_tokens(lim), n_seq_max=lim.slots,
+                             n_batch=batch_tokens(lim), threads=init.threads)
+    return ContextParams(
+        n_ctx=lim.kv_cells, n_seq_max=lim.slots,
+        n_batch=max(lim.step_tokens, lim.prefill_step_tokens), threads=init.threads,
+        flash_attn=init.flash_attn, kv_unified=not lim.per_slot)
 
 
 def _disk_tier(init: fr.Init) -> DiskStore | None:

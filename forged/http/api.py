@@ -160,9 +160,10 @@ def _add_dialects(app: QuartTrio, state: AppState) -> None:
     """The other APIs' routes: each dialect is a module that translates its bodies to
     the one engine request (through :func:`run_chat` and :func:`run_completion`) and
     back. They import this module, so they are imported here, not at its top."""
-    from forged.http import anthropic, llamacpp, oairesponses, ollama
+    from forged.http import anthropic, embeddings, llamacpp, oairesponses, ollama
 
     anthropic.add_routes(app, state)
+    embeddings.add_routes(app, state)
     llamacpp.add_routes(app, state)
     oairesponses.add_routes(app, state)
     ollama.add_routes(app, state)

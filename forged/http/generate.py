@@ -162,7 +162,7 @@ async def generate(state: AppState, group: ModelGroup, req: Any, request: Reques
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(request))
         if state.holds is not None:
             await state.holds.at("submitted")
-        first = await _admission(state, rs, outcome)
+        first = await admitted_events(state, rs, outcome)
         out.prompt_tokens, out.cached_tokens = len(request.prompt), outcome.cached_tokens
         if state.holds is not None:
             await state.holds.at("admitted")
@@ -178,7 +178,7 @@ async def generate(state: AppState, group: ModelGroup, req: Any, request: Reques
         raise
 
 
-async def _admission(state: AppState, rs: RequestStream, outcome: Outcome) -> list[fr.Event]:
+async def admitted_events(state: AppState, rs: RequestStream, outcome: Outcome) -> list[fr.Event]:
     """Wait for the worker to admit the request, so that a full queue is an honest 503,
     and so that a request still queued when a drain ends gets one too."""
     scope = state.drain.wait_scope()
@@ -200,7 +200,7 @@ async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
         batch = await rs.receive()
         for ev in batch:
             if isinstance(ev, fr.Failed):
-                raise _failure(state, ev)
+                raise failure(state, ev)
             if isinstance(ev, fr.Admitted):
                 outcome.queue_time, outcome.cached_tokens = ev.queue_time, ev.cached
         events.extend(batch)
@@ -220,7 +220,7 @@ async def _next_events(state: AppState, rs: RequestStream) -> list[fr.Event] | N
         state.drain.end_wait(scope)
 
 
-def _failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
+def failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
     retry = state.cfg.limits.retry_after
     match ev.code:
         case "overloaded":
@@ -277,7 +277,7 @@ async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | 
                         return _whole(out, ["".join(p) for p in parts],
                                       [dones[i] for i in range(out.n)], scores, keep)
                 case fr.Failed():
-                    raise _failure(state, ev)
+                    raise failure(state, ev)
         events = await _next_events(state, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
@@ -341,7 +341,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | N
                             return
                     case fr.Failed():
                         outcome.end = "error"
-                        yield out.error(from_exception(_failure(state, ev)))
+                        yield out.error(from_exception(failure(state, ev)))
                         return
             events = await _next_events(state, rs)
         outcome.end = "drain"

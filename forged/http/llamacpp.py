@@ -19,7 +19,7 @@ full: the answer's carries the sampling settings, the context and the budget.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -32,6 +32,7 @@ from forged.engine import frames as fr
 from forged.engine.request import Sampling
 from forged.http import api, sse
 from forged.http.chat import chat_text
+from forged.http.embeddings import answer, embed
 from forged.http.infill import final_fields, select
 from forged.http.logprobs import Vocabulary
 from forged.http.responses import HTTPError, json_response
@@ -71,6 +72,19 @@ _completion_decoder = msgspec.json.Decoder(LlamaCompletion)
 _template_decoder = msgspec.json.Decoder(ChatRequest)
 
 
+class LlamaEmbedding(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """llama-server's /embedding body: text, token ids, or a list of either."""
+
+    content: str | list[Any]  # as /v1/embeddings' input
+    model: str | None = None
+    # llama-server's normalisation: 2 (Euclidean) is what every vector here has.
+    embd_normalize: Literal[2] = 2
+    truncate: bool = False  # forged's, as /v1/embeddings'
+
+
+_embedding_decoder = msgspec.json.Decoder(LlamaEmbedding)
+
+
 def add_routes(app: QuartTrio, state: AppState) -> None:
     async def completion() -> Response:
         req = await api.decoded_body(state, _completion_decoder, refuse=True)
@@ -82,6 +96,15 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
     @app.get("/props")
     async def props() -> Response:
         return json_response(_props(state, request.args.get("model")))
+
+    @app.post("/embedding")
+    async def embedding() -> Response:
+        req = await api.decoded_body(state, _embedding_decoder, engine=False)
+        done = await embed(state, req.model, req.content, truncate=req.truncate,
+                           param="content")
+        # llama-server's shape: per input, its pooled vector as a list of one.
+        return await answer(state, done, lambda d, _: [
+            {"index": i, "embedding": [row.tolist()]} for i, row in enumerate(d.vectors)])
 
     @app.post("/apply-template")
     async def apply_template() -> Response:
@@ -129,7 +152,7 @@ _SETTINGS = ("temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top
 
 
 def _props(state: AppState, model: str | None) -> dict[str, Any]:
-    group = state.models.resolve(model)
+    group = state.models.resolve(model, embed=None)
     settings = generation_settings(Sampling(), group.max_context, -1)
     settings.update(model=group.model_id)
     return {

@@ -25,6 +25,7 @@ Models are the admin's: pulling, pushing, creating, copying and deleting are ref
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -35,6 +36,7 @@ from quart_trio import QuartTrio
 from forged import errors as e
 from forged.engine.groups import ModelGroup
 from forged.http import api
+from forged.http.embeddings import Embedded, answer, embed
 from forged.http.ollama_shapes import (
     OLLAMA_VERSION,
     GenerateFromChat,
@@ -43,6 +45,7 @@ from forged.http.ollama_shapes import (
     error_shape,
     loaded,
     model_list,
+    nanoseconds,
     running_list,
     show,
 )
@@ -180,7 +183,20 @@ class ShowBody(msgspec.Struct, kw_only=True):
     verbose: bool = False
 
 
+class EmbedBody(msgspec.Struct, kw_only=True):
+    """/api/embed's body; /api/embeddings (Ollama's older route) sends ``prompt``."""
+
+    model: str = ""
+    input: str | list[str] | None = None
+    prompt: str | None = None
+    truncate: bool = True  # Ollama's default: a long input is cut, not refused
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    keep_alive: str | float | None = None
+    options: dict[str, Any] | None = None
+
+
 _chat_decoder = msgspec.json.Decoder(ChatBody)
+_embed_decoder = msgspec.json.Decoder(EmbedBody)
 _generate_decoder = msgspec.json.Decoder(GenerateBody)
 _show_decoder = msgspec.json.Decoder(ShowBody)
 
@@ -208,7 +224,8 @@ def _add_model_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/show")
     async def show_route() -> Response:
         body = await api.decoded_body(state, _show_decoder, engine=False)
-        return json_response(show(served(state, body.model or body.name), body.verbose))
+        return json_response(show(served(state, body.model or body.name, embed=None),
+                                  body.verbose))
 
 
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
@@ -225,11 +242,34 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         body = await api.decoded_body(state, _generate_decoder)
         return await _generate(state, body)
 
-    @app.post("/api/embed")
-    @app.post("/api/embeddings")
+    @app.post("/api/embed", endpoint="ollama_embed")
     async def embed() -> Response:
-        raise e.BadRequest("this server has no embedding model: embeddings are not "
-                           "available", code="embeddings_not_supported")
+        body = await api.decoded_body(state, _embed_decoder, engine=False)
+        done = await _embed(state, body, body.input, "input")
+        return await answer(state, done, functools.partial(_embed_body, body.model))
+
+    @app.post("/api/embeddings", endpoint="ollama_embeddings")
+    async def embeddings() -> Response:
+        body = await api.decoded_body(state, _embed_decoder, engine=False)
+        done = await _embed(state, body, body.prompt, "prompt")
+        return await answer(state, done, lambda d, _: {"embedding": d.vectors[0].tolist()})
+
+
+def _embed_body(model: str, done: Embedded, encoding: str) -> dict[str, Any]:
+    return {"model": model, "embeddings": done.vectors.tolist(),
+            "total_duration": nanoseconds(done.seconds), "load_duration": 0,
+            "prompt_eval_count": done.prompt_tokens}
+
+
+async def _embed(state: AppState, body: EmbedBody, given: str | list[str] | None,
+                 field: str) -> Embedded:
+    if given is None:
+        raise e.BadRequest(f"{field} is required", param=field)
+    if body.options:
+        raise e.BadRequest("options are not taken for embeddings: the appliance's "
+                           "admin sizes the embedding model", param="options")
+    return await embed(state, model_name(body.model) if body.model else None, given,
+                       truncate=body.truncate, dimensions=body.dimensions, param=field)
 
 
 def _add_refused_routes(app: QuartTrio) -> None:
@@ -252,11 +292,11 @@ def model_name(name: str) -> str:
     return name.removesuffix(":latest")
 
 
-def served(state: AppState, name: str) -> ModelGroup:
+def served(state: AppState, name: str, *, embed: bool | None = False) -> ModelGroup:
     """The serving group of the model ``name``; Ollama's requests always name one."""
     if not name:
         raise e.BadRequest("model is required", param="model")
-    return state.models.resolve(model_name(name))
+    return state.models.resolve(model_name(name), embed=embed)
 
 
 # --- chat ----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _timestamp(t: float | None = None) -> str:
         "%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _ns(seconds: float) -> int:
+def nanoseconds(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
@@ -128,12 +128,12 @@ class _Lines(sse.Format):
         out = self._object(piece, True)
         out.update(
             done_reason=done.finish_reason,
-            total_duration=_ns(time.monotonic() - self.arrived),
+            total_duration=nanoseconds(time.monotonic() - self.arrived),
             load_duration=0,  # the model was loaded before the request came
             # The whole prompt, its cached tokens too: what the context holds.
             prompt_eval_count=done.prompt_tokens,
-            prompt_eval_duration=_ns(done.prefill_s),
-            eval_count=done.completion_tokens, eval_duration=_ns(done.decode_s))
+            prompt_eval_duration=nanoseconds(done.prefill_s),
+            eval_count=done.completion_tokens, eval_duration=nanoseconds(done.decode_s))
         if self.retrieved is not None:
             out["retrieved"] = self.retrieved
         return out
@@ -239,6 +239,8 @@ def running_list(state: AppState) -> dict[str, Any]:
 
 
 def _capabilities(group: ModelGroup) -> list[str]:
+    if group.role == "embed":  # Ollama's word for a model /api/embed takes
+        return ["embedding"]
     # forged writes tools into any model's prompt (forged.http.tools).
     out = ["completion", "tools"]
     if group.prompter.fim is not None:

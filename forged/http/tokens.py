@@ -40,7 +40,7 @@ _json = msgspec.json.Encoder()
 async def tokenize(state: AppState, req: TokenizeRequest) -> bytes:
     """The answer's JSON, made (tokens, pieces and encoding, which all grow with the
     content) in one of the door's threads."""
-    with state.models.use(req.model) as group:
+    with state.models.use(req.model, embed=None) as group:
         return await state.off_loop(_tokenize, group.prompter, req)
 
 
@@ -68,6 +68,6 @@ def _piece(data: bytes) -> str | list[int]:
 
 
 async def detokenize(state: AppState, req: DetokenizeRequest) -> dict[str, Any]:
-    with state.models.use(req.model) as group:
+    with state.models.use(req.model, embed=None) as group:
         check_ids(group, req.tokens, "tokens")
         return {"content": await state.off_loop(group.prompter.detokenize, req.tokens)}

@@ -95,8 +95,17 @@ def _engine_metrics(t: dict[str, float], restarts: int) -> Iterator[Metric]:
     yield from _routing_metrics(t)
 
 
+def _embedding_metrics(t: dict[str, float]) -> Iterator[Metric]:
+    """An embedding model's workers' (forged.engine.embedcore); 0 for a generation model."""
+    yield CounterMetricFamily("forged_embedding_inputs", "Texts embedded.",
+                              value=t.get("embed_inputs", 0.0))
+    yield CounterMetricFamily("forged_embedding_tokens", "Tokens of the texts embedded.",
+                              value=t.get("embed_tokens", 0.0))
+
+
 def _routing_metrics(t: dict[str, float]) -> Iterator[Metric]:
-    """The pool's: what decided each route, and what it saved from a lost worker."""
+    """The pool's: what decided each route, and what it saved from a lost worker; then
+    what an embedding model's workers embedded."""
     routed = CounterMetricFamily(
         "forged_routed_requests", "Requests routed to a worker, by what decided: its "
         "cache, its session, or load.", labels=["by"])
@@ -106,6 +115,7 @@ def _routing_metrics(t: dict[str, float]) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "forged_resubmitted_requests", "Requests submitted again because their worker "
         "was lost before admitting them.", value=t.get("resubmitted", 0.0))
+    yield from _embedding_metrics(t)
 
 
 def _tier_metrics(t: dict[str, float]) -> Iterator[Metric]:

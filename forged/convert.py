@@ -1,0 +1,144 @@
+"""A BERT sentence-embedding model (Hugging Face safetensors, WordPiece tokenizer) as a
+GGUF llama.cpp runs, without torch: ``safetensors`` reads the weights into numpy, and
+``gguf``'s tensor-name map says what llama.cpp calls each one. It writes what llama.cpp's
+own ``convert_hf_to_gguf.py`` writes for a ``BertModel``: the WordPiece vocabulary in
+"phantom space" form (a word-initial piece gets U+2581, a ``##`` continuation loses
+its marks), a non-causal encoder, and the pooling the model was trained with.
+
+    forged model convert SRC_DIR OUT.gguf
+
+``SRC_DIR`` holds ``config.json``, ``tokenizer.json``, ``model.safetensors`` and, for a
+sentence-transformers model, ``1_Pooling/config.json`` (else mean pooling).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+from safetensors.numpy import load_file
+
+# Hugging Face tensors llama.cpp's BERT graph does not use.
+_UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+_SPECIALS = {"unk": "[UNK]", "bos": "[CLS]", "sep": "[SEP]", "pad": "[PAD]",
+             "mask": "[MASK]"}
+
+
+class ConvertError(ValueError):
+    """The source folder is not a BERT model this converter knows."""
+
+
+def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
+    """Write ``src``'s BERT model to ``out`` as a GGUF (f16 matrices, f32 the rest)."""
+    config = _json(src / "config.json")
+    if config.get("model_type") != "bert":
+        raise ConvertError(f"{src}: model_type {config.get('model_type')!r}, not 'bert'")
+    tokenizer = _json(src / "tokenizer.json")
+    if tokenizer.get("model", {}).get("type") != "WordPiece":
+        raise ConvertError(f"{src}: the tokenizer is not WordPiece")
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
+    write_bert(out, config, [tok for tok, _ in vocab], specials,
+               load_file(str(src / "model.safetensors")), pooling=_pooling(src),
+               name=name or config.get("_name_or_path", src.name))
+    return out
+
+
+def write_bert(out: Path, config: Mapping[str, Any], vocab: list[str], specials: set[str],
+               tensors: Mapping[str, npt.NDArray[Any]], *, pooling: gguf.PoolingType,
+               name: str) -> None:
+    """The GGUF of a BERT given as Hugging Face's config, vocabulary (by id) and tensors
+    (by Hugging Face's names): also how tests write a tiny one."""
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.BERT])
+    w.add_name(name)
+    _hparams(w, config, pooling)
+    _vocabulary(w, vocab, specials)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, int(config["num_hidden_layers"]))
+    for hf_name, data in tensors.items():
+        if hf_name.removeprefix("bert.") in _UNUSED:
+            continue
+        new = names.get_name(hf_name.removeprefix("bert."), try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise ConvertError(f"no llama.cpp name for the tensor {hf_name}")
+        w.add_tensor(new, _typed(new, data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _hparams(w: gguf.GGUFWriter, c: Mapping[str, Any], pooling: gguf.PoolingType) -> None:
+    w.add_context_length(int(c["max_position_embeddings"]))
+    w.add_embedding_length(int(c["hidden_size"]))
+    w.add_feed_forward_length(int(c["intermediate_size"]))
+    w.add_block_count(int(c["num_hidden_layers"]))
+    w.add_head_count(int(c["num_attention_heads"]))
+    w.add_layer_norm_eps(float(c.get("layer_norm_eps", 1e-12)))
+    w.add_causal_attention(False)
+    w.add_pooling_type(pooling)
+    w.add_token_type_count(int(c.get("type_vocab_size", 2)))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def _vocabulary(w: gguf.GGUFWriter, vocab: list[str], specials: set[str]) -> None:
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL
+             for t in vocab]
+    # llama.cpp's WordPiece tokenizer matches pieces in this form.
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    pieces = [t if t in specials else t[2:] if t.startswith("##") else "\u2581" + t
+              for t in vocab]
+    if len(set(pieces)) < len(pieces):  # llama.cpp would abort on loading it
+        raise ConvertError("the vocabulary has a piece twice")
+    w.add_token_list(pieces)
+    w.add_token_types([int(t) for t in types])
+    ids = {t: i for i, t in enumerate(vocab)}
+    missing = [tok for tok in _SPECIALS.values() if tok not in ids]
+    if missing:
+        raise ConvertError(f"the vocabulary has no {', '.join(missing)}")
+    w.add_unk_token_id(ids[_SPECIALS["unk"]])
+    w.add_bos_token_id(ids[_SPECIALS["bos"]])
+    w.add_sep_token_id(ids[_SPECIALS["sep"]])
+    w.add_pad_token_id(ids[_SPECIALS["pad"]])
+    w.add_mask_token_id(ids[_SPECIALS["mask"]])
+    # [CLS] text [SEP], as the model was trained.
+    w.add_add_bos_token(True)
+    w.add_add_sep_token(True)
+
+
+# Added to f32 activations, which ggml's CPU add takes in f32 only (llama.cpp's
+# converter keeps them so too).
+_F32_MATRICES = ("position_embd.weight", "token_types.weight")
+
+
+def _typed(name: str, data: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    # As llama.cpp's converter: vectors, norms and what is added stay f32; matrices
+    # become f16.
+    if data.ndim <= 1 or name.endswith("_norm.weight") or name in _F32_MATRICES:
+        return data.astype(np.float32)
+    return data.astype(np.float16)
+
+
+def _pooling(src: Path) -> gguf.PoolingType:
+    path = src / "1_Pooling" / "config.json"
+    if not path.exists():
+        return gguf.PoolingType.MEAN
+    p = _json(path)
+    if p.get("pooling_mode_cls_token"):
+        return gguf.PoolingType.CLS
+    if p.get("pooling_mode_mean_tokens"):
+        return gguf.PoolingType.MEAN
+    raise ConvertError(f"{path}: a pooling llama.cpp has not (only mean and CLS)")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConvertError(f"cannot read {path}: {exc}") from exc
+    return data

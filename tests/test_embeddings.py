@@ -1,0 +1,191 @@
+"""Embeddings through the API (issue 36): an embedding model group beside a chat model,
+OpenAI's /v1/embeddings, llama.cpp's /embedding and Ollama's /api/embed and
+/api/embeddings, with the official clients; and the converter, on a tiny BERT."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import numpy as np
+import ollama
+import openai
+import pytest
+import trio
+
+from forged import config as fc
+from forged.convert import ConvertError, write_bert
+from forged.daemon.startup import open_prompter
+from tests.conftest import DaemonFactory
+
+EMBED = {"name": "minilm", "engine": {"slots": 8, "max_running": 8}}
+TEXTS = ["def add(a, b): return a", "class test_error:", "import the function"]
+
+
+def _rows(body: dict[str, Any]) -> np.ndarray:
+    return np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+
+
+async def test_embeddings_in_openai_shape_batched_as_if_alone(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            listed = (await c.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["role"]) for m in listed] == [("tiny", "chat"),
+                                                            ("minilm", "embed")]
+            r = await c.post("/v1/embeddings", json={"input": TEXTS})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["model"] == "minilm"
+            assert [d["index"] for d in body["data"]] == [0, 1, 2]
+            rows = _rows(body)
+            assert rows.shape == (3, 32)
+            assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+            counted = [len((await c.post("/tokenize", json={
+                "content": t, "model": "minilm", "add_special": True})).json()["tokens"])
+                for t in TEXTS]
+            assert body["usage"] == {"prompt_tokens": sum(counted),
+                                     "total_tokens": sum(counted)}
+            # Each input is its own sequence: batched with others, as alone.
+            for text, row in zip(TEXTS, rows, strict=True):
+                alone = _rows((await c.post("/v1/embeddings", json={"input": text})).json())
+                assert np.allclose(alone[0], row, atol=1e-4)
+            assert not np.allclose(rows[0], rows[1], atol=1e-2)  # texts differ
+
+
+async def test_every_input_shape_and_encoding(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            text = _rows((await c.post("/v1/embeddings", json={"input": TEXTS[0]})).json())
+            ids = (await c.post("/tokenize", json={"content": TEXTS[0], "model": "minilm",
+                                                   "add_special": True})).json()["tokens"]
+            for given in (ids, [ids, ids]):
+                r = await c.post("/v1/embeddings", json={"input": given})
+                assert r.status_code == 200, r.text
+                assert np.allclose(_rows(r.json()), text[0], atol=1e-4)
+            r = await c.post("/v1/embeddings", json={"input": TEXTS[0],
+                                                      "encoding_format": "base64",
+                                                      "dimensions": 32})
+            packed = r.json()["data"][0]["embedding"]
+            assert np.allclose(np.frombuffer(base64.b64decode(packed), dtype="<f4"), text[0])
+
+
+REFUSED: list[tuple[dict[str, Any], int, str]] = [
+    ({"input": []}, 400, "input"),
+    ({"input": [[]]}, 400, "input"),
+    ({"input": "x", "dimensions": 16}, 400, "dimensions"),
+    ({"input": [99999]}, 400, "input"),
+    ({"input": [1, "x"]}, 400, "input"),
+    ({"input": "x", "model": "tiny"}, 400, "model"),  # a chat model makes no embeddings
+    ({"input": "x", "model": "nope"}, 404, "model"),
+    ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": ["x"] * 2049}, 400, "input"),
+]
+
+
+async def test_what_it_cannot_embed_is_a_400_naming_the_field(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for body, status, param in REFUSED:
+                r = await c.post("/v1/embeddings", json=body)
+                assert r.status_code == status, (body, r.text)
+                assert r.json()["error"]["param"] == param, (body, r.text)
+            r = await c.post("/api/embed", json={"model": "minilm", "input": "x",
+                                                 "options": {"num_ctx": 9}})
+            assert r.status_code == 400 and "options" in r.json()["error"]
+            assert d.daemon.models.resolve("minilm", embed=True).pool.restarts() == 0
+
+
+async def test_a_long_input_is_refused_unless_truncated_and_models_keep_their_roles(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    long = "def " * 200  # the tiny BERT's positions end at 128
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/embeddings", json={"input": long})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            r = await c.post("/v1/embeddings", json={"input": long, "truncate": True})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 128
+            # The embedding model generates nothing; requests naming none go elsewhere.
+            r = await c.post("/v1/chat/completions", json={
+                "model": "minilm", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+            r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "tiny"
+            assert d.daemon.models.resolve("minilm", embed=True).pool.restarts() == 0
+
+
+async def test_no_embedding_model_is_an_honest_400(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/embeddings", json={"input": "x"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "model_not_supported"
+
+
+async def test_llamacpp_and_ollama_routes_and_the_official_clients(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            want = _rows((await c.post("/v1/embeddings", json={"input": TEXTS})).json())
+            r = await c.post("/embedding", json={"content": TEXTS})
+            assert r.status_code == 200, r.text
+            assert [x["index"] for x in r.json()] == [0, 1, 2]
+            assert np.allclose([x["embedding"][0] for x in r.json()], want, atol=1e-4)
+            async with ollama.AsyncClient(host=d.url, timeout=30) as o:
+                got = await o.embed("minilm:latest", TEXTS)
+                assert got.prompt_eval_count and got.model == "minilm:latest"
+                assert np.allclose(np.array(got.embeddings), want, atol=1e-4)
+                old = await o.embeddings("minilm", TEXTS[1])
+                assert np.allclose(old.embedding, want[1], atol=1e-4)
+            sdk = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0)
+            # The SDK asks for base64 and decodes it itself.
+            made = await trio.to_thread.run_sync(
+                lambda: sdk.embeddings.create(model="minilm", input=TEXTS))
+            assert np.allclose([e.embedding for e in made.data], want, atol=1e-4)
+            assert made.usage.prompt_tokens > 0
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(
+                    uds=d.admin_sock), base_url="http://admin", timeout=30) as a:
+                metrics = (await a.get("/metrics")).text
+            # Four calls of three texts, and one of one.
+            inputs = [float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith('forged_embedding_inputs_total{model="minilm"')]
+            assert inputs == [13.0]
+            assert any(line.startswith("forged_requests_total{") and all(
+                label in line for label in ('endpoint="/api/embed"', 'model="minilm"',
+                                            'priority="interactive"', 'status="200"'))
+                for line in metrics.splitlines())
+
+
+def test_roles_must_fit_the_model(tiny_model: Path, tiny_bert: Path, tmp_path: Path) -> None:
+    with pytest.raises(fc.ConfigError, match="not an embedding model"):
+        open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_model), role="embed"))
+    with pytest.raises(fc.ConfigError, match="is an embedding model"):
+        open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_bert), role="chat"))
+    prompter = open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_bert)))
+    assert prompter.embedding
+    prompter.close()
+
+
+def test_the_converter_refuses_what_llama_cpp_would_abort_on(tmp_path: Path) -> None:
+    config = {"max_position_embeddings": 8, "hidden_size": 4, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 1}
+    specials = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    with pytest.raises(ConvertError, match="twice"):
+        write_bert(tmp_path / "x.gguf", config, [*sorted(specials), "a", "##b", "##b"],
+                   specials, {}, pooling=gguf.PoolingType.MEAN, name="x")
+    with pytest.raises(ConvertError, match="no \\[UNK\\]"):
+        write_bert(tmp_path / "y.gguf", config, ["[PAD]", "a"], {"[PAD]"}, {},
+                   pooling=gguf.PoolingType.MEAN, name="y")
