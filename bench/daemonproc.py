@@ -20,7 +20,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def write_config(path: Path, model: Path, port: int, **sections: Any) -> Path:
+def write_config(path: Path, model: Path, port: int, /, **sections: Any) -> Path:
     """A config on loopback; each of ``sections`` a table's keys over the defaults, or a
     list of tables (``models=[{...}]`` for ``[[models]]``)."""
     tables: dict[str, list[dict[str, Any]]] = {

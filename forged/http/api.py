@@ -341,7 +341,7 @@ async def _chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest
                        ) -> tuple[ChatRequest, Retrieved | None, ChatPrompt]:
     """The chat with the repository chunks it draws on, those chunks, and its prompt."""
     found = await context(state, group.prompter, req.repo, g.get("key"),
-                          last_user_text(req))
+                          last_user_text(req), by_meaning=True)
     req = chat_with_context(req, found)
     return req, found, await chat_prompt(state, group, req)
 
