@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from forged import config as fc
-from forged.engine.backend import ContextParams, Embedder, Model
+from forged.engine.backend import BackendError, ContextParams, Embedder, Model
 from forged.engine.embedcore import batch_tokens
 from forged.engine.kvdisk import model_identity
 from forged.engine.limits import scheduler_limits
@@ -28,18 +28,28 @@ INDEX_NICE = 19
 
 def index_embedding(config_path: Path, nice: int = INDEX_NICE) -> Embedding | None:
     """The config's embedding model, loaded with this process at ``nice``; None if
-    it serves none."""
+    it serves none, or if it cannot be loaded (said on stderr: the index is then
+    updated for BM25 alone, as the daemon would search it)."""
     cfg = fc.load(config_path)
     for model in cfg.served:
         if model.role in ("chat", "fim") or not (model.role == "embed" or _pools(model.path)):
             continue
         os.nice(max(0, nice - os.nice(0)))  # before llama.cpp starts its threads
-        return _Packer(model.path, cfg.for_model(model)).embedding()
+        try:
+            return _Packer(model.path, cfg.for_model(model)).embedding()
+        except BackendError as exc:
+            print(f"forged: chunks get no vectors: {exc}", file=sys.stderr)
+            return None
     return None
 
 
 def _pools(path: str) -> bool:
-    vocab = Model(path, vocab_only=True)
+    """Whether the GGUF at ``path`` is an embedding model; a file llama.cpp cannot
+    read is not one (the daemon says what is wrong with it)."""
+    try:
+        vocab = Model(path, vocab_only=True)
+    except BackendError:
+        return False
     try:
         return vocab.pools
     finally:

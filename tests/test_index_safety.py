@@ -173,8 +173,9 @@ def test_index_commands_run_by_root_run_as_the_daemons_user(public_tmp: Path) ->
     os.chown(state, user.pw_uid, user.pw_gid)
     config = public_tmp / "forged.toml"
     config.write_text(f"[server]\nstate_dir = '{state}'\n")
-    # tomllib is imported before the drop: this machine's Python lives under /root.
-    script = ("import sys, tomllib; from forged.retrieval import cli; "
+    # tomllib (and llama.cpp's binding, which the command loads to look for an embedding
+    # model) are imported before the drop: this machine's Python lives under /root.
+    script = ("import sys, tomllib, forged.indexembed; from forged.retrieval import cli; "
               "from forged.cli import main; "
               f"cli.DAEMON_USER = {NOBODY!r}; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", script, "index", "add", "r", str(repo),

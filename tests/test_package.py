@@ -150,11 +150,22 @@ def test_3b_embeddings_from_the_model_package(box: BootedContainer) -> None:
     """The embedding model's package, added as a [[models]] table: /v1/embeddings
     answers with its 384 dimensions, and `forged index add` (as root, becoming the
     daemon's user) embeds a folder's chunks with it at nice 19. The config is put back
-    after."""
+    after, whatever happens (the tests after this one expect the shipped one)."""
     box.run("cp /etc/forged/forged.toml /root/forged.toml.orig")
-    box.run("printf '\\n[[models]]\\npath = \"/usr/share/forged/models/"
-            "all-MiniLM-L6-v2.f16.gguf\"\\nname = \"minilm\"\\n' >> /etc/forged/forged.toml")
-    box.run("systemctl restart forged", timeout=120)
+    try:
+        # As the shipped file says: its `models = []` line gives way to [[models]].
+        box.run("sed -i '/^models = \\[\\]$/d' /etc/forged/forged.toml && printf '\\n"
+                "[[models]]\\npath = \"/usr/share/forged/models/all-MiniLM-L6-v2.f16.gguf"
+                "\"\\nname = \"minilm\"\\n' >> /etc/forged/forged.toml")
+        box.run("systemctl restart forged", timeout=120)
+        _embeddings_and_an_embedded_index(box)
+    finally:
+        box.run("forged index rm demo", check=False)
+        box.run("cp /root/forged.toml.orig /etc/forged/forged.toml && "
+                "systemctl restart forged", timeout=120)
+
+
+def _embeddings_and_an_embedded_index(box: BootedContainer) -> None:
     body = json.dumps({"input": ["def add(a, b):", "a function that sums"]})
     r = box.run(f"curl -sf --max-time 60 {API}/v1/embeddings "
                 f"-H 'Content-Type: application/json' -d '{body}'", timeout=90)
@@ -168,8 +179,6 @@ def test_3b_embeddings_from_the_model_package(box: BootedContainer) -> None:
     r = box.run(f"curl -sf --max-time 60 {API}/v1/retrieve "
                 f"-H 'Content-Type: application/json' -d '{body}'", timeout=90)
     assert json.loads(r.stdout)["data"][0]["path"] == "maths.py"  # found by meaning
-    box.run("forged index rm demo && cp /root/forged.toml.orig /etc/forged/forged.toml")
-    box.run("systemctl restart forged", timeout=120)
 
 
 def test_4_reload_applies_a_new_limit_and_keeps_streams(box: BootedContainer) -> None:
