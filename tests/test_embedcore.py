@@ -61,8 +61,8 @@ def test_inputs_of_several_callers_share_a_batch_within_its_tokens_and_slots() -
     core.handle(fr.Submit(rid=1, request=request([1] * 6, [2] * 6)), 0.0)
     core.handle(fr.Submit(rid=2, request=request([3] * 3, [4] * 3, [5])), 0.0)
     events = run(core)
-    # 6 + 6 + 3 tokens: the fourth input (3 more) would pass 16 tokens.
-    assert [[x[0] for x in b] for b in backend.batches] == [[1, 2, 3]]
+    # One input of each in turn: 6 + 3 + 6 tokens; the next (3 more) would pass 16.
+    assert [[x[0] for x in b] for b in backend.batches] == [[1, 3, 2]]
     assert [type(ev).__name__ for ev in events] == ["Admitted", "Admitted", "Done"]
     done = events[2]
     assert isinstance(done, fr.Done) and done.rid == 1 and done.prompt_tokens == 12
@@ -176,3 +176,15 @@ def test_a_batch_the_backend_refuses_fails_its_requests_not_the_worker() -> None
     core.handle(fr.Submit(rid=1, request=request([1])), 0.0)
     _admitted, failed = run(core)
     assert isinstance(failed, fr.Failed) and failed.code == "engine_error"
+
+
+def test_a_long_call_shares_every_batch_with_the_short_ones_behind_it() -> None:
+    backend = FakeEmbedder()
+    core = EmbedCore(backend, limits())  # 4 sequences a batch
+    core.handle(fr.Submit(rid=1, request=request(*([[1]] * 40))), 0.0)
+    run(core)  # the long call alone: its first four
+    core.handle(fr.Submit(rid=2, request=request([2])), 1.0)
+    events = run(core, now=1.0)
+    # The short call's text is in the next batch, not after the long call's 36 others.
+    assert [x[0] for x in backend.batches[1]] == [1, 2, 1, 1]
+    assert any(isinstance(ev, fr.Done) and ev.rid == 2 for ev in events)

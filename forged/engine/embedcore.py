@@ -8,8 +8,9 @@ API call, however many texts it embeds: the pool routes, admits, resubmits and c
 it as it does a generation). A worker started with ``Init.embedding`` runs this core
 instead of :class:`~forged.engine.core.WorkerCore`.
 
-Each ``step`` packs one batch, first come first served: the next inputs of the oldest
-requests, as many as fit ``batch_tokens`` tokens and ``slots`` sequences, each input
+Each ``step`` packs one batch: the next input of each waiting request in turn, oldest
+first, round after round, as many as fit ``batch_tokens`` tokens and ``slots``
+sequences (a long call shares every batch with the short ones behind it), each input
 its own sequence (an encoder attends within a sequence only, so inputs of different
 callers share a batch without seeing each other). The backend computes the batch and
 pools each sequence to one unit-length vector. A request is ``Admitted`` when its first
@@ -148,24 +149,30 @@ class EmbedCore:
         self._finish(now)
 
     def _pack(self, now: float) -> list[tuple[_Job, int]]:
-        """The next inputs, oldest request first, as many as one batch holds."""
+        """The next inputs, as many as one batch holds: one of each waiting request a
+        turn, oldest first, so that a call of 2,048 texts shares every batch with the
+        short calls behind it instead of holding the worker for minutes (a search's
+        query among them). The batch ends at the first input that does not fit."""
         room, seats = self.batch, self.limits.slots
         batch: list[tuple[_Job, int]] = []
-        for job in self.jobs.values():
-            while job.sent < len(job.request.inputs) and seats:
+        waiting = [j for j in self.jobs.values() if j.sent < len(j.request.inputs)]
+        while waiting:
+            for job in waiting:
                 n = job.request.inputs[job.sent]
-                if n > room:
+                if n > room or not seats:
                     return batch
-                if job.admitted_at is None:
-                    job.admitted_at = now
-                    self.events.append(fr.Admitted(rid=job.rid, cached=0,
-                                                   queue_time=now - job.arrived))
+                self._admit(job, now)
                 batch.append((job, job.sent))
                 job.sent += 1
                 room, seats = room - n, seats - 1
-            if not seats:
-                break
+            waiting = [j for j in waiting if j.sent < len(j.request.inputs)]
         return batch
+
+    def _admit(self, job: _Job, now: float) -> None:
+        if job.admitted_at is None:
+            job.admitted_at = now
+            self.events.append(fr.Admitted(rid=job.rid, cached=0,
+                                           queue_time=now - job.arrived))
 
     def _finish(self, now: float) -> None:
         for rid, job in list(self.jobs.items()):
