@@ -27,7 +27,7 @@ import httpx
 import trio
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from bench.run import MODEL, RESULTS, THREADS
+from bench.run import MODEL, THREADS, write_results
 from forged.observe.loadtest import Sample, summarise
 
 CONCURRENCY = 16
@@ -181,10 +181,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="chats per dialect per round")
     args = p.parse_args()
     result = trio.run(main_async, args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "dialects.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "dialects.md").write_text(table(result) + "\n")
-    print(table(result))
+    write_results("dialects", result, table(result))
     return 0
 
 

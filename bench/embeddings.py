@@ -17,7 +17,6 @@ Writes bench/results/embeddings.json and the table for docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ import httpx
 import trio
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from bench.run import RESULTS, ROOT, THREADS, LlamaServer
+from bench.run import ROOT, THREADS, LlamaServer, write_results
 from forged.observe.stats import percentile
 
 MODEL = ROOT / "models" / "all-MiniLM-L6-v2.f16.gguf"
@@ -157,10 +156,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     result = trio.run(main_async, args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "embeddings.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "embeddings.md").write_text(table(result) + "\n")
-    print(table(result))
+    write_results("embeddings", result, table(result))
     return 0
 
 

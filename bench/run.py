@@ -65,6 +65,15 @@ class LlamaServer:
         self._log.close()
 
 
+def write_results(name: str, result: dict[str, Any], table: str) -> None:
+    """``bench/results/NAME.json`` and the table for docs/benchmarks.md (``NAME.md``),
+    and the table on stdout."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{name}.md").write_text(table + "\n")
+    print(table)
+
+
 def rss_kb(pid: int) -> int:
     """Resident memory of one process, in KiB."""
     try:
