@@ -1,9 +1,12 @@
-"""The daemon gives freed heap pages back to the kernel on its status beat: glibc kept
-what a large request freed, so the soak's daemon RSS rose in high-water steps."""
+"""The daemon gives freed memory back to the kernel: glibc kept what a large request
+freed, so the soak's daemon RSS rose in high-water steps."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,3 +45,31 @@ async def test_the_status_beat_gives_freed_memory_back(
     with trio.move_on_after(6):  # one beat, at 5 s
         await lifespan.Daemon._status_loop(daemon, state)
     assert beats == [1]
+
+
+# In a fresh interpreter: the threshold is process-wide and this one's has moved.
+_MMAPPED_AFTER_A_LARGER_FREE = textwrap.dedent("""
+    import ctypes, sys
+    from forged.daemon import lifespan
+
+    class Info(ctypes.Structure):  # glibc's struct mallinfo2
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+            "keepcost").split()]
+
+    info = lifespan._LIBC.mallinfo2
+    info.restype = Info
+    lifespan.fix_mmap_threshold()  # without it, this prints False
+    big = bytearray(8 << 20)  # freed: glibc's default raises the threshold to 8 MiB
+    del big
+    before = info().hblkhd
+    body = bytearray(1 << 20)  # a megabyte's request body
+    print(info().hblkhd - before >= 1 << 20)
+""")
+
+
+def test_a_large_block_is_mapped_even_after_a_larger_one_was_freed() -> None:
+    # Mapped, it goes back to the kernel when freed; from the heap, its pages stayed.
+    out = subprocess.run([sys.executable, "-c", _MMAPPED_AFTER_A_LARGER_FREE],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "True"
