@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import trio
 
+from forged.engine import testhooks
 from forged.engine.kvdisk import model_identity
 from forged.indexembed import index_embedding
 from forged.retrieval.query import Searcher
@@ -179,3 +180,28 @@ async def test_retrieve_fuses_meaning_when_the_daemon_serves_the_indexs_model(
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             r = await c.post("/v1/retrieve", json={"repo": "demo", "query": query, "k": 3})
             assert r.status_code == 200 and r.json()["data"] == []  # BM25 alone
+
+
+async def test_a_busy_embedding_model_leaves_bm25_alone_and_says_so(
+        tmp_path: Path, tiny_model: Path, tiny_bert: Path,
+        start_daemon: DaemonFactory) -> None:
+    """The query's embedding waits at most server.door_timeout (the embedding worker may
+    be busy with an index's calls), then the search goes on by BM25 alone: counted in
+    forged_retrieval_bm25_alone_total, which nothing showed before (a log line at info
+    level, and none at all on the timeout)."""
+    src = repo(tmp_path / "src")
+    embedding = index_embedding(config_with_bert(tmp_path, tiny_model, tiny_bert), nice=0)
+    assert embedding is not None
+    with Index.create(tmp_path / "state" / "index", "demo", src) as idx:
+        idx.update(embedding=embedding)
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server={"door_timeout": 0.5},
+                                models=[{"path": str(tiny_bert), "name": "bert"}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            testhooks.hang_worker(d.daemon.models.resolve("bert", embed=True).pool, 0, 3.0)
+            r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "total amount",
+                                                   "k": 3})
+            assert r.status_code == 200 and r.json()["data"] == []  # BM25 finds nothing
+            assert d.daemon.state is not None
+            assert d.daemon.state.metrics.registry.get_sample_value(
+                "forged_retrieval_bm25_alone_total", {"reason": "timeout"}) == 1

@@ -199,6 +199,13 @@ async def query_vector(state: AppState, text: str, tenant: str) -> tuple[bytes, 
             return done.embeddings, group.prompter.content_id
         except e.ForgedError as exc:
             log.info("retrieval by BM25 alone: the embedding model did not answer: %s", exc)
+            state.metrics.bm25_alone.labels("error").inc()
+            return b"", ""
+    # Busy with other calls (an index's, say) past the door's timeout: a question
+    # silently lost its meaning-based half; the metric says how often.
+    log.info("retrieval by BM25 alone: the embedding model did not answer within %g s",
+             state.cfg.server.door_timeout)
+    state.metrics.bm25_alone.labels("timeout").inc()
     return b"", ""
 
 

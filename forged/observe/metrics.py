@@ -231,7 +231,8 @@ class Metrics:
         self._tokens_window = _Window(deque(maxlen=_WINDOW_SAMPLES))
 
     def _telemetry(self, r: CollectorRegistry) -> None:
-        """Telemetry (forged.observe.telemetry): by API key name, never by content."""
+        """Telemetry (forged.observe.telemetry): by API key name, never by content; and
+        what retrieval gave up."""
         self.completions = Counter("forged_completions", "Generations answered, by API "
                                    "key name and route.", ["key", "route"], registry=r)
         self.completion_events = Counter(
@@ -240,6 +241,11 @@ class Metrics:
         self.telemetry_dropped = Counter(
             "forged_telemetry_dropped", "Telemetry records dropped: the writer's queue was "
             "full.", registry=r)
+        # timeout: the embedding model was busy past server.door_timeout; error: it
+        # refused (overloaded, a lost worker).
+        self.bm25_alone = Counter(
+            "forged_retrieval_bm25_alone", "Searches by meaning that fell back to BM25 "
+            "alone: the embedding model did not answer.", ["reason"], registry=r)
 
     def editor_totals(self) -> dict[str, float]:
         """Generations answered in full, and editors' events on them, since the start:
