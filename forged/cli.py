@@ -166,7 +166,8 @@ def cmd_model_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from forged.daemon.lifespan import Daemon, sole_fault  # heavy imports only when serving
+    from forged.daemon.lifespan import Daemon  # heavy imports only when serving
+    from forged.errors import sole_fault
 
     cfg = load_checked(args)
     setup_logging(cfg.log.level)
@@ -234,6 +235,25 @@ def cmd_model_convert(args: argparse.Namespace) -> int:
         fatal(str(exc))
         return 1
     print(f"{out}: written")
+    return 0
+
+
+def cmd_model_package(args: argparse.Namespace) -> int:
+    """Build a model's .deb; 1 if the model or its settings would be refused."""
+    from forged.modelpkg import PackageError, Spec, build, parse_settings
+
+    gguf = Path(args.gguf).absolute()
+    try:
+        spec = Spec(gguf=gguf, model_id=args.id or gguf.name.removesuffix(".gguf"),
+                    version=args.version, aliases=args.alias, role=args.role,
+                    engine=parse_settings(args.engine), drop_in=not args.no_config,
+                    maintainer=args.maintainer)
+        deb, role = build(spec, Path(args.out))
+    except PackageError as exc:
+        fatal(str(exc))
+        return 1
+    print(f"{deb}: {spec.model_id} ({role}), installs {spec.installed_path}"
+          + (f" and {spec.drop_in_path}" if spec.drop_in else ""))
     return 0
 
 
@@ -409,7 +429,7 @@ def _add_keys_add(keys_sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    model = sub.add_parser("model", help="change the model under live traffic")
+    model = sub.add_parser("model", help="package, plan, convert and swap models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     swap = model_sub.add_parser("swap", help="load a GGUF beside the running model, then "
                                 "route to it and drain the old one")
@@ -432,6 +452,37 @@ def _add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     convert.add_argument("output", help="the GGUF to write")
     convert.add_argument("--name", default="", help="the model's name in the GGUF")
     convert.set_defaults(func=cmd_model_convert)
+    _add_package_command(model_sub)
+
+
+def _add_package_command(model_sub: argparse._SubParsersAction[argparse.ArgumentParser]
+                         ) -> None:
+    package = model_sub.add_parser(
+        "package", help="a GGUF as a .deb: the model, its [[models]] table in "
+        "/etc/forged/models.d/, and a reload that adds it (removes it, on removal) "
+        "under live traffic")
+    package.add_argument("gguf", help="the GGUF model file")
+    package.add_argument("--id", default="", help="the model's id, which requests name "
+                         "and the package is named after (forged-model-ID); default: the "
+                         "file name without .gguf")
+    package.add_argument("--alias", action="append", default=[], metavar="ID",
+                         help="another id it answers to, for tools that hard-code one "
+                         "(repeatable)")
+    package.add_argument("--role", choices=("chat", "fim", "embed"), default="",
+                         help="which requests naming no model it serves (default: from "
+                         "the GGUF when the daemon loads it)")
+    package.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                         help="its own [engine] setting, such as slots=32 or "
+                         "max_context=8192 (repeatable)")
+    package.add_argument("--version", default="1.0", help="the package's version (higher "
+                         "for an upgrade; default 1.0)")
+    package.add_argument("--maintainer", default="forged administrators <root@localhost>",
+                         help="the package's Maintainer field (NAME <EMAIL>)")
+    package.add_argument("--no-config", action="store_true", help="install the GGUF only, "
+                         "for the [model] table of forged.toml (as the default model's "
+                         "package does)")
+    package.add_argument("--out", default=".", help="the folder to write the .deb to")
+    package.set_defaults(func=cmd_model_package)
 
 
 # One example per command, shown under its --help (and in the man page).
@@ -457,6 +508,9 @@ EXAMPLES = {
     "forged model swap": "sudo forged model swap /usr/share/forged/models/coder.gguf",
     "forged model plan": "forged model plan --config /etc/forged/forged.toml",
     "forged model convert": "forged model convert all-MiniLM-L6-v2/ minilm.gguf",
+    "forged model package": "forged model package qwen2.5-coder-1.5b-q8_0.gguf --id "
+                            "coder --role fim --engine slots=32 && sudo dpkg -i "
+                            "forged-model-coder_1.0_all.deb",
     "forged report": "sudo forged report --since 2026-12-01",
     "forged bench": "forged bench --url http://127.0.0.1:8080 --concurrency 1,8,32 "
                     "--api-key fgd-...",

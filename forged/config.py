@@ -7,6 +7,7 @@ message names the file and the key; the CLI turns it into exit status 78 (EX_CON
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -113,8 +114,9 @@ class EngineConfig(_Section, frozen=True):
     # Total KV cells per worker, shared by every sequence (unified KV cache).
     kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 32768
     # Longest prompt + completion one request may use; 0 means the model's training context,
-    # or the room of one request if that is smaller.
-    max_context: Annotated[int, msgspec.Meta(ge=0)] = 2048
+    # or the room of one request if that is smaller: a model brings its own (a coder
+    # trained on 32k gets what kv_cells / slots gives it, up to that).
+    max_context: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Sequence slots per worker; idle slots keep their KV as prefix cache.
     slots: Annotated[int, msgspec.Meta(ge=1, le=255)] = 16
     # Sequences decoding at once per worker.
@@ -128,6 +130,11 @@ class EngineConfig(_Section, frozen=True):
     # within this: it bounds every stream's inter-token latency while prompts are
     # computed beside it, and how long a new short prompt waits for the step to end.
     target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 300.0
+    # While streams decode, a prompt's work is spread over about this many steps, so
+    # that at light load it lengthens a few gaps a little rather than one or two by up
+    # to target_step_ms; as prompts pile up, their shares add up to the target. 1: each
+    # step takes as much prompt work as the target leaves.
+    prompt_spread: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # Off: on CPUs llama.cpp's flash attention takes one query at a time for decoding
     # streams and short chunks, which made a step of 15 streams 1,000 tokens deep twice
     # as long (237 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
@@ -271,7 +278,7 @@ class Config(_Section, frozen=True):
     telemetry: TelemetryConfig = TelemetryConfig()
     responses: ResponsesConfig = ResponsesConfig()
     # Further models served beside [model], each by engine.workers workers of its own
-    # ([[models]] tables; a request picks one by its "model").
+    # ([[models]] tables, here and in models.d/; a request picks one by its "model").
     models: list[ModelConfig] = []
 
     @property
@@ -320,13 +327,8 @@ def _explain(path: Path, err: msgspec.MsgspecError, within: str = "") -> ConfigE
 def _check(path: Path, cfg: Config) -> None:
     _check_engine(path, "engine", cfg.engine)
     for place, model in enumerate(cfg.served):
-        if model.engine:
-            key = "model.engine" if place == 0 else f"models[{place - 1}].engine"
-            try:
-                engine = cfg.for_model(model).engine
-            except msgspec.MsgspecError as exc:
-                raise _explain(path, exc, key) from exc
-            _check_engine(path, key, engine)
+        check_model_engine(path, "model" if place == 0 else f"models[{place - 1}]",
+                            cfg, model)
     _parse_listen(path, "server.listen", cfg.server.listen)
     _parse_listen(path, "server.admin_listen", cfg.server.admin_listen)
     if cfg.server.metrics_listen:
@@ -336,6 +338,17 @@ def _check(path: Path, cfg: Config) -> None:
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: server.tls_cert and server.tls_key: set both (TLS) "
                           "or neither (plain HTTP)")
+
+
+def check_model_engine(path: Path, key: str, cfg: Config, model: ModelConfig) -> None:
+    """The model's own engine settings, over ``cfg``'s [engine], keep its rules."""
+    if not model.engine:
+        return
+    try:
+        engine = cfg.for_model(model).engine
+    except msgspec.MsgspecError as exc:
+        raise _explain(path, exc, f"{key}.engine") from exc
+    _check_engine(path, f"{key}.engine", engine)
 
 
 def _check_engine(path: Path, section: str, eng: EngineConfig) -> None:
@@ -408,8 +421,26 @@ def check_model(path: Path | str, cfg: Config) -> None:
             raise ConfigError(f"{path}: {key}: not readable: {model}")
 
 
+class DropIn(_Section, frozen=True):
+    """A file of ``models.d/``: [[models]] tables, as the main file has them."""
+    models: list[ModelConfig] = []
+
+
+def drop_in_dir(path: Path) -> Path:
+    """Where the drop-ins of the config file ``path`` are: ``models.d/`` beside it."""
+    return path.parent / "models.d"
+
+
 def load(path: Path, *, require_file: bool = True) -> Config:
-    """Read and validate ``path``. A missing file gives the defaults unless required."""
+    """Read and validate ``path``, then add the models of its drop-ins (``models.d/``).
+    A missing file gives the defaults unless required."""
+    cfg = _load_main(path, require_file=require_file)
+    for drop_in in sorted(drop_in_dir(path).glob("*.toml")):
+        cfg = _add_drop_in(drop_in, cfg)
+    return cfg
+
+
+def _load_main(path: Path, *, require_file: bool) -> Config:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -424,6 +455,34 @@ def load(path: Path, *, require_file: bool = True) -> Config:
         raise _explain(path, exc) from exc
     _check(path, cfg)
     return cfg
+
+
+def _add_drop_in(path: Path, cfg: Config) -> Config:
+    """``cfg`` with the drop-in's models after its own; errors name the drop-in. A
+    table whose GGUF is not there is left out, with a warning: removing a model
+    package keeps its drop-in (a conffile) until it is purged."""
+    try:
+        tables = msgspec.toml.decode(path.read_bytes(), type=DropIn).models
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except msgspec.MsgspecError as exc:
+        raise _explain(path, exc) from exc
+    taken = {i for m in cfg.served for i in m.ids}
+    kept = []
+    for n, model in enumerate(tables):
+        if not os.path.exists(model.path):
+            logging.getLogger("forged").warning(
+                "%s: models[%d]: no model file at %s (its package removed?): not served",
+                path, n, model.path)
+            continue
+        check_model_engine(path, f"models[{n}]", cfg, model)
+        clash = taken.intersection(model.ids)
+        if clash:
+            raise ConfigError(f"{path}: models[{n}]: the model id {sorted(clash)[0]!r} is "
+                              "already taken by another model")
+        taken.update(model.ids)
+        kept.append(model)
+    return msgspec.structs.replace(cfg, models=[*cfg.models, *kept])
 
 
 def with_overrides(
@@ -443,7 +502,7 @@ def with_overrides(
 # cache, or reach the workers only in their Init frame (kv_headroom, heartbeat_interval).
 # Every other key is applied by a reload; lifespan.Daemon.reload says which.
 RESTART_KEYS = (
-    "model.name", "models", "model.chat_template", "server.listen", "server.admin_listen",
+    "model.name", "model.chat_template", "server.listen", "server.admin_listen",
     "server.metrics_listen", "server.tls_cert", "server.tls_key", "model.engine",
     "model.role",
     "server.agent_listen", "server.node_name", "server.state_dir",

@@ -79,3 +79,25 @@ class WorkerLost(ForgedError):
 
 class EngineError(ForgedError):
     """llama.cpp failed a step for this request."""
+
+
+class SwapRefused(Exception):
+    """A model swap (or addition) that did not happen; ``str()`` says why, for the
+    admin. The models serving serve on."""
+
+
+def sole_fault(exc: BaseException, kinds: type[Exception] | tuple[type[Exception], ...]
+               ) -> Exception | None:
+    """The first exception of ``kinds`` in ``exc``, if that is all ``exc`` holds
+    (nurseries wrap errors in groups); None if it holds anything else, such as
+    ``Cancelled``, which must propagate. The one unwrapper: a start-up failure, a
+    worker's fault and a new model's failed load are each told apart with it."""
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(kinds)
+        if match is None or rest is not None:
+            return None
+        leaf: BaseException = match
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        exc = leaf
+    return exc if isinstance(exc, kinds) else None

@@ -1,6 +1,7 @@
 #!/bin/sh
-# Build forged_<version>_amd64.deb, forged-model-smollm2_<version>_all.deb and
-# forged-model-minilm_<version>_all.deb (the embedding model).
+# Build forged_<version>_amd64.deb, and with `forged model package`
+# forged-model-smollm2_<version>_all.deb and forged-model-minilm_<version>_all.deb (the
+# embedding model).
 # Usage: scripts/build-deb.sh [OUT_DIR]   (default build/deb)
 # Needs: make setup (the dev venv builds the llama-cpp-python wheel, make model and
 # make embed-model).
@@ -47,11 +48,18 @@ cp systemd/forged.service systemd/forged.socket systemd/forged.sysusers "$src/de
 for unit in service timer; do
     cp "systemd/forged-index.$unit" "$src/debian/forged.forged-index.$unit"
 done
-mkdir -p "$src/models"
-cp models/SmolLM2-135M-Instruct.Q4_1.gguf models/all-MiniLM-L6-v2.f16.gguf "$src/models/"
 (cd "$src" && FORGED_WHEELHOUSE="$wheelhouse" dpkg-buildpackage -us -uc -b >../build.log 2>&1) || {
     tail -40 build/deb-src/build.log >&2
     exit 1
 }
 mv build/deb-src/*.deb "$out/"
+# The model packages, as an admin makes one (`forged model package`, README "Day one"):
+# the default model's GGUF only (forged.toml's [model] names it), and the embedding
+# model with its [[models]] table in /etc/forged/models.d/, served once installed.
+maintainer=$(sed -n 's/^Maintainer: //p' packaging/debian/control)
+.venv/bin/forged model package models/SmolLM2-135M-Instruct.Q4_1.gguf --id smollm2 \
+    --no-config --version "$version" --maintainer "$maintainer" --out "$out"
+# Embedding batches of 2,048 tokens, as benchmarked (docs/benchmarks.md, "Embeddings").
+.venv/bin/forged model package models/all-MiniLM-L6-v2.f16.gguf --id minilm --role embed \
+    --engine step_tokens=2048 --version "$version" --maintainer "$maintainer" --out "$out"
 ls -l "$out"/*.deb

@@ -70,3 +70,20 @@ def test_memory_mib_bounds_weights_and_kv_as_a_swap_does(
     path, _ = config(tmp_path, tiny_model)
     assert cli.main(["model", "plan", "--config", str(path)]) == 0
     assert cli.main(["check-config", "--config", str(path)]) == 0
+
+
+def test_a_model_s_context_defaults_to_its_training_context_within_its_room(
+        tmp_path: Path, tiny_model: Path) -> None:
+    """max_context = 0 (the default): the GGUF's training context (the tiny model's
+    4,096), bounded by the cells one request may use: a fixed 2,048 cut a 32k coder
+    short whatever its cells. The plan shows, and suggests with, the resolved one."""
+    with Model(str(tiny_model), vocab_only=True) as m:
+        trained = m.n_ctx_train
+    assert fc.EngineConfig().max_context == 0 and trained == 4096
+    path, cfg = config(tmp_path, tiny_model, kv_cells=65536, slots=8, max_running=8)
+    assert plan(path, cfg, memory=64 << 30).models[0].max_context == trained
+    path, cfg = config(tmp_path, tiny_model, kv_cells=8192, slots=8, max_running=8)
+    assert plan(path, cfg, memory=64 << 30).models[0].max_context == 1024  # its room
+    path, cfg = config(tmp_path, tiny_model, kv_cells=4_000_000, slots=4, max_running=4,
+                       cache_ram_mib=0)
+    assert "4 slots of" in render(plan(path, cfg, memory=RESERVE + 2 * OVERHEAD))

@@ -326,15 +326,121 @@ def test_model_ids_must_differ_between_models(tmp_path: Path) -> None:
         fc.load(config)
 
 
-def test_a_reload_that_changes_the_models_list_keeps_the_running_one() -> None:
-    """[[models]] is one key, and needs a restart: a reload leaves the list alone."""
+def test_models_d_adds_tables_in_file_order_and_names_its_files(
+        tmp_path: Path, tiny_model: Path, fim_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """models.d/*.toml beside the config: [[models]] tables after the file's own, by
+    file name; an error names the drop-in; a table whose GGUF is gone (its package
+    removed, the conffile kept) is left out with a warning."""
+    config = tmp_path / "forged.toml"
+    config.write_text(f'[model]\npath = "{tiny_model}"\n')
+    drop_ins = fc.drop_in_dir(config)
+    drop_ins.mkdir()
+    (drop_ins / "b.toml").write_text(f'[[models]]\npath = "{fim_model}"\nname = "b"\n')
+    (drop_ins / "a.toml").write_text(
+        f'[[models]]\npath = "{fim_model}"\nname = "a"\n'
+        '[models.engine]\nslots = 4\nmax_running = 4\n')
+    (drop_ins / "notes.txt").write_text("not a drop-in")
+    cfg = fc.load(config)
+    assert [m.model_id for m in cfg.served] == ["tiny", "a", "b"]
+    assert cfg.for_model(cfg.models[0]).engine.slots == 4
+    (drop_ins / "gone.toml").write_text('[[models]]\npath = "/nowhere/gone.gguf"\n')
+    assert [m.model_id for m in fc.load(config).models] == ["a", "b"]
+    assert "gone.toml: models[0]: no model file at /nowhere/gone.gguf" in caplog.text
+    for text, message in [
+            (f'[[models]]\npath = "{fim_model}"\nname = "tiny"\n',
+             "models[0]: the model id 'tiny' is already taken"),
+            (f'[[models]]\npath = "{fim_model}"\nslotz = 1\n', "models[0].slotz: unknown"),
+            (f'[[models]]\npath = "{fim_model}"\nname = "c"\nengine = {{slots = 999}}\n',
+             "models[0].engine.slots")]:
+        (drop_ins / "z.toml").write_text(text)
+        with pytest.raises(fc.ConfigError) as err:
+            fc.load(config)
+        assert str(err.value).startswith(f"{drop_ins / 'z.toml'}: ") and message in str(
+            err.value), err.value
+
+
+def test_a_reload_applies_a_changed_models_list() -> None:
+    """[[models]] is no longer a restart key: a reload adds, swaps and withdraws
+    (it was kept as it ran until a restart)."""
     old = fc.Config()
-    new = msgspec.structs.replace(old, models=[fc.ModelConfig(path="/m/b.gguf")],
-                                  model=fc.ModelConfig(path="/m/a.gguf"))
-    assert fc.changed_keys(old, new) == ["model.path", "models"]
-    assert "models" in fc.RESTART_KEYS and "model.path" not in fc.RESTART_KEYS
-    kept = _keep_restart_keys(old, new)
-    assert kept.models == [] and kept.model.path == "/m/a.gguf"
+    new = msgspec.structs.replace(old, models=[fc.ModelConfig(path="/m/b.gguf")])
+    assert fc.changed_keys(old, new) == ["models"] and "models" not in fc.RESTART_KEYS
+    assert _keep_restart_keys(old, new).models == new.models
+
+
+async def test_a_reload_adds_and_removes_a_drop_in_model_under_load(
+        tiny_model: Path, fim_model: Path, tmp_path: Path,
+        start_daemon: DaemonFactory) -> None:
+    """A model package's route: its drop-in (models.d/) and GGUF appear, and a reload
+    serves it, also to FIM requests naming no model (its role); the GGUF goes (the
+    package removed), and a reload withdraws it. Chat load across both fails nothing."""
+    infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
+    gguf = tmp_path / "share" / "coder.gguf"
+    with trio.fail_after(180):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as c:
+            d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
+            assert (await c.post("/infill", json=infill)).status_code == 400
+            results: list[tuple[set[str], str]] = []
+            failures: list[str] = []
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(load, c, results, failures, stop)
+                gguf.parent.mkdir()
+                shutil.copy(fim_model, gguf)
+                fc.drop_in_dir(d.daemon.config_path).mkdir()
+                (fc.drop_in_dir(d.daemon.config_path) / "coder.toml").write_text(
+                    f'[[models]]\npath = "{gguf}"\nname = "coder"\n')
+                d.daemon.reload()
+                await d.daemon.models_applied.wait()
+                models = d.daemon.models
+                assert [g.model_id for g in models.serving] == ["tiny", "coder"]
+                r = await c.post("/infill", json=infill)
+                assert r.status_code == 200 and r.json()["model"] == "coder", r.text
+                listed = (await c.get("/v1/models")).json()["data"]
+                assert [(m["id"], m["role"]) for m in listed] == [("tiny", "chat"),
+                                                                ("coder", "fim")]
+                d.daemon.reload()  # nothing changed: nothing loads again
+                await d.daemon.models_applied.wait()
+                assert [g.number for g in models.all()] == [1, 2]
+                gguf.unlink()
+                d.daemon.reload()
+                await d.daemon.models_applied.wait()
+                assert [g.model_id for g in models.serving] == ["tiny"]
+                await until(lambda: len(models.all()) == 1, 60)  # drained, stopped
+                assert (await c.post("/infill", json=infill)).status_code == 400
+                assert (await c.post("/v1/completions", json={**PROMPT, "model": "coder"})
+                        ).status_code == 404
+                n = len(results)
+                await until(lambda: len(results) >= n + 2, 60)
+                stop.set()
+            assert not failures and results, failures[:3]
+
+
+async def test_a_refused_addition_is_tried_again_by_the_next_reload(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A new table that does not fit (engine.memory_mib) is logged and left out; the
+    models serving serve on, and a reload after the admin made room adds it."""
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, engine={"memory_mib": 1}) as d:
+            cfg = d.daemon.cfg
+            fc.drop_in_dir(d.daemon.config_path).mkdir()
+            (fc.drop_in_dir(d.daemon.config_path) / "coder.toml").write_text(
+                f'[[models]]\npath = "{fim_model}"\nname = "coder"\n')
+            d.daemon.config_path.write_text(as_toml(cfg))
+            d.daemon.reload()
+            await d.daemon.models_applied.wait()
+            assert [g.model_id for g in d.daemon.models.all()] == ["tiny"]
+            assert "the addition of coder" in caplog.text and "not enough memory" in \
+                caplog.text
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, engine=msgspec.structs.replace(cfg.engine, memory_mib=0))))
+            d.daemon.reload()
+            await d.daemon.models_applied.wait()
+            assert [g.model_id for g in d.daemon.models.serving] == ["tiny", "coder"]
 
 
 # --- what a review of the swap found --------------------------------------------------

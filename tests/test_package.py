@@ -26,7 +26,7 @@ API = "http://127.0.0.1:8080"
 
 
 def _debs() -> list[Path]:
-    debs = sorted(DEB_DIR.glob("forged*_*.deb"))
+    debs = sorted(DEB_DIR.glob("forged*_*.deb"))  # forged, and two model packages
     if len(debs) != 3:
         pytest.fail(f"build the packages first (make deb): found {debs} in {DEB_DIR}")
     return debs
@@ -100,6 +100,8 @@ def test_1_install(box: BootedContainer) -> None:
     assert box.run("systemctl is-active forged", check=False).stdout.strip() == "inactive"
     stat = box.run("stat -c '%U:%G %a' /etc/forged/forged.toml").stdout.strip()
     assert stat == "root:forged 640"
+    # Where model packages (and admins) put [[models]] tables; the daemon's user reads it.
+    box.run("test -d /etc/forged/models.d && test -r /etc/forged/models.d/minilm.toml")
     # A self-signed TLS pair for a fresh appliance, its key readable by the daemon only.
     stat = box.run("stat -c '%U:%G %a' /etc/forged/tls/forged.key").stdout.strip()
     assert stat == "root:forged 640"
@@ -147,22 +149,59 @@ def test_3_completion_and_streamed_chat(box: BootedContainer) -> None:
 
 
 def test_3b_embeddings_from_the_model_package(box: BootedContainer) -> None:
-    """The embedding model's package, added as a [[models]] table: /v1/embeddings
-    answers with its 384 dimensions, and `forged index add` (as root, becoming the
-    daemon's user) embeds a folder's chunks with it at nice 19. The config is put back
-    after, whatever happens (the tests after this one expect the shipped one)."""
-    box.run("cp /etc/forged/forged.toml /root/forged.toml.orig")
+    """The embedding model's package installs its [[models]] table in models.d/, so
+    the daemon serves it from its first start: /v1/embeddings answers with its 384
+    dimensions, and `forged index add` (as root, becoming the daemon's user) embeds a
+    folder's chunks with it at nice 19."""
+    assert "minilm" in box.run("cat /etc/forged/models.d/minilm.toml").stdout
     try:
-        # As the shipped file says: its `models = []` line gives way to [[models]].
-        box.run("sed -i '/^models = \\[\\]$/d' /etc/forged/forged.toml && printf '\\n"
-                "[[models]]\\npath = \"/usr/share/forged/models/all-MiniLM-L6-v2.f16.gguf"
-                "\"\\nname = \"minilm\"\\n' >> /etc/forged/forged.toml")
-        box.run("systemctl restart forged", timeout=120)
         _embeddings_and_an_embedded_index(box)
     finally:
         box.run("forged index rm demo", check=False)
-        box.run("cp /root/forged.toml.orig /etc/forged/forged.toml && "
-                "systemctl restart forged", timeout=120)
+
+
+def test_3c_a_packaged_fim_model_comes_and_goes_under_load(
+        box: BootedContainer, fim_model: Path) -> None:
+    """The day-one path: `forged model package` on the appliance turns a GGUF into a
+    .deb; installing it beside the running daemon adds the model (FIM naming no
+    model goes to it, chat stays on the chat model), removing it withdraws it; chat
+    requests all the while fail none."""
+    box.copy_in(fim_model, "/root/models/coder.gguf")
+    r = box.run("cd /root && forged model package models/coder.gguf --id coder "
+                "--engine kv_cells=4096 --engine slots=4 --engine max_running=4 "
+                "--engine max_context=1024 "
+                "--out /root/pkgs", timeout=120)
+    assert "coder (fim)" in r.stdout, r.stdout + r.stderr
+    infill = json.dumps({"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2})
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    post = f"curl -s --max-time 60 -H 'Content-Type: application/json' {API}"
+    box.run("rm -f /root/load.*; (for i in $(seq 600); do test -f /root/load.stop && break; "
+            f"{post}/v1/chat/completions -d '{chat}' -o /dev/null -w '%{{http_code}}\\n' "
+            ">> /root/load.txt; done; touch /root/load.done) >/dev/null 2>&1 &")
+    try:
+        box.run("dpkg -i /root/pkgs/forged-model-coder_1.0_all.deb", timeout=120)
+        wait_until(lambda: "coder" in _model_ids(box), 60, "coder listed")
+        served = json.loads(box.run(f"{post}/infill -d '{infill}'").stdout)
+        assert served["model"] == "coder", served
+        served = json.loads(box.run(f"{post}/v1/chat/completions -d '{chat}'").stdout)
+        assert served["model"] == "SmolLM2-135M-Instruct.Q4_1", served
+        box.run("dpkg -r forged-model-coder", timeout=120)
+        wait_until(lambda: "coder" not in _model_ids(box), 60, "coder withdrawn")
+        # Removed, its drop-in (a conffile) stays until purged, skipped meanwhile.
+        box.run("test -f /etc/forged/models.d/coder.toml")
+    finally:
+        box.run("touch /root/load.stop")
+        wait_until(lambda: box.run("test -f /root/load.done", check=False).returncode == 0,
+                   90, "the chat load to stop")
+    codes = box.run("cat /root/load.txt").stdout.split()
+    assert codes and set(codes) == {"200"}, codes
+    box.run("dpkg -P forged-model-coder", timeout=120)
+    box.run("test ! -e /etc/forged/models.d/coder.toml")
+
+
+def _model_ids(box: BootedContainer) -> list[str]:
+    r = box.run(f"curl -sf --max-time 30 {API}/v1/models", check=False)
+    return [m["id"] for m in json.loads(r.stdout)["data"]] if r.returncode == 0 else []
 
 
 def _embeddings_and_an_embedded_index(box: BootedContainer) -> None:

@@ -22,7 +22,10 @@ SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
 NEVER = [
     (SANS_IO, ("trio", "llama_cpp", "forged.engine.backend", "forged.engine.worker",
                "forged.http", "socket", "select")),
-    (["forged/http/*.py"], ("forged.engine.backend", "forged.engine.worker", "llama_cpp")),
+    # http is imported by the daemon, never the other way (a Protocol stands for the
+    # swapper: forged.http.state.Swapper)
+    (["forged/http/*.py"], ("forged.engine.backend", "forged.engine.worker", "llama_cpp",
+                            "forged.daemon")),
     (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
     (["forged/config.py"], ("forged",)),
     (["bench/*.py"], ("tests",)),

@@ -15,8 +15,10 @@ import shutil
 import signal
 import ssl
 import time
+from collections.abc import Coroutine
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
@@ -27,11 +29,12 @@ from quart_trio import QuartTrio
 from forged import config as fc
 from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
-from forged.daemon.models import Swapper, SwapRefused, open_group, run_group
 from forged.daemon.notify import Notifier, watchdog_interval
+from forged.daemon.swap import Swapper, open_group, run_group
 from forged.daemon.tls import TLS
 from forged.engine.groups import ModelGroup, Models, Stamp, file_stamp
 from forged.engine.pool import EnginePool
+from forged.errors import SwapRefused, sole_fault
 from forged.http.admin import create_admin_app, create_metrics_app
 from forged.http.api import configure, create_app
 from forged.http.state import AppState, Holds
@@ -75,22 +78,6 @@ def _live_server_settings(hc: HyperConfig, cfg: fc.Config) -> None:
     hc.graceful_timeout = cfg.server.drain_timeout + 5.0
 
 
-def sole_fault(exc: BaseException, kinds: type[Exception] | tuple[type[Exception], ...]
-               ) -> Exception | None:
-    """The first exception of ``kinds`` in ``exc``, if that is all ``exc`` holds
-    (nurseries wrap errors in groups); None if it holds anything else, such as
-    ``Cancelled``, which must propagate."""
-    if isinstance(exc, BaseExceptionGroup):
-        match, rest = exc.split(kinds)
-        if match is None or rest is not None:
-            return None
-        leaf: BaseException = match
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        exc = leaf
-    return exc if isinstance(exc, kinds) else None
-
-
 def prune_kv_caches(state_dir: str, keep: set[Path]) -> None:
     """Delete saved KV states of models no longer configured (and of the one-folder
     layout before models had their own): their files could never be restored."""
@@ -120,10 +107,15 @@ class Daemon:
         # Made by run(), once the models' vocabularies (and training contexts) are read.
         self.models: Models
         self.swapper: Swapper
-        # Each place's model file (path and stamp) as the config last named it: a
-        # reload swaps a place only when that changes (so a `forged model swap` is not
-        # undone by the next reload).
-        self._applied: list[tuple[str, Stamp]] = []
+        # [model]'s file (path and stamp), and each [[models]] table (by its id) with
+        # its file's stamp, as the config last named them: a reload swaps a model only
+        # when they change (so a `forged model swap` is not undone by the next reload).
+        self._applied_default: tuple[str, Stamp] = ("", (0, 0, 0, 0))
+        self._applied: dict[str, tuple[fc.ModelConfig, Stamp]] = {}
+        self._reconciling = trio.Lock()  # one reload's model changes at a time
+        # Set once the last reload's model changes are done (or refused).
+        self.models_applied = trio.Event()
+        self.models_applied.set()
         self._shutdown = trio.Event()
         self.state: AppState | None = None
         # Kept for reloads, which change some of their settings live.
@@ -157,7 +149,8 @@ class Daemon:
                         self.config_path, self.cfg, p, m, p + 1,
                         test_hooks=self.test_hooks)))
             self.models = Models(groups)
-            self._applied = [(g.model.path, g.file.stamp) for g in groups]
+            self._applied_default = (groups[0].model.path, groups[0].file.stamp)
+            self._applied = {g.key: (g.model, g.file.stamp) for g in groups[1:]}
             await trio.to_thread.run_sync(prune_kv_caches, self.cfg.server.state_dir,
                                           self.models.cache_dirs(self.cfg.server.state_dir))
             await self._serve_models(task_status)
@@ -318,15 +311,14 @@ class Daemon:
             log.error("reload refused, keeping the running config and keys: %s", exc)
             self.notifier.ready(_status_line(self.state))
             return
-        swaps = self._models_changed(new)
         self._rename_models(new)
         self.cfg = new
         self.state.cfg = new
         self.state.keys = keys
         for group in self.models.all():
             group.pool.set_limits(new.for_model(group.model))
-        if swaps:
-            self.swapper.engine.start_soon(self._swap_on_reload, new, swaps)
+        self.models_applied = trio.Event()
+        self.swapper.engine.start_soon(self._apply_models, new, self.models_applied)
         self._reload_listeners(new)
         logging.getLogger().setLevel(new.log.level.upper())
         live = [k for k in changed if k not in restart]
@@ -343,13 +335,6 @@ class Daemon:
         if self._tls is not None:
             self._tls.reload()
 
-    def _models_changed(self, new: fc.Config) -> list[int]:
-        """The places whose model a reload swaps: the config names another file, or a
-        new file was put at the same path (a model package's upgrade). ``new`` keeps
-        the running [[models]] list (a restart key)."""
-        return [place for place, model in enumerate(new.served)
-                if (model.path, file_stamp(model.path)) != self._applied[place]]
-
     def _rename_models(self, new: fc.Config) -> None:
         """Aliases are live: the default group answers to the new ones (and keeps the
         ids a swap gave it)."""
@@ -358,17 +343,56 @@ class Daemon:
         kept = [i for i in group.ids if i not in dropped]
         group.ids = [*kept, *(a for a in new.model.aliases if a not in kept)]
 
-    async def _swap_on_reload(self, cfg: fc.Config, places: list[int]) -> None:
-        """One swap after another; each waits for one under way (an admin's, say)."""
-        for place in places:
-            model = cfg.served[place]
-            try:
-                new = await self.swapper.swap(cfg, place, model, wait=True)
-            except SwapRefused as exc:
-                log.error("reload: the swap of %s was refused, the old model serves on: "
-                          "%s", model.path, exc)
+    async def _apply_models(self, cfg: fc.Config, done: trio.Event) -> None:
+        """A reload's model changes, one after another. What is refused is logged and
+        tried again by the next reload; the models serving serve on."""
+        try:
+            async with self._reconciling:
+                await self._apply_default(cfg)
+                await self._apply_tables(cfg)
+        finally:
+            done.set()
+
+    async def _apply_default(self, cfg: fc.Config) -> None:
+        """[model] is swapped when its file changed: another path, or a new file at
+        it (a package's upgrade)."""
+        model = cfg.model
+        if (model.path, file_stamp(model.path)) == self._applied_default:
+            return
+        new = await self._try("swap", model, self.swapper.swap(cfg, 0, model, wait=True))
+        if new is not None:
+            self._applied_default = (model.path, new.file.stamp)
+
+    async def _apply_tables(self, cfg: fc.Config) -> None:
+        """[[models]] tables (models.d/ among them), told apart by their ids: withdrawn
+        when gone, swapped when changed (or their file), added when new."""
+        tables = {m.model_id: m for m in cfg.models}
+        for key in self.models.extra().keys() - tables.keys():
+            await self.swapper.withdraw(cfg, key)
+            self._applied.pop(key, None)
+        for key, model in tables.items():
+            group = self.models.extra().get(key)  # now: a swap may have replaced it
+            if group is not None and self._applied.get(key) == (model,
+                                                                file_stamp(model.path)):
                 continue
-            self._applied[place] = (new.model.path, new.file.stamp)
+            if group is None:
+                new = await self._try("addition", model, self.swapper.add(cfg, model))
+            else:
+                place = self.models.place_of(group)
+                new = await self._try("swap", model,
+                                      self.swapper.swap(cfg, place, model, wait=True))
+            if new is not None:
+                self._applied[key] = (model, new.file.stamp)
+
+    @staticmethod
+    async def _try(what: str, model: fc.ModelConfig,
+                   work: Coroutine[Any, Any, ModelGroup]) -> ModelGroup | None:
+        try:
+            return await work
+        except SwapRefused as exc:
+            log.error("reload: the %s of %s (%s) was refused: %s", what, model.model_id,
+                      model.path, exc)
+            return None
 
     async def _status_loop(self, state: AppState) -> None:
         last_tokens, last_t = 0.0, time.monotonic()

@@ -8,7 +8,7 @@ All of it must fit in the machine's memory less ``RESERVE`` for the system, and 
 weights and KV caches in ``engine.memory_mib`` when set (what a swap is held to). A
 plan that does not fit is refused with the slots and context that would.
 
-The swap check (forged.daemon.models) asks the narrower question of one more model
+The swap check (forged.daemon.swap) asks the narrower question of one more model
 against what is free now; this one asks it of the whole config, before a start.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from forged import config as fc
 from forged.daemon.startup import model_key, open_prompter
 from forged.engine.groups import meminfo_bytes
+from forged.engine.limits import scheduler_limits
 
 MIB = 1 << 20
 OVERHEAD = 256 * MIB  # per worker: the process and llama.cpp's compute buffers
@@ -84,16 +85,20 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
     models = []
     for place, model in enumerate(cfg.served):
         key = model_key(place)
-        engine = cfg.for_model(model).engine
+        own = cfg.for_model(model)
+        engine = own.engine
         prompter = open_prompter(config_path, model, key)
         try:
             # An encoder (an embedding model) keeps no KV cache.
             per_cell = 0 if prompter.embedding else prompter.model.kv_bytes_per_cell()
+            # The context it will serve: its own training context when max_context is 0.
+            context = scheduler_limits(own, prompter.n_ctx_train,
+                                       encoder=prompter.embedding).max_context
         finally:
             prompter.close()
         models.append(ModelPlan(key, model.model_id, Path(model.path).stat().st_size,
                                 per_cell, engine.workers, engine.kv_cells, engine.slots,
-                                engine.max_context))
+                                context))
     # MemTotal: what the machine has, whatever runs on it now.
     machine = meminfo_bytes("MemTotal") if memory is None else memory
     return Plan(models, cfg.engine.cache_ram_mib * MIB, max(0, machine - RESERVE),

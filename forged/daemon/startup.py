@@ -84,17 +84,22 @@ def open_prompter(config_path: Path | str, model: fc.ModelConfig,
         where = f"{key}.chat_template" if model.chat_template else \
             f"{key}.path: {model.path}: its chat template"
         raise fc.ConfigError(f"{config_path}: {where}: {exc}".replace("\n", " ")) from exc
-    if why := _role_problem(model, prompter.embedding):
+    if why := role_problem(model.role, prompter.embedding):
         prompter.close()
         raise fc.ConfigError(f"{config_path}: {key}.role: \"{model.role}\", but "
                              f"{model.path} {why}")
     return prompter
 
 
-def _role_problem(model: fc.ModelConfig, embedding: bool) -> str:
-    """An embedding model serves embeddings only, and only it does."""
-    if model.role == "embed" and not embedding:
+def role_problem(role: str, embedding: bool, fim: bool = True) -> str:
+    """Why a model cannot serve as ``role`` (empty: it can). An embedding model serves
+    embeddings only, and only it does. ``fim``: whether it has FIM tokens (the
+    daemon serves a "fim" model without them, with a 400 for each FIM request; a
+    package refuses it)."""
+    if role == "embed" and not embedding:
         return "pools nothing: it is not an embedding model"
-    if embedding and model.role not in ("", "embed"):
+    if embedding and role not in ("", "embed"):
         return "is an embedding model: it makes embeddings only"
+    if role == "fim" and not fim:
+        return "has no fill-in-the-middle tokens"
     return ""

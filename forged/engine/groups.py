@@ -6,9 +6,10 @@ its :class:`~forged.engine.pool.EnginePool` (workers, limits, context) and the i
 request names it by. :class:`Models` finds the group of a request's ``model``.
 
 A group is ``loading`` (listed, not routed to), ``serving`` (its ids route to it), or
-``draining`` (replaced by a swap: it finishes what it holds, then stops). Each place
-of the config (``[model]`` is place 0, ``[[models]]`` follow) has exactly one serving
-group; a swap puts a new group in its place (:meth:`Models.replace`).
+``draining`` (replaced by a swap, or its table removed: it finishes what it holds, then
+stops). Each place of the config (``[model]`` is place 0, ``[[models]]`` follow) has
+exactly one serving group; a swap puts a new group in its place (:meth:`Models.replace`),
+and a reload adds places (:meth:`Models.add`) and withdraws them (:meth:`Models.withdraw`).
 
 Resource handling: a request holds its group with :meth:`Models.use` for its whole life,
 so that a draining group knows when nobody uses its prompter or its workers any more
@@ -77,6 +78,9 @@ class ModelGroup:
         self.file = file
         self.memory = memory  # bytes, by memory_bytes
         self.ids = model.ids  # a swap's new group inherits the old one's too
+        # The config table it serves ([[models]] are told apart by their own ids, so
+        # a reload can add, change and remove them); a swap's new group inherits it.
+        self.key = model.model_id
         self.status: GroupStatus = "loading"
         self.users = 0
         self._idle = trio.Event()
@@ -253,11 +257,29 @@ class Models:
         working."""
         old = self.serving[place]
         new.ids = [*new.ids, *(i for i in old.ids if i not in new.ids)]
+        new.key = old.key
         self.others.remove(new)
         new.status, old.status = "serving", "draining"
         self.serving[place] = new
         self.others.append(old)
         return old
+
+    def add(self, new: ModelGroup) -> None:
+        """A new place, after the others: ``new`` (loaded) serves from now on."""
+        self.others.remove(new)
+        new.status = "serving"
+        self.serving.append(new)
+
+    def withdraw(self, group: ModelGroup) -> None:
+        """Its place goes (never [model]'s): its ids stop routing, and it drains."""
+        assert group is not self.default
+        self.serving.remove(group)
+        group.status = "draining"
+        self.others.append(group)
+
+    def extra(self) -> dict[str, ModelGroup]:
+        """The serving groups of [[models]] tables, by their table's id."""
+        return {g.key: g for g in self.serving[1:]}
 
     def remove(self, group: ModelGroup) -> None:
         self.others.remove(group)

@@ -29,7 +29,7 @@ import trio
 from forged.config import EngineConfig
 from forged.engine import channel
 from forged.engine import frames as fr
-from forged.errors import Unavailable
+from forged.errors import Unavailable, sole_fault
 
 log = logging.getLogger("forged.engine")
 
@@ -43,17 +43,7 @@ _WORKER_FAULTS: tuple[type[Exception], ...] = (
 def worker_fault(exc: BaseException) -> Exception | None:
     """The worker fault in ``exc`` (nurseries wrap it in a group), or None if ``exc``
     holds anything else, such as ``Cancelled``, which must propagate."""
-    if isinstance(exc, _WORKER_FAULTS):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        match, rest = exc.split(_WORKER_FAULTS)
-        if match is not None and rest is None:
-            leaf: BaseException = match
-            while isinstance(leaf, BaseExceptionGroup):
-                leaf = leaf.exceptions[0]
-            assert isinstance(leaf, Exception)
-            return leaf
-    return None
+    return sole_fault(exc, _WORKER_FAULTS)
 
 
 def backoff_delay(base: float, cap: float, failures: int) -> float:

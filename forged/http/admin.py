@@ -20,10 +20,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
-from forged.daemon.models import SwapRefused
 from forged.engine import testhooks
 from forged.engine.groups import ModelGroup
-from forged.errors import ModelNotFound
+from forged.errors import ModelNotFound, SwapRefused
 from forged.http.state import AppState
 from forged.observe.page import PAGE_HEADERS, status_page
 
@@ -142,7 +141,7 @@ async def _swap(state: AppState) -> Response:
     200 once it serves; 409 with the reason when refused (the old model serves on)."""
     try:
         req = msgspec.json.decode(await request.get_data(), type=SwapRequest)
-        place = state.models.place_of(state.models.resolve(req.model, embed=None))
+        group = state.models.resolve(req.model, embed=None)
     except (msgspec.MsgspecError, ModelNotFound) as exc:
         return _answer({"error": str(exc)}, 400)
     if state.leaving or state.draining or state.swapper is None:
@@ -151,7 +150,9 @@ async def _swap(state: AppState) -> Response:
         return _answer({"error": f"path must be absolute: {req.path!r}"}, 400)
     # The place's current config (its name, its aliases as the last reload left them),
     # with the new file.
-    model = msgspec.structs.replace(state.cfg.served[place], path=req.path)
+    place = state.models.place_of(group)
+    model = msgspec.structs.replace(state.cfg.model if place == 0 else group.model,
+                                    path=req.path)
     try:
         group = await state.swapper.swap(state.cfg, place, model)
     except SwapRefused as exc:

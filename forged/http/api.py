@@ -51,7 +51,7 @@ from forged.http.infill import (
 from forged.http.keylimits import capped_priority, hold_generation, hold_side
 from forged.http.lifetime import RequestResources, resources
 from forged.http.logprobs import Asked, chat_asked, completion_asked
-from forged.http.models import model_list, model_object, system_fingerprint
+from forged.http.modellist import model_list, model_object, system_fingerprint
 from forged.http.responses import (
     HTTPError,
     error_response,

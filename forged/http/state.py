@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
@@ -24,10 +24,19 @@ from forged.observe.telemetry import Recorder, telemetry_path
 from forged.retrieval.query import Searcher
 
 if TYPE_CHECKING:
-    from forged.daemon.models import Swapper
+    from forged.config import ModelConfig
+    from forged.engine.groups import ModelGroup
     from forged.http.editor_telemetry import TokenBucket
 
 T = TypeVar("T")
+
+
+class Swapper(Protocol):
+    """What the admin listener asks of the daemon's swapper (forged.daemon.swap): http
+    never imports the daemon, which imports it."""
+
+    async def swap(self, cfg: Config, place: int, model: ModelConfig, *,
+                   wait: bool = False) -> ModelGroup: ...
 
 
 @dataclass

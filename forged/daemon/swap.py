@@ -1,8 +1,11 @@
-"""Model groups' lives: open one, run it, and swap one for another under live traffic.
+"""Model groups' lives: open one, run it, swap one for another, add one and withdraw
+one, under live traffic.
 
-A swap (a reload whose ``model.path`` changed, or whose file was replaced at the same
-path; or ``forged model swap PATH`` on the admin listener) runs these steps, and a
-failure at any of them leaves the old model serving and says why:
+A swap (a reload whose ``model.path`` or [[models]] table changed, or whose file was
+replaced at the same path; or ``forged model swap PATH`` on the admin listener) runs
+these steps, and a failure at any of them leaves the old model serving and says why
+(an addition, a new [[models]] table, runs steps 1-4 and then takes requests; a
+withdrawal, a table gone, runs step 5's drain):
 
 1. load the new model's vocabulary and chat template (the file is checked first);
 2. check memory: the new weights and KV caches must fit beside the groups running
@@ -38,16 +41,11 @@ from forged.engine.groups import (
 )
 from forged.engine.pool import EnginePool
 from forged.engine.request import Request, Sampling
-from forged.errors import ForgedError, Unavailable
+from forged.errors import ForgedError, SwapRefused, Unavailable, sole_fault
 
 log = logging.getLogger("forged")
 # The nice value a swap's new model loads at, beside the serving one (frames.Init.nice).
 LOAD_NICE = 10
-
-
-class SwapRefused(Exception):
-    """A swap that did not happen; ``str()`` says why, for the admin. The old model
-    is serving."""
 
 
 def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelConfig,
@@ -101,18 +99,9 @@ async def warm_up(group: ModelGroup) -> None:
                     raise Unavailable(f"its first request failed: {ev.message}", 1)
 
 
-def _start_fault(exc: BaseException) -> Exception | None:
-    """What made a new group fail to start, if that is all ``exc`` holds: a worker that
-    did not start (RuntimeError, wrapped in the pool's and the supervisor's nurseries'
-    groups), a failed first request, or the deadline; None for anything else (such as
-    ``Cancelled``), which must propagate."""
-    kinds = (RuntimeError, ForgedError, trio.TooSlowError)
-    while isinstance(exc, BaseExceptionGroup):
-        match, rest = exc.split(kinds)
-        if match is None or rest is not None:
-            return None
-        exc = match.exceptions[0]
-    return exc if isinstance(exc, kinds) else None
+# What ends a new group's start that is a refusal, not a bug: a worker that did not
+# start, a failed first request, or the deadline.
+_START_FAULTS = (RuntimeError, ForgedError, trio.TooSlowError)
 
 
 class Swapper:
@@ -147,6 +136,34 @@ class Swapper:
                                cfg.limits.retry_after)
         return new
 
+    async def add(self, cfg: fc.Config, model: fc.ModelConfig) -> ModelGroup:
+        """Serve ``model`` in a new place, as a swap loads one (steps 1-4); the new
+        group once it serves. SwapRefused if not."""
+        async with self._lock:
+            place = len(self.models.serving)
+            self._check_ids(place, model)
+            new = await self._start(cfg, place, model)
+            if self.models.default.pool.draining:
+                await self._stop(new)
+                raise SwapRefused("the server is shutting down")
+        new.pool.renice(0)
+        self.models.add(new)
+        log.info("model added: %s (%s) serves", new.model_id, new.model.path)
+        return new
+
+    async def withdraw(self, cfg: fc.Config, key: str) -> None:
+        """Stop routing to the group of the [[models]] table ``key`` (removed from the
+        config); it drains as a swapped-out group does. Looked up under the lock: a
+        swap may have put another group in its place meanwhile."""
+        async with self._lock:
+            group = self.models.extra().get(key)
+            if group is None:
+                return
+            self.models.withdraw(group)
+        log.info("model removed: %s drains", group.listed_id)
+        self.engine.start_soon(self._retire, group, cfg.server.drain_timeout,
+                               cfg.limits.retry_after)
+
     def _check_ids(self, place: int, model: fc.ModelConfig) -> None:
         """The new model may not take an id another model answers to."""
         for other, group in enumerate(self.models.serving):
@@ -167,8 +184,7 @@ class Swapper:
         self._check_memory(cfg, new)
         new.pool.nice = LOAD_NICE
         self.models.add_loading(new)
-        log.info("model swap: loading %s beside %s", model.path,
-                 self.models.serving[place].model_id)
+        log.info("loading %s (%s) beside the models serving", model.model_id, model.path)
         try:
             with trio.fail_after(cfg.engine.startup_timeout):
                 await self.engine.start(run_group, new)
@@ -177,7 +193,7 @@ class Swapper:
             # Whatever ends the load (a fault, or the admin's client leaving): the new
             # group goes, and the old one serves on.
             await self._stop(new)
-            fault = _start_fault(exc)
+            fault = sole_fault(exc, _START_FAULTS)
             if fault is None:
                 raise
             raise SwapRefused(f"the new model failed to start: {fault}") from exc
@@ -205,7 +221,7 @@ class Swapper:
                                       "finish within the swap's drain deadline",
                                       retry_after))
         await self._stop(old)
-        log.info("model swap: %s stopped", old.listed_id)
+        log.info("%s stopped", old.listed_id)
 
     async def _stop(self, group: ModelGroup) -> None:
         """Stop the group's workers and forget it; its vocabulary and file are freed
