@@ -189,9 +189,10 @@ def tables(result: dict[str, Any]) -> str:
     lines = [f"Against {result['against']}; capacity (its req/s at 32 callers) "
              f"{result.get('capacity_req_per_s', 0):.3f} req/s. Cells: forged / llama-server, "
              "then the ratio.", "",
-             "| load | short TTFT p50 | short TTFT p99 | ITL p50 | ITL p99 | out tok/s | "
-             "ratios (TTFT p50, p99, ITL p50, p99, tok/s) | errors (forged; llama-server) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| load | short TTFT p50 | short TTFT p99 | ITL p50 | ITL p99 | ITL p99.9 | "
+             "ITL max | out tok/s | ratios (TTFT p50, p99, ITL p50, p99, tok/s) | "
+             "errors (forged; llama-server) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
         if run["kind"] == "closed":
             load = f"closed, {run['concurrency']} caller" + ("s" if run["concurrency"] > 1
@@ -202,6 +203,7 @@ def tables(result: dict[str, Any]) -> str:
         lines.append(
             f"| {load} | {_pair(run, 'short_ttft_p50')} | {_pair(run, 'short_ttft_p99')} | "
             f"{_pair(run, 'itl_p50')} | {_pair(run, 'itl_p99')} | "
+            f"{_pair(run, 'itl_p99_9')} | {_pair(run, 'itl_max')} | "
             f"{_pair(run, 'out_tok_per_s', '')} | {_r(r.get('short_ttft_p50'))}, "
             f"{_r(r.get('short_ttft_p99'))}, {_r(r.get('itl_p50'))}, {_r(r.get('itl_p99'))}, "
             f"{_r(r.get('out_tok_per_s'))} | {run['forged']['errors'] or '-'}; "

@@ -50,7 +50,8 @@ def main() -> None:
                                       seed=args.seed))
     finally:
         d.stop()
-    keys = ("ok", "errors", "short_ttft_p50", "short_ttft_p99", "itl_p50", "itl_p99")
+    keys = ("ok", "errors", "short_ttft_p50", "short_ttft_p99", "itl_p50", "itl_p99",
+            "itl_p99_9", "itl_max")
     print(json.dumps({k: s[k] for k in keys}))
     print(json.dumps(breakdown(d.log, start)))
 

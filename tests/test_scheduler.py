@@ -18,7 +18,7 @@ from forged.engine.request import Request
 from forged.engine.scheduler import (
     MIN_PREFILL_TOKENS,
     TILED_FLOOR_GAIN,
-    Admitted,
+    Admission,
     Expired,
     Preempted,
     QueueFull,
@@ -176,7 +176,7 @@ def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
     assert plan.ops == [SeqRm(0, 50)]
     assert plan.chunks[0].pos == 50 and plan.chunks[0].tokens == [950, 951, 952]
     ev = s.drain_events()
-    assert Admitted(2, 50, 0.0) in ev
+    assert Admission(2, 50, 0.0) in ev
     st = s.statistics()
     assert st["prefix_cache_hits"] == 1 and st["prefix_cache_tokens_saved"] == 50
 
@@ -765,7 +765,7 @@ def test_prefix_caches_are_not_shared_across_tenants() -> None:
     finish_all(s, 1.0)
     s.submit(*seq(3, [*shared, 960], 3, tenant="a"), 2.0)
     finish_all(s, 2.0)
-    admitted = {e.rid: e.cached for e in s.drain_events() if isinstance(e, Admitted)}
+    admitted = {e.rid: e.cached for e in s.drain_events() if isinstance(e, Admission)}
     assert admitted == {1: 0, 2: 0, 3: 50}
 
 
@@ -874,7 +874,7 @@ def test_admission_counts_all_n_sequences() -> None:
     run_step(s, 0.0)
     assert s.is_running(1) and not s.is_running(2)  # 1 + 4 sequences > max_running
     finish_all(s, 1.0)
-    events = [e.rid for e in s.drain_events() if isinstance(e, Admitted)]
+    events = [e.rid for e in s.drain_events() if isinstance(e, Admission)]
     assert events == [1, 2]  # one admission per request, however many choices
 
 
@@ -947,7 +947,7 @@ HEAD = list(range(1000, 2000))  # a long context: a repository, a document
 
 def admissions(s: Scheduler) -> dict[int, int]:
     """The requests admitted since the last call, with their cached tokens."""
-    return {ev.rid: ev.cached for ev in s.drain_events() if isinstance(ev, Admitted)}
+    return {ev.rid: ev.cached for ev in s.drain_events() if isinstance(ev, Admission)}
 
 
 @pytest.mark.parametrize("where", ["slot", "ram"])
@@ -1115,3 +1115,59 @@ def test_a_floor_chunk_far_into_a_context_is_long_enough_for_tiled_attention() -
     per_token = [cost.predict_extra(cost.chunk(0, n)) / n
                  for n in (MIN_PREFILL_TOKENS, TILE_ROWS + 1)]
     assert per_token[1] > per_token[0] / TILED_FLOOR_GAIN
+
+
+# --- a prompt's work spread over steps (engine.prompt_spread, issue 34) -----------------
+
+
+def _prefill_steps(s: Scheduler, cost: CostModel, rid: int) -> list[float]:
+    """The predicted durations of the steps that carry ``rid``'s prompt, to its end."""
+    out = []
+    for _ in range(200):
+        plan = run_step(s, 1.0)
+        assert plan is not None
+        mine = [c for c in plan.chunks if c.rid == rid]
+        if mine:
+            out.append(cost.predict(plan.shape))
+        if any(c.sample for c in mine):
+            return out
+    raise AssertionError("the prompt never finished")
+
+
+def test_a_spread_prompt_lengthens_a_few_gaps_a_little() -> None:
+    """At light load a 200-token prompt (about 610 ms of work in the seed model) took
+    one step of 640 ms beside 8 streams (the target allowed it); spread over 4 steps
+    each gap grows by about a quarter of that, and the prompt still ends in 4-5 steps."""
+    durations = {}
+    for spread in (1, 4):
+        s, cost = costed(target_step_ms=1000, prompt_spread=spread)
+        decoding(s, 8)
+        s.submit(*req(1, n=200, max_tokens=5), 1.0)
+        durations[spread] = _prefill_steps(s, cost, 1)
+    assert len(durations[1]) == 1 and durations[1][0] > 600
+    decode = cost.predict(decode_shape([0] * 8))
+    work = cost.predict_extra(cost.chunk(0, 200))
+    assert 4 <= len(durations[4]) <= 5
+    assert all(d <= decode + work / 4 + 1e-6 for d in durations[4])
+    assert max(durations[4]) < durations[1][0] / 2
+
+
+def test_a_prompt_cheaper_than_a_decode_step_still_takes_one_step() -> None:
+    s, cost = costed(target_step_ms=1000, prompt_spread=4)
+    decoding(s, 8)
+    s.submit(*req(1, n=5, max_tokens=5), 1.0)  # 5 tokens: ~18 ms, under decoding's ~30
+    assert len(_prefill_steps(s, cost, 1)) == 1
+
+
+def test_spread_prompts_that_pile_up_fill_the_target_and_never_pass_it() -> None:
+    s, cost = costed(target_step_ms=400, prompt_spread=4)
+    decoding(s, 8)
+    for rid in range(1, 9):  # 8 x ~610 ms of work: their quarters add up past the target
+        s.submit(*req(rid, n=200, max_tokens=5, start=1000 * rid), 1.0)
+    predicted = []
+    for _ in range(20):
+        plan = run_step(s, 1.0)
+        assert plan is not None
+        predicted.append(cost.predict(plan.shape))
+    assert max(predicted) <= 400 + 1e-6  # the target stays the ceiling
+    assert min(predicted[:5]) > 350  # and the backlog fills it

@@ -58,6 +58,7 @@ def test_status_and_bench_agree_on_the_same_samples() -> None:
         assert served[key] == measured[key], key
     assert (measured["ttft_p50"], measured["ttft_p99"]) == (0.2, 0.4)
     assert (measured["itl_p50"], measured["itl_p99"]) == (0.04, 0.07)
+    assert (measured["itl_p99_9"], measured["itl_max"]) == (0.07, 0.07)  # the worst gap
 
     shown = status.render({
         "version": "0", "model": "m", "ready": True, "draining": False, "open_streams": 0,

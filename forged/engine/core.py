@@ -40,7 +40,7 @@ from forged.engine.logprobs import Scores
 from forged.engine.request import Request, Sampling
 from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
 from forged.engine.scheduler import (
-    Admitted,
+    Admission,
     Chunk,
     Expired,
     Key,
@@ -485,7 +485,7 @@ class WorkerCore:
         admitted = False
         for ev in self.sched.drain_events():
             match ev:
-                case Admitted(rid=rid, cached=cached, queue_time=qt):
+                case Admission(rid=rid, cached=cached, queue_time=qt):
                     stream = self.streams[rid]
                     if not stream.admitted:  # a preempted request is admitted again, silently
                         stream.admitted, stream.cached = True, cached

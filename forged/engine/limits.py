@@ -36,6 +36,9 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     prefill_step_tokens: int = 0
     # A step's predicted duration stays within this (inf: tokens bound it alone).
     target_step_ms: float = math.inf
+    # Steps a prompt's work is spread over while streams decode (1: as much of each
+    # step as the target leaves; Scheduler._allowance_ms).
+    prompt_spread: int = 1
     kv_headroom: int = 0
     # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
     decode_reservation: int = 1 << 30
@@ -88,7 +91,8 @@ def scheduler_limits(cfg: Config, n_ctx_train: int, *,
         kv_cells=e.kv_cells, slots=e.slots, max_running=e.max_running,
         step_tokens=e.step_tokens, prefill_step_tokens=e.prefill_step_tokens,
         room=e.room, max_context=min(room, e.max_context or n_ctx_train),
-        target_step_ms=e.target_step_ms, kv_headroom=e.kv_headroom,
+        target_step_ms=e.target_step_ms, prompt_spread=e.prompt_spread,
+        kv_headroom=e.kv_headroom,
         decode_reservation=e.decode_reservation, per_slot_cells=e.per_slot_cells,
         max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,
         overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,

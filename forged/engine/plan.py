@@ -91,7 +91,10 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class Admitted:
+class Admission:
+    """The scheduler admitted ``rid`` (``cached`` prompt tokens reused); the worker's
+    core tells the daemon with a ``frames.Admitted``."""
+
     rid: int
     cached: int
     queue_time: float
@@ -109,7 +112,7 @@ class Preempted:
     rid: int
 
 
-SchedEvent = Admitted | Expired | Preempted
+SchedEvent = Admission | Expired | Preempted
 
 
 class QueueFull(Exception):

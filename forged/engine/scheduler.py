@@ -93,7 +93,7 @@ from forged.engine.kvledger import KVLedger
 from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tiers, common_prefix
 from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import (
-    Admitted,
+    Admission,
     Chunk,
     Expired,
     Key,
@@ -111,7 +111,7 @@ from forged.engine.request import Request
 from forged.engine.seqstate import Phase, Queued, Reuse, Running, Slot
 
 # The plan's values are the scheduler's vocabulary: callers import them from here too.
-__all__ = ["Admitted", "Chunk", "Expired", "Key", "MemOp", "Preempted", "QueueFull",
+__all__ = ["Admission", "Chunk", "Expired", "Key", "MemOp", "Preempted", "QueueFull",
            "SchedEvent", "Scheduler", "SeqCp", "SeqLoad", "SeqRm", "SeqSave", "StepPlan",
            "common_prefix"]
 
@@ -331,12 +331,30 @@ class Scheduler:
 
         return tiled if TILED_FLOOR_GAIN * per_token(tiled) <= per_token(small) else small
 
-    def _prompt_room_ms(self, positions: list[int]) -> float:
+    def _prompt_room_ms(self, positions: list[int], waiting_ms: float = 0.0) -> float:
         """Milliseconds of prompt work a step may take beside decoders at ``positions``:
-        what the target leaves, but never less than MIN_PROMPT_SHARE of the step."""
+        what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
+        ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
+        allowances (``_allowance_ms``; ``waiting_ms`` of queued work counted too), nor
+        less than decoding alone takes."""
         decode = self.cost.predict(decode_shape(positions))
-        return max(self.limits.target_step_ms - decode,
+        room = max(self.limits.target_step_ms - decode,
                    decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
+        if positions and self.limits.prompt_spread > 1:
+            room = min(room, max(self._allowance_ms(waiting_ms), decode))
+        return room
+
+    def _allowance_ms(self, waiting_ms: float) -> float:
+        """Each prefilling prompt's whole work divided by ``prompt_spread``, summed: a
+        prompt is computed in about that many steps. At light load a long prompt then
+        lengthens a few gaps a little, instead of one or two gaps by up to the target;
+        as prompts pile up their allowances add up to the target. The room never falls
+        below a decode step's cost, so a prompt that costs less than that (a one-line
+        question) still finishes in one step."""
+        work = sum(self.cost.predict_extra(self.cost.chunk(r.cached, len(r.req.prompt)
+                                                           - r.cached))
+                   for r in self._prefilling())
+        return (work + waiting_ms) / self.limits.prompt_spread
 
     def _prefill_sequence(self, room: float, max_chunks: int) -> list[Running]:
         """The prompts in the order they get this step's room.
@@ -499,7 +517,7 @@ class Scheduler:
                         return  # it waits for room; nothing behind it may pass meanwhile
                 q.remove(item)
                 self._queued_tokens -= len(item.req.prompt)
-                self._events.append(Admitted(item.rid,
+                self._events.append(Admission(item.rid,
                                              self._running[(item.rid, item.index)].cached,
                                              now - item.submitted_at))
 
@@ -602,8 +620,8 @@ class Scheduler:
             return None
         self.cache_tokens_saved -= run.cached
         run.next_prompt = run.cached = 0
-        self._events = [Admitted(ev.rid, 0, ev.queue_time)
-                        if isinstance(ev, Admitted) and ev.rid == run.rid else ev
+        self._events = [Admission(ev.rid, 0, ev.queue_time)
+                        if isinstance(ev, Admission) and ev.rid == run.rid else ev
                         for ev in self._events]
         return run.key
 
@@ -893,7 +911,7 @@ class Scheduler:
                      if r.phase is Phase.DECODE]
         full = self.cost.predict_extra(self.cost.chunk(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(self.cost.chunk(0, MIN_PREFILL_TOKENS))
-        room = max(floor, min(self._prompt_room_ms(positions), full))
+        room = max(floor, min(self._prompt_room_ms(positions, work_ms), full))
         if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
             return 0.0
         return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000

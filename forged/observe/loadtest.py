@@ -185,6 +185,9 @@ def summarise(samples: list[Sample], wall: float) -> dict[str, Any]:
     for name, vals in (("ttft", ttft), ("short_ttft", short_ttft), ("itl", itl), ("e2e", e2e)):
         for q in (50, 95, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
+    # The worst gaps too (issue 34): a stream's longest freeze is what a user sees.
+    out["itl_p99_9"] = percentile(itl, 99.9)
+    out["itl_max"] = max(itl) if itl else None
     out["decode_tok_per_s"] = (1 / out["itl_p50"]) if out["itl_p50"] else None
     out["prompt_tokens"] = sum(s.prompt_tokens for s in ok)
     reported = [s.cached_tokens for s in ok if s.cached_tokens is not None]
