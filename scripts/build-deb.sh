@@ -29,7 +29,8 @@ if ! ls "$wheelhouse"/llama_cpp_python-"$llama"-*.whl >/dev/null 2>&1; then
         -w "$wheelhouse"
 fi
 wheel=$(ls "$wheelhouse"/llama_cpp_python-"$llama"-*.whl)
-if ! .venv/bin/python -m zipfile -l "$wheel" | grep -q '^llama_cpp/lib/libggml-cpu-x64\.so '; then
+# grep reads the whole listing (not -q): an early exit broke zipfile's pipe, noisily.
+if ! .venv/bin/python -m zipfile -l "$wheel" | grep '^llama_cpp/lib/libggml-cpu-x64\.so ' >/dev/null; then
     echo "$wheel has no CPU backend variants (a native build?): remove it and rerun" >&2
     exit 1
 fi
