@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from forged.engine.backend import Context, ContextParams, Model, Sampler
-from forged.engine.core import DecodeItem
+from forged.engine.decoding import DecodeItem
 from forged.engine.request import Sampling
 
 MODEL = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from forged import config as fc
 from forged.engine.backend import BackendError, ContextParams, Embedder, Model
-from forged.engine.embedcore import batch_tokens
 from forged.engine.kvdisk import model_identity
 from forged.engine.limits import scheduler_limits
 from forged.retrieval.vectors import Embedding
@@ -64,7 +63,7 @@ class _Packer:
         n_ctx_train = vocab.n_ctx_train
         vocab.close()
         lim = scheduler_limits(cfg, n_ctx_train, encoder=True)
-        self.batch, self.slots = batch_tokens(lim), lim.slots
+        self.batch, self.slots = lim.embed_batch, lim.slots
         self.longest = min(lim.max_context, self.batch)
         self.embedder = Embedder(path, ContextParams(
             n_ctx=self.batch, n_seq_max=self.slots, n_batch=self.batch,

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import pytest
 
 from forged.engine import frames as fr
-from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, WorkerCore
+from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
+from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace
 from forged.engine.request import Request, Sampling
 from forged.engine.routing import BLOCK, block_hashes
 from tests.test_scheduler import limits

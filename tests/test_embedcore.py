@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from forged.engine import frames as fr
-from forged.engine.core import DecodeError
-from forged.engine.embedcore import EmbedCore, batch_tokens
+from forged.engine.decoding import DecodeError
+from forged.engine.embedcore import EmbedCore
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 
@@ -143,7 +143,7 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs() -> None:
 def test_the_batch_holds_one_whole_input_of_the_longest_kind() -> None:
     # An encoder computes a sequence in one micro-batch: the batch is at least the
     # longest input, whatever step_tokens says.
-    assert batch_tokens(limits(step_tokens=8, max_context=512)) == 512
+    assert limits(step_tokens=8, max_context=512).embed_batch == 512
 
 
 def test_statistics_count_what_it_embedded_and_estimate_the_wait() -> None:

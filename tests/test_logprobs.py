@@ -27,7 +27,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from forged.engine import frames as fr
 from forged.engine.backend import ContextParams, Llama, Model
-from forged.engine.core import DecodeItem
+from forged.engine.decoding import DecodeItem, TokenLogprob
 from forged.engine.request import Request
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.test_core import EOS, FakeBackend, core_with, of, run
@@ -52,8 +52,8 @@ class ScoringBackend(FakeBackend):
         self.logits_asked += [int(n) for _, _, _, n in items]
         return super().decode(items)
 
-    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
-        return fr.TokenLogprob(token, -float(token), [(7, -0.5)] * top)
+    def logprobs(self, index: int, token: int, top: int) -> TokenLogprob:
+        return TokenLogprob(token, -float(token), [(7, -0.5)] * top)
 
 
 def scoring_core(script: list[int]) -> tuple[Any, ScoringBackend]:
@@ -85,7 +85,7 @@ def test_entries_go_out_with_their_text_and_a_split_character_waits() -> None:
         if isinstance(ev, fr.Delta):
             assert ev.text != "\u20ac" or [e.token for e in ev.logprobs or []] == [30, 31]
     first = next(e for e in events if isinstance(e, fr.Delta))
-    assert first.logprobs == [fr.TokenLogprob(1, -1.0, [(7, -0.5)])]
+    assert first.logprobs == [TokenLogprob(1, -1.0, [(7, -0.5)])]
 
 
 def test_tokens_cut_by_a_stop_string_lose_their_entries() -> None:

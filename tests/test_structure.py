@@ -17,6 +17,7 @@ SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
            "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
            "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py",
            "forged/engine/logprobs.py", "forged/engine/embedcore.py",
+           "forged/engine/decoding.py",
            "forged/agent/weight.py"]
 # (modules, what they must never import)
 NEVER = [
@@ -55,6 +56,66 @@ def test_no_forbidden_import_arrow(patterns: list[str], forbidden: tuple[str, ..
     bad = [f"{p.relative_to(ROOT)} imports {name}" for p in files for name in imports(p)
            if any(name == f or name.startswith(f + ".") for f in forbidden)]
     assert not bad
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted((ROOT / "forged").rglob("*.py"))}
+
+
+def arrows(module: str) -> set[str]:
+    """The forged modules ``module`` imports (anywhere in it, a function's imports
+    included), and "llama_cpp" if it imports llama.cpp."""
+    out = set()
+    for name in imports(MODULES[module]):
+        if name in MODULES:
+            out.add(name)
+        elif name.split(".")[0] == "llama_cpp":
+            out.add("llama_cpp")
+    return out
+
+
+def reached(module: str) -> dict[str, list[str]]:
+    """Every module ``module`` loads, through any chain of imports, with one chain."""
+    chains: dict[str, list[str]] = {}
+    todo = [[module]]
+    while todo:
+        chain = todo.pop()
+        for nxt in sorted(arrows(chain[-1]) - chains.keys() - {module}):
+            chains[nxt] = [*chain, nxt]
+            if nxt in MODULES:
+                todo.append(chains[nxt])
+    return chains
+
+
+WORKER_SIDE = ("forged.engine.core", "forged.engine.scheduler", "forged.engine.worker",
+               "forged.engine.embedcore")
+# (modules, what they must never load through any chain of imports)
+NEVER_REACH = [
+    # http builds requests and reads events; the worker's decisions are not its business
+    (["forged/http/*.py"], (*WORKER_SIDE, "forged.daemon")),
+    # llama.cpp's module sits below the engine: the core drives it through
+    # forged.engine.decoding, and it knows nothing of frames or the pool
+    (["forged/engine/backend.py"], (*WORKER_SIDE, "forged.engine.frames",
+                                    "forged.engine.pool", "forged.http", "forged.daemon")),
+]
+
+
+@pytest.mark.parametrize(("patterns", "forbidden"), NEVER_REACH, ids=lambda v: str(v)[:40])
+def test_no_forbidden_chain_of_imports(patterns: list[str], forbidden: tuple[str, ...]) -> None:
+    files = [p for pat in patterns for p in sorted(ROOT.glob(pat))]
+    assert files, patterns
+    bad = [" -> ".join(chain) for p in files for name, chain in reached(module_name(p)).items()
+           if any(name == f or name.startswith(f + ".") for f in forbidden)]
+    assert not bad
+
+
+def test_llama_cpp_is_imported_by_one_module() -> None:
+    importers = [m for m in MODULES if "llama_cpp" in arrows(m)]
+    assert importers == ["forged.engine.backend"]
 
 
 def long_functions(path: Path) -> list[str]:

@@ -22,10 +22,11 @@ from typing import Any, Self
 import llama_cpp as ll
 import numpy as np
 import numpy.typing as npt
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
 
-from forged.engine.core import DecodeError, DecodeItem, NoKVSpace, TokenSampler
+from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace, TokenLogprob, TokenSampler
 from forged.engine.fim import FimTokens
-from forged.engine.frames import TokenLogprob
 from forged.engine.request import Grammar, SamplerName, Sampling
 from forged.engine.utf8 import Utf8Guard, Utf8Table
 
@@ -72,6 +73,29 @@ def _init() -> None:
 def llama_version() -> str:
     """llama-cpp-python's version: a saved KV state is valid only for the same one."""
     return str(ll.__version__)
+
+
+# llama.cpp's JSON grammar: an object at the top.
+JSON_OBJECT_GBNF: str = JSON_GBNF
+
+
+def chat_formatter(template: str, eos: str, bos: str) -> Jinja2ChatFormatter:
+    """llama-cpp-python's renderer of a Jinja2 chat template, adding the prompt that
+    starts the assistant's turn."""
+    return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos,
+                               add_generation_prompt=True)
+
+
+def schema_gbnf(schema: dict[str, Any], name: str, param: str,
+                prop_order: dict[str, int]) -> str:
+    """GBNF for a JSON schema (llama.cpp's converter, nothing fetched); its top rule is
+    ``name`` ("" is ``root``). The converter's own exceptions pass through: it raises
+    AssertionError, ValueError, KeyError, TypeError or RecursionError on a schema it
+    cannot convert."""
+    converter = SchemaConverter(  # type: ignore[no-untyped-call]
+        prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
+    return str(converter.format_grammar())  # type: ignore[no-untyped-call]
 
 
 class BackendError(Exception):
@@ -628,7 +652,7 @@ class _BoundSampler:
 
 
 class Llama(_Closing):
-    """A model and its context as :class:`forged.engine.core.Backend`: all the worker's
+    """A model and its context as :class:`forged.engine.decoding.Backend`: all the worker's
     core asks of llama.cpp."""
 
     def __init__(self, model_path: str, params: ContextParams) -> None:

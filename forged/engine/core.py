@@ -34,6 +34,14 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel, decode_shape
+from forged.engine.decoding import (
+    Backend,
+    DecodeError,
+    DecodeItem,
+    NoKVSpace,
+    TokenLogprob,
+    TokenSampler,
+)
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
@@ -55,72 +63,11 @@ from forged.engine.scheduler import (
 )
 from forged.engine.textstream import TextStream
 
-# Statistics cost a walk over the KV ledger: sent at most this often with token events.
-STATS_INTERVAL = 0.05
 _NEVER = -float("inf")  # a logit bias that bans a token
 # How long a step with nothing to compute waits for a restore's read from disk (then
 # the next step looks again).
 _STAGE_WAIT_S = 1.0
-
-
-class DecodeError(Exception):
-    """A decode step failed; llama.cpp rolled its memory back."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(f"llama_decode returned {status}")
-        self.status = status
-
-
-class NoKVSpace(DecodeError):
-    """llama_decode returned 1: no free KV cells for this batch. Nothing was written."""
-
-
-# seq, first position, tokens, and how many of the last tokens want logits (1: the
-# last only, to sample from; a scored prompt's chunk wants them all).
-DecodeItem = tuple[int, int, Sequence[int], int]
 K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
-
-
-class TokenSampler(Protocol):
-    def sample(self, index: int) -> int:
-        """The next token from the logits at batch ``index`` of the last decode;
-        ValueError if no token may be taken there (the request fails, not the step)."""
-
-    def close(self) -> None: ...
-
-
-class Backend(Protocol):
-    """What the core needs of llama.cpp; :class:`forged.engine.backend.Llama` has it."""
-
-    eog_tokens: list[int]
-    n_batch: int
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        """The token's text; a special token's only when ``special``."""
-
-    def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:
-        """A sampler for one request; ValueError if its grammar cannot be parsed."""
-
-    def decode(self, items: Sequence[DecodeItem]) -> list[int]:
-        """Batch index of each item's last token (-1 without logits); raises
-        :class:`NoKVSpace` or :class:`DecodeError`, having rolled back."""
-
-    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
-        """``token``'s entry under the raw logits at batch ``index`` of the last decode,
-        with the ``top`` most likely tokens there."""
-
-    def seq_rm(self, seq: int, p0: int) -> None: ...
-
-    def seq_cp(self, src: int, dst: int, n: int) -> None: ...
-
-    def seq_cp_stream(self, src: int, dst: int, n: int) -> None: ...
-
-    def seq_save(self, seq: int) -> bytearray:
-        """``seq``'s KV state (``llama_state_seq_get_data``)."""
-
-    def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
-        """Write a saved state into the empty ``seq``; False (and ``seq`` left empty)
-        when llama.cpp refuses it or it does not hold ``n_tokens`` positions."""
 
 
 class DiskTier(Protocol):
@@ -579,10 +526,10 @@ class WorkerCore:
     def frame(self, now: float, force: bool = False) -> fr.Step | None:
         """The ``Step`` frame to send now, if any: the events since the last one, with
         statistics when ``force``d, when something other than tokens happened, or at
-        most every STATS_INTERVAL while only tokens flow."""
+        most every fr.STATS_INTERVAL while only tokens flow."""
         if not self.events and not force:
             return None
-        fresh = (force or now - self._last_stats >= STATS_INTERVAL
+        fresh = (force or now - self._last_stats >= fr.STATS_INTERVAL
                  or any(not isinstance(e, fr.Delta) for e in self.events))
         if fresh:
             self._last_stats = now
@@ -630,7 +577,7 @@ def _scores(req: Request, index: int) -> Scores | None:
     return Scores(req.logprobs or 0, scored)
 
 
-def _released(choice: _Choice, text: str) -> list[fr.TokenLogprob] | None:
+def _released(choice: _Choice, text: str) -> list[TokenLogprob] | None:
     """The logprob entries that go out with ``text``; None when none were asked for."""
     return None if choice.scores is None else choice.scores.release(text)
 

@@ -9,7 +9,7 @@ it as it does a generation). A worker started with ``Init.embedding`` runs this 
 instead of :class:`~forged.engine.core.WorkerCore`.
 
 Each ``step`` packs one batch: the next input of each waiting request in turn, oldest
-first, round after round, as many as fit ``batch_tokens`` tokens and ``slots``
+first, round after round, as many as fit ``limits.embed_batch`` tokens and ``slots``
 sequences (a long call shares every batch with the short ones behind it), each input
 its own sequence (an encoder attends within a sequence only, so inputs of different
 callers share a batch without seeing each other). The backend computes the batch and
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from forged.engine import frames as fr
-from forged.engine.core import STATS_INTERVAL, DecodeError
+from forged.engine.decoding import DecodeError
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 
@@ -61,19 +61,13 @@ class _Job:
     vectors: list[bytes] = field(default_factory=list)
 
 
-def batch_tokens(limits: SchedulerLimits) -> int:
-    """The most tokens one batch computes: llama.cpp's n_batch and n_ubatch, since an
-    encoder computes a sequence in one micro-batch; at least one whole input."""
-    return max(limits.step_tokens, limits.prefill_step_tokens, limits.max_context)
-
-
 class EmbedCore:
     def __init__(self, backend: EmbedBackend, limits: SchedulerLimits) -> None:
         self.backend = backend
         self.limits = limits
         # Fixed while the worker lives: its llama.cpp context was made for this batch
         # (a reload's larger step_tokens must not pass it).
-        self.batch = batch_tokens(limits)
+        self.batch = limits.embed_batch
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
         self.events: list[fr.Event] = []
         self._token_cost = _FIRST_TOKEN_COST_S
@@ -224,7 +218,7 @@ class EmbedCore:
         """As WorkerCore's: the events since the last frame, with statistics when due."""
         if not self.events and not force:
             return None
-        fresh = force or now - self._last_stats >= STATS_INTERVAL or bool(self.events)
+        fresh = force or now - self._last_stats >= fr.STATS_INTERVAL or bool(self.events)
         if fresh:
             self._last_stats = now
         step = fr.Step(events=self.events, stats=self.statistics() if fresh else {})

@@ -13,8 +13,13 @@ from typing import Literal
 
 import msgspec
 
+from forged.engine.decoding import TokenLogprob
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
+
+# Statistics cost a walk over the KV ledger: a Step frame carries them at most this
+# often while only tokens flow.
+STATS_INTERVAL = 0.05
 
 MAX_FRAME = 64 * 1024 * 1024
 _LEN = struct.Struct(">I")
@@ -105,16 +110,6 @@ class Admitted(msgspec.Struct, tag="admitted", tag_field="e", forbid_unknown_fie
     rid: int
     cached: int
     queue_time: float
-
-
-class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    """A token's log-probability under the model's raw distribution (the log-softmax of
-    its logits, before any sampler), and the ``top`` most likely tokens there, most
-    likely first. Sent as a compact array: it travels once per token."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = []
 
 
 # Text and logprob events leave out fields at their defaults: a request that asked for

@@ -15,9 +15,8 @@ import json
 import re
 from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
-
 from forged import errors as e
+from forged.engine.backend import JSON_OBJECT_GBNF, schema_gbnf
 from forged.engine.request import Grammar
 
 # The Hermes tool-call markers: the one tool-call syntax forged writes and parses.
@@ -59,7 +58,6 @@ _PATTERN_COUNT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 # forbids (llama.cpp's own converter and JSON grammar exclude them): its rule, mended.
 _LOOSE_CHAR = r'char ::= [^"\\] |'
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
-_JSON_OBJECT = JSON_GBNF  # llama.cpp's JSON grammar: an object at the top
 
 
 def schema_grammar(schema: Any, param: str) -> Grammar:
@@ -106,20 +104,17 @@ def gbnf_depth(gbnf: str) -> int:
 def _convert(schema: dict[str, Any], name: str, param: str) -> str:
     """GBNF for ``schema``, its top rule called ``name`` ("" is ``root``)."""
     order = {"name": 0, "arguments": 1}  # a tool call's name before its arguments
-    converter = SchemaConverter(  # type: ignore[no-untyped-call]
-        prop_order=order, allow_fetch=False, dotall=False, raw_pattern=False)
     schema = copy.deepcopy(schema)  # resolve_refs rewrites the $refs in place
     try:
-        converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
+        gbnf = schema_gbnf(schema, name, param, order)
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise e.BadRequest(f"the JSON schema cannot be turned into a grammar: {exc}",
                            param=param) from exc
-    gbnf = str(converter.format_grammar())  # type: ignore[no-untyped-call]
     return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR)
 
 
 def json_object_grammar() -> Grammar:
-    return Grammar(gbnf=_JSON_OBJECT)
+    return Grammar(gbnf=JSON_OBJECT_GBNF)
 
 
 def choice_grammar(choices: list[str], param: str) -> Grammar:

@@ -75,6 +75,13 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return min(most, (self.room - prompt) // each)
 
     @property
+    def embed_batch(self) -> int:
+        """The most tokens one embedding batch computes: llama.cpp's n_batch and n_ubatch,
+        since an encoder computes a sequence in one micro-batch; at least one whole
+        input."""
+        return max(self.step_tokens, self.prefill_step_tokens, self.max_context)
+
+    @property
     def geometry(self) -> tuple[int, int, int]:
         """What a running worker's llama.cpp context fixes: a reload cannot change it."""
         return self.kv_cells, self.slots, self.per_slot_cells

@@ -28,7 +28,7 @@ from __future__ import annotations
 import codecs
 from collections import deque
 
-from forged.engine.frames import TokenLogprob
+from forged.engine.decoding import TokenLogprob
 
 
 class Scores:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import llama_cpp
 import msgspec
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 import forged
-from forged.engine.backend import Model, check_grammar
+from forged.engine.backend import Model, chat_formatter, check_grammar, llama_version
 from forged.engine.fim import ExtraFile, MixedText, infill_prompt
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.kvdisk import model_identity
@@ -58,7 +56,7 @@ def model_info(model: Model, template: str, content: str = "") -> ModelInfo:
     # stand for it.
     ident = [model.meta("general.name") or "", model.n_vocab, model.n_ctx_train,
              model.n_embd, model.n_params, model.size, template, content,
-             forged.__version__, llama_cpp.__version__]
+             forged.__version__, llama_version()]
     digest = hashlib.sha256("\0".join(map(str, ident)).encode()).hexdigest()
     return ModelInfo(vocab_type=model.vocab_type, n_vocab=model.n_vocab,
                      n_ctx_train=model.n_ctx_train, n_embd=model.n_embd,
@@ -72,8 +70,7 @@ class Prompter:
         self.chat_template = template
         eos = self.model.piece(self.model.eos, special=True).decode("utf-8", "replace")
         bos = self.model.piece(self.model.bos, special=True).decode("utf-8", "replace")
-        self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos,
-                                         add_generation_prompt=True)
+        self._chat = chat_formatter(template, eos, bos)
         # A template that renders tools and writes calls as <tool_call> blocks (the
         # format forged parses); others get the tools in a system message of forged's.
         self.renders_tools = "tools" in template and TOOL_OPEN in template

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from forged.engine import frames as fr
-from forged.engine.core import Backend, DecodeItem, TokenSampler
+from forged.engine.decoding import Backend, DecodeItem, TokenLogprob, TokenSampler
 from forged.engine.request import Sampling
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class HookedBackend:
     def piece(self, token: int, special: bool = False) -> bytes:
         return self.inner.piece(token, special)
 
-    def logprobs(self, index: int, token: int, top: int) -> fr.TokenLogprob:
+    def logprobs(self, index: int, token: int, top: int) -> TokenLogprob:
         return self.inner.logprobs(index, token, top)
 
     def sampler(self, sampling: Sampling, prompt: list[int]) -> TokenSampler:

@@ -25,8 +25,9 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.backend import ContextParams, Embedder, Llama, llama_version
-from forged.engine.core import Backend, WorkerCore, calibrate
-from forged.engine.embedcore import EmbedCore, batch_tokens
+from forged.engine.core import WorkerCore, calibrate
+from forged.engine.decoding import Backend
+from forged.engine.embedcore import EmbedCore
 from forged.engine.kvdisk import DiskStore, model_identity
 from forged.engine.testhooks import HookedBackend
 
@@ -116,8 +117,8 @@ class WorkerShell:
 def _context_params(init: fr.Init) -> ContextParams:
     lim = init.limits
     if init.embedding:
-        return ContextParams(n_ctx=batch_tokens(lim), n_seq_max=lim.slots,
-                             n_batch=batch_tokens(lim), threads=init.threads)
+        return ContextParams(n_ctx=lim.embed_batch, n_seq_max=lim.slots,
+                             n_batch=lim.embed_batch, threads=init.threads)
     return ContextParams(
         n_ctx=lim.kv_cells, n_seq_max=lim.slots,
         n_batch=max(lim.step_tokens, lim.prefill_step_tokens), threads=init.threads,

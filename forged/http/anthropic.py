@@ -32,6 +32,7 @@ from quart_trio import QuartTrio
 
 from forged import errors as e
 from forged.engine import frames as fr
+from forged.engine.decoding import TokenLogprob
 from forged.http import api, sse
 from forged.http.logprobs import Vocabulary
 from forged.http.refused import Refused
@@ -426,7 +427,7 @@ class MessageFormat(sse.ChatFormat):
         return event("message_start", {"message": message}) + event("ping", {})
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         if self.parsers is None:
             return self._text(text)
         content, calls = self.parsers[index].feed(text)

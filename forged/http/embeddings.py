@@ -29,7 +29,6 @@ from quart_trio import QuartTrio
 from forged import errors as e
 from forged.config import Priority
 from forged.engine import frames as fr
-from forged.engine.embedcore import batch_tokens
 from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
@@ -218,7 +217,7 @@ def _tokens(group: ModelGroup, given: Input, truncate: bool, param: str) -> list
     if len(texts) > MAX_INPUTS:
         raise e.BadRequest(f"at most {MAX_INPUTS} inputs in one call", param=param)
     lim = group.pool.limits
-    longest = min(lim.max_context, batch_tokens(lim))
+    longest = min(lim.max_context, lim.embed_batch)
     out = []
     for i, text in enumerate(texts):
         if isinstance(text, str):

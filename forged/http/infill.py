@@ -25,6 +25,7 @@ from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Priority
 from forged.engine import frames as fr
+from forged.engine.decoding import TokenLogprob
 from forged.engine.fim import ExtraFile
 from forged.engine.groups import ModelGroup
 from forged.http import sse
@@ -151,7 +152,7 @@ class InfillFormat(sse.Format):
         self.fields = fields
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 

@@ -29,6 +29,7 @@ from quart_trio import QuartTrio
 import forged
 from forged import errors as e
 from forged.engine import frames as fr
+from forged.engine.decoding import TokenLogprob
 from forged.engine.request import Sampling
 from forged.http import api, sse
 from forged.http.chat import chat_text
@@ -183,7 +184,7 @@ class LlamaFormat(sse.CompletionFormat):
         return b""
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         entries = logprobs or []
         out: dict[str, Any] = {"index": 0, "content": text,
                                "tokens": [t.token for t in entries], "stop": False,
@@ -210,7 +211,7 @@ class LlamaFormat(sse.CompletionFormat):
             body["completion_probabilities"] = self._probabilities(entries)
         return body if self.fields is None else select(body, self.fields)
 
-    def _final(self, text: str, done: fr.Done, entries: list[fr.TokenLogprob]
+    def _final(self, text: str, done: fr.Done, entries: list[TokenLogprob]
                ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "index": 0, "content": text,
@@ -222,7 +223,7 @@ class LlamaFormat(sse.CompletionFormat):
             body["retrieved"] = self.retrieved
         return body
 
-    def _probabilities(self, entries: list[fr.TokenLogprob]) -> list[dict[str, Any]]:
+    def _probabilities(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
         """llama-server's ``completion_probabilities``: each token, and its ``n_probs``
         most likely alternatives, under the model's own distribution."""
         return [{**self._token(t.token, t.logprob),

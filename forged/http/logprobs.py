@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from forged import errors as e
-from forged.engine.frames import TokenLogprob
+from forged.engine.decoding import TokenLogprob
 from forged.http.schemas import ChatRequest, CompletionRequest
 
 

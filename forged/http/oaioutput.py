@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from forged.engine import frames as fr
+from forged.engine.decoding import TokenLogprob
 from forged.http.responses import HTTPError
 from forged.http.sse import ChatFormat, Scores
 from forged.http.tools import ToolCall
@@ -173,7 +174,7 @@ class ResponsesFormat(ChatFormat):
                               "response": self.response("in_progress")}])
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         return self._frames(self._feed(text))
 
     def _feed(self, text: str) -> list[Event]:

@@ -26,6 +26,7 @@ from forged.http.tools import ToolCall
 
 if TYPE_CHECKING:
     from forged.engine import frames as fr
+    from forged.engine.decoding import TokenLogprob
     from forged.engine.groups import ModelGroup
     from forged.http.state import AppState
 
@@ -100,7 +101,7 @@ class _Lines(sse.Format):
         return b""
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         content, calls = self._split(text, index)
         if not content and not calls:
             return b""

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from forged.engine import frames as fr
+from forged.engine.decoding import TokenLogprob
 from forged.http.logprobs import ChatLogprobs, CompletionLogprobs, Vocabulary, joined
 from forged.http.responses import HTTPError
 from forged.http.tools import ToolCallParser
@@ -85,12 +86,12 @@ class Format:
         return error_event(err)
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         """A chunk of choice ``index``'s text, with the logprob entries of the tokens
         it completes."""
         raise NotImplementedError
 
-    def scored(self, prompt: list[fr.TokenLogprob]) -> bytes:
+    def scored(self, prompt: list[TokenLogprob]) -> bytes:
         """The prompt's entries (after its first token), when it was scored."""
         return b""
 
@@ -145,8 +146,8 @@ class Format:
 class Scores:
     """A collected choice's logprob entries: its tokens', and its prompt's when scored."""
 
-    tokens: list[fr.TokenLogprob] = field(default_factory=list)
-    prompt: list[fr.TokenLogprob] | None = None
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    prompt: list[TokenLogprob] | None = None
 
 
 # A format's maker: the class, or the class with settings of this request bound.
@@ -183,14 +184,14 @@ class CompletionFormat(Format):
             return b""
         return b"".join(self._text(self.echo.text, i, None) for i in range(self.n))
 
-    def scored(self, prompt: list[fr.TokenLogprob]) -> bytes:
+    def scored(self, prompt: list[TokenLogprob]) -> bytes:
         echo, logprobs = self.echo, self.logprobs
         assert echo is not None and logprobs is not None
         return b"".join(self._text(echo.text, i, lp.prompt(echo.tokens, prompt, echo.text))
                         for i, lp in enumerate(logprobs))
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         return self._text(text, index, None if self.logprobs is None
                           else self.logprobs[index].tokens(logprobs or []))
 
@@ -234,7 +235,7 @@ class ChatFormat(Format):
         self.parsers = [ToolCallParser() for _ in range(n)] if tools else None
         self.logprobs = ChatLogprobs(vocab) if vocab is not None else None
         # Each choice's entries for its next chunk.
-        self._pending: list[list[fr.TokenLogprob]] = [[] for _ in range(n)]
+        self._pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
 
     def start(self) -> bytes:
         return b"".join(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
@@ -242,7 +243,7 @@ class ChatFormat(Format):
                         for i in range(self.n))
 
     def delta(self, text: str, index: int = 0,
-              logprobs: list[fr.TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         self._pending[index] += logprobs or []
         choices = self._choices(text, index)
         if choices:
