@@ -13,11 +13,10 @@ from forged.engine.costmodel import (
     StepShape,
     decode_shape,
 )
+from forged.engine.layout import MIN_PREFILL_TOKENS, TILED_FLOOR_GAIN, virtual_start
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 from forged.engine.scheduler import (
-    MIN_PREFILL_TOKENS,
-    TILED_FLOOR_GAIN,
     Admission,
     Expired,
     Preempted,
@@ -659,7 +658,7 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
             s.submit(*req(rid, n=600, max_tokens=5, start=1000 * rid, queue_timeout=30), now)
             rid += 1
     # the refusal came with the estimate, and the estimate is what a queued request sees
-    wait = s.wait_estimate(0, s._virtual_start(now, 600))
+    wait = s.wait_estimate(0, virtual_start(s.limits, now, 600))
     assert wait > 30
     assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
     assert s.early_rejections == 1 and s.n_queued == rid - 10
@@ -711,7 +710,7 @@ def test_a_preempted_request_keeps_its_queue_timeout_and_its_place() -> None:
     else:
         pytest.fail("request 2 was never preempted")
     queued = s._queues[1][0]
-    assert queued.rid == 2 and queued.vstart == s._virtual_start(0.0, 20)
+    assert queued.rid == 2 and queued.vstart == virtual_start(s.limits, 0.0, 20)
     assert queued.deadline < math.inf  # before the fix it could wait forever
     # request 1 keeps running for a long time: request 2 times out instead of waiting on
     expired: list[int] = []

@@ -37,7 +37,7 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     # A step's predicted duration stays within this (inf: tokens bound it alone).
     target_step_ms: float = math.inf
     # Steps a prompt's work is spread over while streams decode (1: as much of each
-    # step as the target leaves; Scheduler._allowance_ms).
+    # step as the target leaves; forged.engine.layout.allowance_ms).
     prompt_spread: int = 1
     kv_headroom: int = 0
     # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
@@ -51,7 +51,7 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     min_copy_tokens: int = 16
     max_prefill_chunks: int = 4  # per-slot layout: prompt chunks in one step
     # How long shorter prompts may overtake one of ``max_context`` tokens; a shorter
-    # prompt is overtaken for proportionally less (see ``Scheduler._virtual_start``).
+    # prompt is overtaken for proportionally less (forged.engine.layout.virtual_start).
     overtake_window: float = 30.0
     # A finished request's KV stays pinned to its ``session`` for this long: idle
     # caches without a live session are evicted first.

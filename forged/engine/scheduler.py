@@ -14,18 +14,10 @@ what it decides:
 * ``complete(rid, index)`` ends one running choice that finished by itself (EOS, stop
   string, length).
 
-Each step, every decoding sequence gets its next token first. The rest of the step
-goes to prompt chunks (chunked prefill), bounded by *time*: the step's predicted
-duration (:class:`~forged.engine.costmodel.CostModel`, refitted from every step the
-worker measures) stays within ``target_step_ms``, and its tokens within
-``step_tokens``. A step with few decoders thus takes big prompt chunks, a step with
-many takes small ones, and a step with no prompt work is as fast as decoding alone.
-Prompt chunks go interactive before batch, then shortest remaining prompt first with
-aging (``_virtual_start``); a prompt that can finish within half of the step's prompt
-room goes before an aged long one (``_prefill_sequence``), so a one-line question
-arriving during a long prefill gets its first token in the next step, while the long
-prompt keeps at least half of every step. There is no batching window: a request that
-arrives on an idle worker is planned in the very next step.
+Each step's batch is laid out by :mod:`forged.engine.layout`, where a request is
+batched: every decoder's next token first, then prompt chunks within the step's time
+target, shortest remaining prompt first with aging. There is no batching window: a
+request that arrives on an idle worker is planned in the very next step.
 
 Admission knows capacity: ``submit`` estimates how long a request would wait for its
 first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
@@ -91,6 +83,14 @@ from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, decode_shape
 from forged.engine.kvledger import KVLedger
 from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tiers, common_prefix
+from forged.engine.layout import (
+    MIN_PREFILL_TOKENS,
+    decode_chunks,
+    lay_out,
+    prompt_room_ms,
+    step_shape,
+    virtual_start,
+)
 from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import (
     Admission,
@@ -116,19 +116,6 @@ __all__ = ["Admission", "Chunk", "Expired", "Key", "MemOp", "Preempted", "QueueF
            "common_prefix"]
 
 
-# When the decoders alone fill the time target (a slow spell, a big model, many
-# streams), prompts that wait still get this share of every step: a step is then at
-# most 4/3 of a decode-only one, and new requests keep starting at a pace that follows
-# the machine's. And a step always makes at least MIN_PREFILL_TOKENS of prompt progress.
-MIN_PROMPT_SHARE = 0.25
-MIN_PREFILL_TOKENS = 16
-# A floor chunk long enough for tiled attention takes four times as long as one of
-# MIN_PREFILL_TOKENS; it replaces it only where it at least halves the cost per token.
-TILED_FLOOR_GAIN = 2.0
-# A scored prompt (echo with logprobs) wants logits for every position; llama.cpp keeps
-# a row of n_vocab floats for each (49,152 for SmolLM2: 192 KiB), so a step carries at
-# most this many scored prompt tokens, which bounds that buffer at about 12 MiB.
-MAX_SCORED_TOKENS = 64
 # Slot frees remembered to estimate how fast slots turn over while requests wait.
 _FINISH_WINDOW = 16
 
@@ -180,7 +167,7 @@ class Scheduler:
         # Shortest first means least work first: a long prompt the caches serve is short.
         reused = self._reuse(req).cached
         cached, after = self._expected_cached(req, reused)
-        vstart = max(self._virtual_start(now, len(req.prompt) - cached), after)
+        vstart = max(virtual_start(self.limits, now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
             self.early_rejections += 1
@@ -273,7 +260,7 @@ class Scheduler:
         # (llama_batch_allocr::split_equal, "sequential"). In admission order 16
         # decoders took about 15 passes: 135 ms a step where 83 ms suffice (docs/engine.md).
         chunks.sort(key=lambda c: c.seq)
-        shape = self._shape(chunks)
+        shape = step_shape(self.cost, chunks, self._running)
         self.last_plan_ms = self.cost.predict(shape) if chunks else 0.0
         return StepPlan(ops, chunks, shape)
 
@@ -283,110 +270,8 @@ class Scheduler:
             self.cost.observe(plan.shape, ms)
 
     def _layout(self) -> list[Chunk]:
-        chunks = self._decode_chunks()
-        lim = self.limits
-        cap = (lim.step_tokens if chunks else max(lim.step_tokens, lim.prefill_step_tokens)
-               ) - len(chunks)
-        room = self._prompt_room_ms([c.pos for c in chunks])
-        # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
-        # the same number of tokens from every sequence still in it, so each distinct
-        # chunk length costs one more pass over the weights (~5 ms here, measured in
-        # docs/engine.md). A few chunks per step fill the room when prompts are short.
-        max_chunks = lim.max_prefill_chunks if lim.per_slot else len(self._running)
-        first, scored = True, MAX_SCORED_TOKENS
-        for run in self._prefill_sequence(room, max_chunks)[:max_chunks]:
-            most = min(cap, len(run.req.prompt) - run.next_prompt)
-            if run.req.prompt_logprobs:
-                most = min(most, scored)
-                if most <= 0:
-                    continue  # the step's logits are spent; unscored prompts may go on
-            take = self.cost.max_prompt_tokens(run.next_prompt, room, most)
-            if first:
-                take = max(take, self._floor_tokens(run.next_prompt, most))
-            if take <= 0:
-                break
-            if run.req.prompt_logprobs:
-                scored -= take
-            toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
-            done = run.next_prompt + take == len(run.req.prompt)
-            chunks.append(Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done,
-                                index=run.index, forks=run.forks if done else ()))
-            room -= self.cost.predict_extra(self.cost.chunk(run.next_prompt, take))
-            cap -= take
-            first = False
-        return chunks
-
-    def _floor_tokens(self, pos: int, most: int) -> int:
-        """The least prompt progress of a step with prompts: MIN_PREFILL_TOKENS, or a
-        chunk long enough for tiled attention where that is clearly cheaper per token.
-        Far into a context one-query-at-a-time attention dominates: at position 1,000,
-        16 tokens cost about 15 ms each and 65 tokens about 4 ms each."""
-        rows = self.cost.tile_rows
-        small, tiled = min(most, MIN_PREFILL_TOKENS), min(most, rows + 1)
-        if tiled <= rows or tiled <= small:
-            return small  # too short for tiles, or the small chunk is tiled already
-
-        def per_token(n: int) -> float:
-            return self.cost.predict_extra(self.cost.chunk(pos, n)) / n
-
-        return tiled if TILED_FLOOR_GAIN * per_token(tiled) <= per_token(small) else small
-
-    def _prompt_room_ms(self, positions: list[int], waiting_ms: float = 0.0) -> float:
-        """Milliseconds of prompt work a step may take beside decoders at ``positions``:
-        what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
-        ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
-        allowances (``_allowance_ms``; ``waiting_ms`` of queued work counted too), nor
-        less than decoding alone takes."""
-        decode = self.cost.predict(decode_shape(positions))
-        room = max(self.limits.target_step_ms - decode,
-                   decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
-        if positions and self.limits.prompt_spread > 1:
-            room = min(room, max(self._allowance_ms(waiting_ms), decode))
-        return room
-
-    def _allowance_ms(self, waiting_ms: float) -> float:
-        """Each prefilling prompt's whole work divided by ``prompt_spread``, summed: a
-        prompt is computed in about that many steps. At light load a long prompt then
-        lengthens a few gaps a little, instead of one or two gaps by up to the target;
-        as prompts pile up their allowances add up to the target. The room never falls
-        below a decode step's cost, so a prompt that costs less than that (a one-line
-        question) still finishes in one step."""
-        work = sum(self.cost.predict_extra(self.cost.chunk(r.cached, len(r.req.prompt)
-                                                           - r.cached))
-                   for r in self._prefilling())
-        return (work + waiting_ms) / self.limits.prompt_spread
-
-    def _prefill_sequence(self, room: float, max_chunks: int) -> list[Running]:
-        """The prompts in the order they get this step's room.
-
-        The aging order (``_prefill_order``), except that prompts of the leading class
-        that can finish within half of the room go first: a short question arriving
-        during a long prefill gets its first token in the next step even when the long
-        prompt has aged past it, and the long one still gets at least half of every
-        step, so it is never starved.
-        """
-        order = sorted(self._prefilling(), key=self._prefill_order)
-        if not order:
-            return order
-        quick: list[Running] = []
-        half = room / 2
-        for run in order:
-            if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
-                break  # the last chunk of the step is the aging order's
-            cost = self.cost.predict_extra(self.cost.chunk(run.next_prompt, self._left(run)))
-            if cost <= half:
-                quick.append(run)
-                half -= cost
-        taken = {id(r) for r in quick}
-        return quick + [r for r in order if id(r) not in taken]
-
-    def _shape(self, chunks: list[Chunk]) -> StepShape:
-        decode = [c.pos for c in chunks if self._running[c.key].phase is Phase.DECODE]
-        shape = decode_shape(decode)
-        for c in chunks:
-            if self._running[c.key].phase is Phase.PREFILL:
-                shape = shape.plus(self.cost.chunk(c.pos, len(c.tokens)))
-        return shape
+        return lay_out(self.limits, self.cost, decode_chunks(self._running.values(), self.ledger),
+                       self._prefilling(), len(self._running))
 
     def _overflows(self, chunks: list[Chunk]) -> bool:
         lim = self.limits
@@ -423,7 +308,7 @@ class Scheduler:
                  if r.req.rank > 0 and r.phase is not Phase.FORK]
         if not batch:
             return False
-        self._preempt(max(batch, key=lambda r: r.req.max_tokens - r.generated + self._left(r)))
+        self._preempt(max(batch, key=lambda r: r.req.max_tokens - r.generated + r.prompt_left))
         self.tiers.stats.swaps += 1
         return True
 
@@ -520,21 +405,6 @@ class Scheduler:
                 self._events.append(Admission(item.rid,
                                              self._running[(item.rid, item.index)].cached,
                                              now - item.submitted_at))
-
-    def _virtual_start(self, submitted_at: float, prompt_tokens: int) -> float:
-        """When a request counts as submitted, for ordering within its class.
-
-        Shortest first with continuous aging: a prompt is served as if it had arrived
-        ``overtake_window`` times its share of ``max_context`` later. A one-line completion
-        thus goes before a 700-token file that arrived a little earlier, prompts of one
-        length stay first come, first served, and no prompt waits more than
-        ``overtake_window`` longer than it would in arrival order: every later arrival
-        starts later. A hard window (overtake until N seconds, then first) fell back to
-        arrival order exactly when the queue was long, because then everyone was old.
-        """
-        lim = self.limits
-        share = prompt_tokens / max(1, lim.max_context)
-        return submitted_at + lim.overtake_window * min(1.0, share)
 
     def _try_admit(self, item: Queued, now: float) -> bool:
         req = item.req
@@ -890,7 +760,7 @@ class Scheduler:
             work = work.plus(self.cost.chunk(q.cached, q.to_compute))
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
-                work = work.plus(self.cost.chunk(r.next_prompt, self._left(r)))
+                work = work.plus(self.cost.chunk(r.next_prompt, r.prompt_left))
         return self._slot_wait(sum(q.req.n for q in ahead) + wanted) + self._prefill_seconds(
             self.cost.predict_extra(work))
 
@@ -911,7 +781,8 @@ class Scheduler:
                      if r.phase is Phase.DECODE]
         full = self.cost.predict_extra(self.cost.chunk(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(self.cost.chunk(0, MIN_PREFILL_TOKENS))
-        room = max(floor, min(self._prompt_room_ms(positions, work_ms), full))
+        room = max(floor, min(prompt_room_ms(self.limits, self.cost, positions,
+                                             self._prefilling(), work_ms), full))
         if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
             return 0.0
         return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
@@ -951,27 +822,8 @@ class Scheduler:
 
     # --- step layout ---------------------------------------------------------------------
 
-    def _decode_chunks(self) -> list[Chunk]:
-        out = []
-        for run in self._running.values():
-            if run.phase is Phase.DECODE:
-                pos = self.ledger.length(run.slot)
-                out.append(Chunk(run.rid, run.slot, pos, [run.last_token], sample=True,
-                                 index=run.index))
-        return out
-
     def _prefilling(self) -> list[Running]:
         return [r for r in self._running.values() if r.phase is Phase.PREFILL]
-
-    @staticmethod
-    def _left(run: Running) -> int:
-        return len(run.req.prompt) - run.next_prompt
-
-    def _prefill_order(self, run: Running) -> tuple[int, float]:
-        """Interactive first; then by virtual start on what is left of the prompt, so the
-        same aging that orders the queue keeps a steady trickle of short prompts from
-        holding a long prefill back forever."""
-        return run.req.rank, self._virtual_start(run.submitted_at, self._left(run))
 
     # --- introspection ------------------------------------------------------------------
 
@@ -1019,8 +871,9 @@ class Scheduler:
             "wait_estimate_s": self.wait_estimate(0, self._now),
             "step_plan_ms": self.last_plan_ms,
             "target_step_ms": min(self.limits.target_step_ms, 1e9),
-            "step_prompt_room_ms": min(
-                self._prompt_room_ms([c.pos for c in self._decode_chunks()]), 1e9),
+            "step_prompt_room_ms": min(prompt_room_ms(
+                self.limits, self.cost, [c.pos for c in decode_chunks(
+                    self._running.values(), self.ledger)], self._prefilling()), 1e9),
         }
         out.update(self.cost.statistics())
         out.update(self.tiers.statistics())

@@ -43,6 +43,11 @@ class Running:
     def key(self) -> Key:
         return self.rid, self.index
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet computed."""
+        return len(self.req.prompt) - self.next_prompt
+
     def reserved_length(self, decode_reservation: int) -> int:
         decode = min(self.req.max_tokens, decode_reservation)
         # A choice waiting for its prompt gets the prompt's cells by a copy: in the

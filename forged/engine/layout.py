@@ -1,0 +1,198 @@
+"""Where a request is batched: the layout of one step, as pure functions.
+
+What goes in: the running sequences (the decoders' next tokens, the prompts still
+being computed), the limits and the cost model. What comes out: the chunks of one
+``llama_decode`` call. Nothing here changes a record; the scheduler
+(:mod:`forged.engine.scheduler`) calls :func:`lay_out` every step and decides what to
+admit, evict or preempt around it.
+
+Each step, every decoding sequence gets its next token first. The rest of the step
+goes to prompt chunks (chunked prefill), bounded by *time*: the step's predicted
+duration (:class:`~forged.engine.costmodel.CostModel`, refitted from every step the
+worker measures) stays within ``target_step_ms``, and its tokens within
+``step_tokens``. A step with few decoders thus takes big prompt chunks, a step with
+many takes small ones, and a step with no prompt work is as fast as decoding alone.
+Prompt chunks go interactive before batch, then shortest remaining prompt first with
+aging (:func:`virtual_start`); a prompt that can finish within half of the step's
+prompt room goes before an aged long one (:func:`prefill_sequence`), so a one-line
+question arriving during a long prefill gets its first token in the next step, while
+the long prompt keeps at least half of every step.
+
+Sans-IO: plain values in, plain values out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from forged.engine.costmodel import CostModel, StepShape, decode_shape
+from forged.engine.kvledger import KVLedger
+from forged.engine.limits import SchedulerLimits
+from forged.engine.plan import Chunk, Key
+from forged.engine.seqstate import Phase, Running
+
+# When the decoders alone fill the time target (a slow spell, a big model, many
+# streams), prompts that wait still get this share of every step: a step is then at
+# most 4/3 of a decode-only one, and new requests keep starting at a pace that follows
+# the machine's. And a step always makes at least MIN_PREFILL_TOKENS of prompt progress.
+MIN_PROMPT_SHARE = 0.25
+MIN_PREFILL_TOKENS = 16
+# A floor chunk long enough for tiled attention takes four times as long as one of
+# MIN_PREFILL_TOKENS; it replaces it only where it at least halves the cost per token.
+TILED_FLOOR_GAIN = 2.0
+# A scored prompt (echo with logprobs) wants logits for every position; llama.cpp keeps
+# a row of n_vocab floats for each (49,152 for SmolLM2: 192 KiB), so a step carries at
+# most this many scored prompt tokens, which bounds that buffer at about 12 MiB.
+MAX_SCORED_TOKENS = 64
+
+
+def virtual_start(limits: SchedulerLimits, submitted_at: float, prompt_tokens: int) -> float:
+    """When a request counts as submitted, for ordering within its class.
+
+    Shortest first with continuous aging: a prompt is served as if it had arrived
+    ``overtake_window`` times its share of ``max_context`` later. A one-line completion
+    thus goes before a 700-token file that arrived a little earlier, prompts of one
+    length stay first come, first served, and no prompt waits more than
+    ``overtake_window`` longer than it would in arrival order: every later arrival
+    starts later. A hard window (overtake until N seconds, then first) fell back to
+    arrival order exactly when the queue was long, because then everyone was old.
+    """
+    share = prompt_tokens / max(1, limits.max_context)
+    return submitted_at + limits.overtake_window * min(1.0, share)
+
+
+def prefill_order(limits: SchedulerLimits, run: Running) -> tuple[int, float]:
+    """Interactive first; then by virtual start on what is left of the prompt, so the
+    same aging that orders the queue keeps a steady trickle of short prompts from
+    holding a long prefill back forever."""
+    return run.req.rank, virtual_start(limits, run.submitted_at, run.prompt_left)
+
+
+def decode_chunks(running: Iterable[Running], ledger: KVLedger) -> list[Chunk]:
+    """Each decoding sequence's next token, at the end of what its sequence holds."""
+    return [Chunk(run.rid, run.slot, ledger.length(run.slot), [run.last_token],
+                  sample=True, index=run.index)
+            for run in running if run.phase is Phase.DECODE]
+
+
+def lay_out(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
+            prefilling: list[Running], running: int) -> list[Chunk]:
+    """The step's chunks: ``decoders`` (from :func:`decode_chunks`), then prompt chunks
+    of ``prefilling`` within the time and token room they leave. ``running``: how many
+    sequences run (the most chunks of the unified layout)."""
+    chunks = list(decoders)
+    cap = (limits.step_tokens if chunks else
+           max(limits.step_tokens, limits.prefill_step_tokens)) - len(chunks)
+    room = prompt_room_ms(limits, cost, [c.pos for c in chunks], prefilling)
+    # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
+    # the same number of tokens from every sequence still in it, so each distinct
+    # chunk length costs one more pass over the weights (~5 ms here, measured in
+    # docs/engine.md). A few chunks per step fill the room when prompts are short.
+    max_chunks = limits.max_prefill_chunks if limits.per_slot else running
+    first, scored = True, MAX_SCORED_TOKENS
+    for run in prefill_sequence(limits, cost, prefilling, room, max_chunks)[:max_chunks]:
+        most = min(cap, run.prompt_left)
+        if run.req.prompt_logprobs:
+            most = min(most, scored)
+            if most <= 0:
+                continue  # the step's logits are spent; unscored prompts may go on
+        take = cost.max_prompt_tokens(run.next_prompt, room, most)
+        if first:
+            take = max(take, floor_tokens(cost, run.next_prompt, most))
+        if take <= 0:
+            break
+        if run.req.prompt_logprobs:
+            scored -= take
+        chunks.append(_prompt_chunk(run, take))
+        room -= cost.predict_extra(cost.chunk(run.next_prompt, take))
+        cap -= take
+        first = False
+    return chunks
+
+
+def _prompt_chunk(run: Running, take: int) -> Chunk:
+    toks = run.req.prompt[run.next_prompt : run.next_prompt + take]
+    done = take == run.prompt_left
+    return Chunk(run.rid, run.slot, run.next_prompt, toks, sample=done, index=run.index,
+                 forks=run.forks if done else ())
+
+
+def floor_tokens(cost: CostModel, pos: int, most: int) -> int:
+    """The least prompt progress of a step with prompts: MIN_PREFILL_TOKENS, or a
+    chunk long enough for tiled attention where that is clearly cheaper per token.
+    Far into a context one-query-at-a-time attention dominates: at position 1,000,
+    16 tokens cost about 15 ms each and 65 tokens about 4 ms each."""
+    rows = cost.tile_rows
+    small, tiled = min(most, MIN_PREFILL_TOKENS), min(most, rows + 1)
+    if tiled <= rows or tiled <= small:
+        return small  # too short for tiles, or the small chunk is tiled already
+
+    def per_token(n: int) -> float:
+        return cost.predict_extra(cost.chunk(pos, n)) / n
+
+    return tiled if TILED_FLOOR_GAIN * per_token(tiled) <= per_token(small) else small
+
+
+def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, positions: list[int],
+                   prefilling: list[Running], waiting_ms: float = 0.0) -> float:
+    """Milliseconds of prompt work a step may take beside decoders at ``positions``:
+    what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
+    ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
+    allowances (:func:`allowance_ms`; ``waiting_ms`` of queued work counted too), nor
+    less than decoding alone takes."""
+    decode = cost.predict(decode_shape(positions))
+    room = max(limits.target_step_ms - decode,
+               decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
+    if positions and limits.prompt_spread > 1:
+        room = min(room, max(allowance_ms(limits, cost, prefilling, waiting_ms), decode))
+    return room
+
+
+def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],
+                 waiting_ms: float) -> float:
+    """Each prefilling prompt's whole work divided by ``prompt_spread``, summed: a
+    prompt is computed in about that many steps. At light load a long prompt then
+    lengthens a few gaps a little, instead of one or two gaps by up to the target;
+    as prompts pile up their allowances add up to the target. The room never falls
+    below a decode step's cost, so a prompt that costs less than that (a one-line
+    question) still finishes in one step."""
+    work = sum(cost.predict_extra(cost.chunk(r.cached, len(r.req.prompt) - r.cached))
+               for r in prefilling)
+    return (work + waiting_ms) / limits.prompt_spread
+
+
+def prefill_sequence(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],
+                     room: float, max_chunks: int) -> list[Running]:
+    """The prompts in the order they get this step's room.
+
+    The aging order (:func:`prefill_order`), except that prompts of the leading class
+    that can finish within half of the room go first: a short question arriving
+    during a long prefill gets its first token in the next step even when the long
+    prompt has aged past it, and the long one still gets at least half of every
+    step, so it is never starved.
+    """
+    order = sorted(prefilling, key=lambda run: prefill_order(limits, run))
+    if not order:
+        return order
+    quick: list[Running] = []
+    half = room / 2
+    for run in order:
+        if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
+            break  # the last chunk of the step is the aging order's
+        work = cost.predict_extra(cost.chunk(run.next_prompt, run.prompt_left))
+        if work <= half:
+            quick.append(run)
+            half -= work
+    taken = {id(r) for r in quick}
+    return quick + [r for r in order if id(r) not in taken]
+
+
+def step_shape(cost: CostModel, chunks: list[Chunk], running: Mapping[Key, Running]
+               ) -> StepShape:
+    """What the cost model needs to predict the step of ``chunks``."""
+    decode = [c.pos for c in chunks if running[c.key].phase is Phase.DECODE]
+    shape = decode_shape(decode)
+    for c in chunks:
+        if running[c.key].phase is Phase.PREFILL:
+            shape = shape.plus(cost.chunk(c.pos, len(c.tokens)))
+    return shape
