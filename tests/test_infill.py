@@ -14,8 +14,8 @@ from forged.auth import add_key
 from forged.engine import testhooks
 from forged.engine.backend import Model
 from forged.engine.fim import ExtraFile
+from forged.engine.kvtiers import common_prefix
 from forged.engine.prompts import Prompter
-from forged.engine.scheduler import common_prefix
 from tests.conftest import DaemonFactory
 from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step
 from tests.tinymodel import FIM_TOKENS

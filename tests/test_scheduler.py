@@ -13,20 +13,12 @@ from forged.engine.costmodel import (
     StepShape,
     decode_shape,
 )
+from forged.engine.kvtiers import common_prefix
 from forged.engine.layout import MIN_PREFILL_TOKENS, TILED_FLOOR_GAIN, virtual_start
 from forged.engine.limits import SchedulerLimits
+from forged.engine.plan import Admission, Expired, Preempted, QueueFull, SeqCp, SeqRm, StepPlan
 from forged.engine.request import Request
-from forged.engine.scheduler import (
-    Admission,
-    Expired,
-    Preempted,
-    QueueFull,
-    Scheduler,
-    SeqCp,
-    SeqRm,
-    StepPlan,
-    common_prefix,
-)
+from forged.engine.scheduler import Scheduler
 
 
 def geometry(**kw: float) -> SchedulerLimits:
@@ -114,7 +106,7 @@ def test_admission_waits_for_kv_cells_and_resumes_when_freed() -> None:
     # request 1 left 40+29 cached cells; they are evicted to make room for request 2
     run_step(s, 2.0)
     assert s.is_running(2)
-    assert s.ledger.used <= 100
+    assert s.cache.ledger.used <= 100
 
 
 def test_queue_is_bounded_in_requests_and_tokens() -> None:
@@ -159,7 +151,7 @@ def test_cancel_without_cache_removes_the_cells() -> None:
     s.drop(1)
     plan = s.plan(1.0)
     assert plan is not None and plan.ops == [SeqRm(0, 0)]
-    assert s.ledger.used == 0
+    assert s.cache.ledger.used == 0
 
 
 def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
@@ -193,7 +185,7 @@ def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
     assert chunk.pos == 40 and chunk.tokens == [950]
     # the shared 40 cells are counted once
     s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, 1.0)
-    assert s.ledger.used == 41 + 1 + 1
+    assert s.cache.ledger.used == 41 + 1 + 1
 
 
 def test_interactive_is_admitted_before_batch_and_prefilled_first() -> None:
@@ -225,13 +217,13 @@ def test_growth_past_the_reservation_preempts_the_newest_and_resumes_it() -> Non
     for step in range(200):
         run_step(s, 2.0 + step)
         preempted |= Preempted(1) in s.drain_events()
-        assert s.ledger.used <= 60
+        assert s.cache.ledger.used <= 60
         if not s.n_running and not s.n_queued:
             break
     assert preempted
     assert not s.n_running and not s.n_queued
     # the recomputed request kept its session: its final KV is pinned to it
-    assert [sl.session for sl in s._slots].count("s") == 1
+    assert [sl.session for sl in s.cache.slots].count("s") == 1
 
 
 def test_batches_never_exceed_the_step_budget() -> None:
@@ -290,7 +282,7 @@ def test_per_slot_prefix_is_copied_as_a_whole_stream_then_trimmed() -> None:
     assert chunk.pos == 40 and chunk.tokens == [950]
     # a copy is new cells in the destination's stream
     s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, 1.0)
-    assert s.ledger.used == 42 + 41
+    assert s.cache.ledger.used == 42 + 41
 
 
 def test_per_slot_short_prefixes_are_recomputed_not_copied() -> None:
@@ -413,8 +405,8 @@ def test_anonymous_requests_do_not_take_over_a_pinned_session_slot() -> None:
     plan = s.plan(1.0)
     assert plan is not None and SeqCp(src=0, dst=1, n=60, whole=True) in plan.ops
     finish_all(s, 1.0)
-    assert s._slots[0].session == "alice"
-    assert len(s._slots[0].tokens) == 63
+    assert s.cache.slots[0].session == "alice"
+    assert len(s.cache.slots[0].tokens) == 63
 
 
 def test_sessions_go_last_and_least_recently_used_first_under_pressure() -> None:
@@ -427,12 +419,12 @@ def test_sessions_go_last_and_least_recently_used_first_under_pressure() -> None
     # a new prompt needs a slot: the anonymous cache goes although it is the newest
     s.submit(*seq(4, list(range(5000, 5020)), 2), 3.0)
     finish_all(s, 3.0)
-    assert {sl.session for sl in s._slots} == {"a", "b", None}
+    assert {sl.session for sl in s.cache.slots} == {"a", "b", None}
     # two more need slots while slot of request 4 is running: then session "a" (LRU) goes
     s.submit(*seq(5, list(range(6000, 6020)), 50), 4.0)
     s.submit(*seq(6, list(range(7000, 7020)), 50), 4.0)
     run_step(s, 4.0)
-    assert {sl.session for sl in s._slots} == {"b", None}
+    assert {sl.session for sl in s.cache.slots} == {"b", None}
 
 
 def test_a_session_unpins_after_its_ttl() -> None:
@@ -447,7 +439,7 @@ def test_a_session_unpins_after_its_ttl() -> None:
     # now the older session slot is an ordinary LRU victim
     s.submit(*seq(3, list(range(300, 320)), 2), 100.0)
     finish_all(s, 100.0)
-    assert all(sl.session is None for sl in s._slots)
+    assert all(sl.session is None for sl in s.cache.slots)
 
 
 def test_only_a_sessions_latest_turn_is_pinned() -> None:
@@ -455,7 +447,7 @@ def test_only_a_sessions_latest_turn_is_pinned() -> None:
     s.submit(*seq(1, list(range(100, 120)), 50, session="a"), 0.0)
     s.submit(*seq(2, list(range(200, 220)), 2, session="a"), 0.0)
     finish_all(s, 0.0)
-    assert [sl.session for sl in s._slots].count("a") == 1
+    assert [sl.session for sl in s.cache.slots].count("a") == 1
 
 
 def test_a_step_without_decoders_takes_the_bigger_prefill_budget() -> None:
@@ -731,14 +723,14 @@ def test_room_making_evicts_nothing_when_the_request_still_would_not_fit() -> No
     s.submit(*req(3, n=20, max_tokens=100, start=900), 1.0)  # reserves 120 cells
     run_step(s, 1.0)
     s.drain_events()
-    used = s.ledger.used
+    used = s.cache.ledger.used
     # needs 100 + 40 cells: even evicting both caches leaves only 200 - 120 - ... too few
     s.submit(*req(4, n=40, max_tokens=100, start=5000), 2.0)
     for now in (2.0, 3.0, 4.0):
         plan = s.plan(now)
         assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqRm)]
         s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, now)
-    assert s.statistics()["sessions_pinned"] == 2 and s.ledger.used >= used
+    assert s.statistics()["sessions_pinned"] == 2 and s.cache.ledger.used >= used
     assert not s.is_running(4)
 
 
@@ -776,7 +768,7 @@ def test_a_request_sharing_only_a_header_does_not_truncate_anothers_cache() -> N
     s.submit(*seq(1, [*header, *range(100, 300)], 1), 0.0)
     while s.is_running(1) or s.n_queued:
         run_step(s, 1.0)
-    slot_a = next(sl for sl in s._slots if sl.tokens)
+    slot_a = next(sl for sl in s.cache.slots if sl.tokens)
     s.submit(*seq(2, [*header, *range(500, 700)], 1), 2.0)
     plan = s.plan(2.0)
     assert plan is not None and plan.chunks[0].seq != slot_a.sid
@@ -790,7 +782,7 @@ def test_a_continuation_reuses_its_slot_in_place() -> None:
     s.submit(*seq(1, first, 1), 0.0)
     while s.is_running(1) or s.n_queued:
         run_step(s, 1.0)
-    slot = next(sl for sl in s._slots if sl.tokens)
+    slot = next(sl for sl in s.cache.slots if sl.tokens)
     # the same file a keystroke later: the last 20 tokens differ
     s.submit(*seq(2, [*first[:180], *range(900, 930)], 1), 2.0)
     plan = s.plan(2.0)
@@ -835,7 +827,7 @@ def test_n_choices_share_the_prompts_cells_in_the_unified_cache() -> None:
     s.submit(*seq(1, list(range(100, 140)), 5, n=4), 0.0)
     run_step(s, 0.0)
     run_step(s, 1.0)
-    assert s.ledger.used == 40 + 4  # one prompt, and one token written by each choice
+    assert s.cache.ledger.used == 40 + 4  # one prompt, and one token written by each choice
 
 
 def test_n_choices_each_free_their_sequence_as_they_finish() -> None:
@@ -885,7 +877,7 @@ def test_admission_reserves_decode_cells_for_every_choice() -> None:
     run_step(s, 0.0)
     assert not s.is_running(2)
     finish_all(s, 1.0)
-    assert not s.n_running and s.ledger.used <= 300
+    assert not s.n_running and s.cache.ledger.used <= 300
 
 
 @pytest.mark.parametrize(("lim", "n", "max_tokens"), [
@@ -962,7 +954,7 @@ def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str
     if where == "ram":  # another context takes the only slot: HEAD's state goes to RAM
         s.submit(*seq(2, list(range(5000, 5100)), 1), 0.0)
         finish_all(s, 0.0)
-        assert [len(e.tokens) for e in s.tiers.recent_first()] == [len(HEAD)]
+        assert [len(e.tokens) for e in s.cache.tiers.recent_first()] == [len(HEAD)]
     admissions(s)
     for rid in range(10, 30):
         s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=20.0), 1.0)

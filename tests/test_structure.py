@@ -118,6 +118,37 @@ def test_llama_cpp_is_imported_by_one_module() -> None:
     assert importers == ["forged.engine.backend"]
 
 
+MEMORY_OPS = {"SeqRm", "SeqCp", "SeqSave", "SeqLoad"}
+
+
+def test_only_the_slot_cache_makes_memory_ops() -> None:
+    """Where a request's KV cells are freed is one file: nothing else constructs the
+    operations that change llama.cpp's memory."""
+    makers = set()
+    for path in sorted((ROOT / "forged").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in MEMORY_OPS):
+                makers.add(str(path.relative_to(ROOT)))
+    assert makers == {"forged/engine/slotcache.py"}
+
+
+# A class with more methods than this is several concerns (the scheduler had 68).
+MAX_METHODS = 40
+
+
+def test_classes_keep_to_one_concern() -> None:
+    big = []
+    for path in sorted((ROOT / "forged").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [m for m in node.body
+                           if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)]
+                if len(methods) > MAX_METHODS:
+                    big.append(f"{path.relative_to(ROOT)}: {node.name} ({len(methods)})")
+    assert not big
+
+
 def long_functions(path: Path) -> list[str]:
     lines = path.read_text().splitlines()
     out = []

@@ -16,8 +16,9 @@ from forged.engine.channel import Outbox
 from forged.engine.core import run_isolating
 from forged.engine.decoding import DecodeError, NoKVSpace
 from forged.engine.limits import scheduler_limits
+from forged.engine.plan import Chunk
 from forged.engine.pool import EnginePool, retry_after_seconds
-from forged.engine.scheduler import Chunk, Scheduler
+from forged.engine.scheduler import Scheduler
 from forged.engine.supervisor import backoff_delay
 from forged.errors import Overloaded
 

@@ -45,22 +45,22 @@ from forged.engine.decoding import (
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
-from forged.engine.request import Request, Sampling
-from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
-from forged.engine.scheduler import (
+from forged.engine.plan import (
     Admission,
     Chunk,
     Expired,
     Key,
     MemOp,
     QueueFull,
-    Scheduler,
     SeqCp,
     SeqLoad,
     SeqRm,
     SeqSave,
     StepPlan,
 )
+from forged.engine.request import Request, Sampling
+from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
+from forged.engine.scheduler import Scheduler
 from forged.engine.textstream import TextStream
 
 _NEVER = -float("inf")  # a logit bias that bans a token
@@ -146,9 +146,9 @@ class WorkerCore:
         self.staged: dict[int, bytearray] = {}
         self.disk = disk
         if disk is None:
-            self.sched.tiers.disk_bytes = 0
+            self.sched.cache.tiers.disk_bytes = 0
         else:
-            self._tier_ops(self.sched.tiers.adopt(saved))
+            self._tier_ops(self.sched.cache.tiers.adopt(saved))
         # Seconds, on the clock of the ``now`` the caller passes: it times the steps
         # and the first tokens.
         self.clock = clock
@@ -219,7 +219,7 @@ class WorkerCore:
         self.account_disk()
         self.sched.expire(now)
         plan = self.sched.plan(now)
-        if self.sched.tiers.staging and (plan is None or not plan.chunks):
+        if self.sched.cache.tiers.staging and (plan is None or not plan.chunks):
             # Nothing to compute but a restore's read: wait for it here, not spin.
             assert self.disk is not None
             self.disk.wait_done(_STAGE_WAIT_S)
@@ -249,7 +249,7 @@ class WorkerCore:
                     self.backend.seq_cp(src, dst, n)
                 case SeqSave(seq=seq, eid=eid):
                     state = self.ram[eid] = self.backend.seq_save(seq)
-                    self._tier_ops(self.sched.tiers.sized(eid, len(state)))
+                    self._tier_ops(self.sched.cache.tiers.sized(eid, len(state)))
                 case SeqLoad(seq=seq, entry=entry, keep=keep):
                     if not self._restore(seq, entry, keep):
                         self.backend.seq_rm(seq, 0)
@@ -289,24 +289,24 @@ class WorkerCore:
                     self._demote(e, later)
                 case Stage(entry=e):
                     if e.eid in self.writing:  # not on disk yet: its bytes are here
-                        self.sched.tiers.read(e, ok=True)
+                        self.sched.cache.tiers.read(e, ok=True)
                     elif self.disk is None:
-                        self.sched.tiers.read(e, ok=False)
+                        self.sched.cache.tiers.read(e, ok=False)
                     elif not self.disk.read_later(e):
-                        self.sched.tiers.unstage(e.eid)  # busy: asked again next step
+                        self.sched.cache.tiers.unstage(e.eid)  # busy: asked again next step
 
     def _demote(self, e: Entry, later: bool) -> None:
         """``e``'s RAM bytes go to disk: written beside the decode loop when ``later``
         (a step never waits on the disk), else now."""
         state = self.ram.pop(e.eid, None)
         if self.disk is None or state is None:
-            self.sched.tiers.lost(e)
+            self.sched.cache.tiers.lost(e)
         elif later and self.disk.write_later(e, state):
             self.writing[e.eid] = state
         elif not self.disk.write(e, state):
-            self.sched.tiers.lost(e)
+            self.sched.cache.tiers.lost(e)
         else:  # the file's size is known now (its header adds to the state)
-            self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+            self._tier_ops(self.sched.cache.tiers.refit(Tier.DISK))
 
     def account_disk(self) -> None:
         """Account for the disk writes and reads that ended (each step does, first),
@@ -316,10 +316,10 @@ class WorkerCore:
                 case Written():
                     self._written(done)
                 case Read(entry=e, state=state):
-                    self.sched.tiers.read(e, ok=state is not None)
-                    if state is not None and self.sched.tiers.ready(e):
+                    self.sched.cache.tiers.read(e, ok=state is not None)
+                    if state is not None and self.sched.cache.tiers.ready(e):
                         self.staged[e.eid] = state
-        for eid in [eid for eid in self.staged if eid not in self.sched.tiers.staged]:
+        for eid in [eid for eid in self.staged if eid not in self.sched.cache.tiers.staged]:
             del self.staged[eid]
 
     def _written(self, w: Written) -> None:
@@ -329,10 +329,10 @@ class WorkerCore:
             if w.key and self.disk is not None:
                 self.disk.remove_key(w.key)  # nobody wants it any more
         elif not w.key:
-            self.sched.tiers.lost(w.entry)
+            self.sched.cache.tiers.lost(w.entry)
         else:
             w.entry.key, w.entry.nbytes = w.key, w.nbytes
-            self._tier_ops(self.sched.tiers.refit(Tier.DISK))
+            self._tier_ops(self.sched.cache.tiers.refit(Tier.DISK))
 
     def persist(self) -> None:
         """Before the worker exits (a drain, a restart): sessions' states go to disk."""
@@ -340,8 +340,8 @@ class WorkerCore:
             return
         self.disk.wait_writes()
         self.account_disk()
-        self._apply_memory_ops(self.sched.save_sessions())
-        self._tier_ops(self.sched.tiers.demote_sessions(), later=False)
+        self._apply_memory_ops(self.sched.cache.save_sessions())
+        self._tier_ops(self.sched.cache.tiers.demote_sessions(), later=False)
         self.disk.wait_writes()  # those the saves above evicted from RAM
         self.account_disk()
 
@@ -545,8 +545,8 @@ class WorkerCore:
             return None
         self._last_digests = now
         return self._digests.build(
-            self.sched.cached_slots(),
-            [(e.eid, e.tenant, e.tokens) for e in self.sched.tiers.recent_first()])
+            self.sched.cache.cached_slots(),
+            [(e.eid, e.tenant, e.tokens) for e in self.sched.cache.tiers.recent_first()])
 
     def close(self) -> None:
         for rid in list(self.streams):

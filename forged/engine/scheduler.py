@@ -35,19 +35,12 @@ blocking those behind it, until that prefix is computed; it is then admitted and
 copies it like any cached prefix (``_holder``). A cancelled or preempted holder stops
 prefilling, which releases the held request.
 
-Memory: KV cells are counted exactly by :class:`KVLedger`. A request is admitted only
-when its prompt (less any cached prefix) plus ``max_tokens`` fits beside what the
-running sequences have reserved; otherwise it waits, in its class, in the same
+Memory: the slots, their cells and the saved states are the slot cache's
+(:mod:`forged.engine.slotcache`, where cells are freed), which counts cells exactly. A
+request is admitted only when its prompt (less any cached prefix) plus ``max_tokens``
+fits beside what the running sequences have reserved (``_make_room``, which asks the
+cache to evict idle slots); otherwise it waits, in its class, in the same
 shortest-first-with-aging order.
-Slots (sequence ids) keep their KV after a request ends; those idle slots are the
-prefix cache. A new request reuses the longest cached prefix of any slot, running or
-idle, through ``seq_cp`` (unified KV makes that free), and idle slots are evicted
-least recently used when cells or slots are needed. An idle slot is taken over in
-place (truncated after the shared prefix) only when that loses less than half of what
-is reused (a conversation's next turn, an editor's next keystroke); a request that
-shares only a header with it (another editor on the same repository) copies the
-prefix into a free slot instead, so that the other's cache survives
-(``_destination``).
 
 Choices: a request with ``n`` > 1 is admitted as a group, with a slot for each choice
 (and, in the unified layout, each choice's decode cells reserved). Only its first
@@ -60,9 +53,9 @@ A running sequence is keyed by ``(rid, choice index)``.
 Tiers: a slot's cache that is evicted (or cut by more than a few tokens) is saved to
 a host-RAM tier first, and a request whose prompt starts with a saved state longer
 than any slot's prefix restores it into a free slot (``_admit_restored``). Sessions'
-states also go to disk. :mod:`forged.engine.kvtiers` keeps the index; the worker core
-moves the bytes. Interactive work that waits for a slot held by batch work swaps the
-batch request out to RAM (``_swap_for``).
+states also go to disk. :mod:`forged.engine.kvtiers` keeps the index (the slot cache
+holds it); the worker core moves the bytes. Interactive work that waits for a slot
+held by batch work swaps the batch request out to RAM (``_swap_for``).
 
 Sessions: a request may name its conversation (``session``). When it ends, its slot is
 pinned to that session for ``session_ttl`` seconds, so the next turn finds its whole
@@ -73,7 +66,6 @@ recompute, never a wrong answer, because the prompt always carries the full hist
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 
@@ -81,8 +73,7 @@ import msgspec
 
 from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, decode_shape
-from forged.engine.kvledger import KVLedger
-from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tiers, common_prefix
+from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry
 from forged.engine.layout import (
     MIN_PREFILL_TOKENS,
     decode_chunks,
@@ -97,24 +88,14 @@ from forged.engine.plan import (
     Chunk,
     Expired,
     Key,
-    MemOp,
     Preempted,
     QueueFull,
     SchedEvent,
-    SeqCp,
-    SeqLoad,
-    SeqRm,
-    SeqSave,
     StepPlan,
 )
 from forged.engine.request import Request
-from forged.engine.seqstate import Phase, Queued, Reuse, Running, Slot
-
-# The plan's values are the scheduler's vocabulary: callers import them from here too.
-__all__ = ["Admission", "Chunk", "Expired", "Key", "MemOp", "Preempted", "QueueFull",
-           "SchedEvent", "Scheduler", "SeqCp", "SeqLoad", "SeqRm", "SeqSave", "StepPlan",
-           "common_prefix"]
-
+from forged.engine.seqstate import Phase, Queued, Running
+from forged.engine.slotcache import SlotCache, shared_prefix
 
 # Slot frees remembered to estimate how fast slots turn over while requests wait.
 _FINISH_WINDOW = 16
@@ -124,13 +105,10 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, cost: CostModel | None = None) -> None:
         self.limits = limits
         self.cost = cost or CostModel()
-        self.ledger = KVLedger()
-        self.tiers = Tiers(limits.cache_ram_bytes, limits.cache_disk_bytes)
-        self._slots = [Slot(sid) for sid in range(limits.slots)]
+        self.cache = SlotCache(limits)
         self._queues: tuple[list[Queued], ...] = tuple([] for _ in PRIORITIES)
         self._queued_tokens = 0
         self._running: dict[Key, Running] = {}
-        self._ops: list[MemOp] = []
         self._events: list[SchedEvent] = []
         # The pace of slot turnover, measured only while requests wait for one: when
         # nobody waits, slots free up at the pace requests arrive, which says nothing
@@ -165,7 +143,7 @@ class Scheduler:
         if req.n > most:  # it would wait for room that never comes
             raise ValueError(f"n: at most {most} choices of this request can run at once")
         # Shortest first means least work first: a long prompt the caches serve is short.
-        reused = self._reuse(req).cached
+        reused = self.cache.reuse(req).cached
         cached, after = self._expected_cached(req, reused)
         vstart = max(virtual_start(self.limits, now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
@@ -203,20 +181,11 @@ class Scheduler:
     def _tick(self, now: float) -> None:
         if self.n_queued and now > self._now:
             self._waiting_clock += now - self._now
-        self._now = now
+        self._now = self.cache.now = now
 
     def _release(self, key: Key) -> None:
         run = self._running.pop(key)
-        slot = self._slots[run.slot]
-        slot.rid = None
-        if not run.req.cache:
-            self._evict(slot, keep=False)
-        elif run.req.session is not None:
-            # Only the latest turn is pinned; an earlier one is ordinary cache now.
-            for other in self._slots:
-                if other.session == run.req.session:
-                    other.session = None
-            slot.session = run.req.session
+        self.cache.release(run.slot, run.req)
 
     def expire(self, now: float) -> list[int]:
         """Drop queued requests whose deadline passed; they are also reported as events."""
@@ -235,7 +204,7 @@ class Scheduler:
         if limits.geometry != self.limits.geometry:
             raise ValueError("kv_cells, slots and kv_layout need a restart")
         self.limits = limits
-        self._ops.extend(self.tiers.set_budgets(limits.cache_ram_bytes, limits.cache_disk_bytes))
+        self.cache.set_limits(limits)
 
     # --- decisions out -------------------------------------------------------------
 
@@ -248,11 +217,11 @@ class Scheduler:
         self._tick(now)
         self._admit(now)
         chunks = self._layout()
-        while self._overflows(chunks):
-            if not self._evict_one_idle() and not self.preempt_one():
+        while self.cache.overflows(chunks):
+            if not self.cache.evict_one_idle() and not self.preempt_one():
                 break  # nothing left to give back; llama_decode will say if it fits
             chunks = self._layout()
-        ops, self._ops = self._ops, []
+        ops = self.cache.take_ops()
         if not chunks and not ops:
             return None
         # In slot order: with per-slot streams llama.cpp makes one micro-batch, one pass
@@ -270,46 +239,25 @@ class Scheduler:
             self.cost.observe(plan.shape, ms)
 
     def _layout(self) -> list[Chunk]:
-        return lay_out(self.limits, self.cost, decode_chunks(self._running.values(), self.ledger),
+        return lay_out(self.limits, self.cost,
+                       decode_chunks(self._running.values(), self.cache.ledger),
                        self._prefilling(), len(self._running))
-
-    def _overflows(self, chunks: list[Chunk]) -> bool:
-        lim = self.limits
-        if lim.per_slot:
-            return False  # every sequence fits its own stream, checked at submit
-        growth = sum(len(c.tokens) for c in chunks)
-        return self.ledger.used + growth > lim.kv_cells - lim.kv_headroom
-
-    def _evict_one_idle(self) -> bool:
-        idle = [s for s in self._slots if s.rid is None and s.tokens]
-        if not idle:
-            return False
-        self._evict(min(idle, key=self._eviction_order))
-        return True
-
-    def _pinned(self, slot: Slot) -> bool:
-        return slot.session is not None and (
-            self._now - slot.last_used < self.limits.session_ttl)
-
-    def _eviction_order(self, slot: Slot) -> tuple[bool, float]:
-        """Idle caches go before pinned sessions, each least recently used first."""
-        return self._pinned(slot), slot.last_used
 
     def _swap_for(self, item: Queued) -> bool:
         """Interactive work waits for a slot that batch work holds: swap the batch
         request with the most work left out to the RAM tier. It is queued again and
         resumes from its saved state (its client sees a pause), instead of the
         interactive request waiting for it to end."""
-        if item.req.rank != 0 or not self.tiers.ram_bytes or (
+        if item.req.rank != 0 or not self.cache.tiers.ram_bytes or (
                 len(self._running) + item.req.n <= self.limits.max_running
-                and self._free_slot() is not None):
+                and self.cache.free_slot() is not None):
             return False  # not a shortage of slots (cells: see _make_room, preempt_one)
         batch = [r for r in self._running.values()
                  if r.req.rank > 0 and r.phase is not Phase.FORK]
         if not batch:
             return False
         self._preempt(max(batch, key=lambda r: r.req.max_tokens - r.generated + r.prompt_left))
-        self.tiers.stats.swaps += 1
+        self.cache.tiers.stats.swaps += 1
         return True
 
     def preempt_one(self) -> bool:
@@ -331,32 +279,27 @@ class Scheduler:
     def _preempt(self, run: Running) -> None:
         """Queue ``run`` again with what it has so far; its slot's state is saved to the
         RAM tier on the way out, when there is one, so it resumes without recomputing."""
-        done = self._slots[run.slot].tokens[: self.ledger.length(run.slot)]
+        done = self.cache.held(run.slot)
         if run.phase is Phase.DECODE:  # one choice resumes on its own
             again = msgspec.structs.replace(run.req, prompt=[*done, run.last_token], n=1,
                                             max_tokens=max(1, run.req.max_tokens - run.generated))
         else:  # a leader, with the choices that wait for its prompt
             again = msgspec.structs.replace(run.req, n=1 + len(run.forks))
         for index in (run.index, *run.forks):
-            self._unslot(self._running.pop((run.rid, index)))
+            self.cache.vacate(self._running.pop((run.rid, index)).slot)
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
-        reused = self._reuse(again).cached
+        reused = self.cache.reuse(again).cached
         self._queues[run.req.rank].append(Queued(
             run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
             run.index, cached=self._expected_cached(again, reused)[0], reused=reused))
         self._queued_tokens += len(again.prompt)
         self._events.append(Preempted(run.rid))
 
-    def _unslot(self, run: Running) -> None:
-        slot = self._slots[run.slot]
-        slot.rid = None
-        self._evict(slot)
-
     def commit(self, plan: StepPlan, sampled: dict[Key, int], now: float) -> None:
         """Record a decode that ran ``plan``: cells written and tokens sampled, by
         sequence; at the end of a shared prompt, the fork into its other choices."""
         for ch in plan.chunks:
-            self._record_cells(ch)
+            self.cache.record(ch)
             run = self._running[ch.key]
             if run.phase is Phase.PREFILL:
                 run.next_prompt += len(ch.tokens)
@@ -368,33 +311,22 @@ class Scheduler:
                 for index in ch.forks:
                     self._fork(run, self._running[(ch.rid, index)], sampled[(ch.rid, index)])
                 run.forks = ()
-            self._slots[run.slot].last_used = now
+            self.cache.slots[run.slot].last_used = now
 
     def _fork(self, leader: Running, run: Running, token: int) -> None:
         """``run`` takes the prompt its leader has just computed (a copy of its KV, made
         before the next decode) and the first token its own sampler drew from the
         leader's logits."""
-        self._copy(leader.slot, run.slot, self.ledger.length(leader.slot))
+        self.cache.copy(leader.slot, run.slot, self.cache.ledger.length(leader.slot))
         run.phase, run.next_prompt = Phase.DECODE, len(run.req.prompt)
         run.last_token, run.generated = token, 1
-        self._slots[run.slot].last_used = self._slots[leader.slot].last_used
-
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        """Give the empty slot ``dst`` the first ``n`` positions of ``src``."""
-        if self.limits.per_slot:
-            self._ops.append(SeqCp(src, dst, n, whole=True))
-            self.ledger.extend(dst, n)  # a copy: new cells in dst's own stream
-        else:
-            self._ops.append(SeqCp(src, dst, n))
-            self.ledger.share(src, dst, n)
-        self._slots[dst].tokens = self._slots[src].tokens[:n]
 
     # --- admission ------------------------------------------------------------------
 
     def _admit(self, now: float) -> None:
         for q in self._queues:
             for item in sorted(q, key=lambda it: (it.vstart, it.submitted_at)):
-                if self._hold(item, now) or self._staging(item):
+                if self._hold(item, now) or self.cache.staging(item.req):
                     continue  # it needs no room yet, so it blocks nobody behind it
                 while (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
@@ -408,83 +340,58 @@ class Scheduler:
 
     def _try_admit(self, item: Queued, now: float) -> bool:
         req = item.req
-        reuse = self._reuse(req)
+        reuse = self.cache.reuse(req)
         if reuse.entry is not None:
             return self._admit_restored(item, reuse.entry, reuse.cached, now)
         src, n = reuse.src, reuse.cached
-        dst = self._destination(req, src, n)
+        dst = self.cache.destination(req, src, n)
         if dst is None:
             return False
-        forks = self._fork_slots(req.n - 1, dst)
+        forks = self.cache.fork_slots(req.n - 1, dst)
         if forks is None:
             return False
         if dst != src and self.limits.per_slot and n < self.limits.min_copy_tokens:
             src, n = None, 0  # copying a whole stream costs more than a short prefill
         if not self._make_room(req, n, src, dst, forks):
             return False
-        self._count_reuse(req, n, src is not None and self._slots[src].session == req.session)
+        slots = self.cache.slots
+        self._count_reuse(req, n, src is not None and slots[src].session == req.session)
         if dst == src:
-            self._truncate(self._slots[dst], n)
+            self.cache.truncate(slots[dst], n)
         else:
-            self._evict(self._slots[dst])
+            self.cache.evict(slots[dst])
             if src is not None and n:
-                self._copy(src, dst, n)
+                self.cache.copy(src, dst, n)
         for sid in forks:  # after the copy: a fork may take the source's slot
-            self._evict(self._slots[sid])
+            self.cache.evict(slots[sid])
         self._start(item, [dst, *forks], n, now)
-        return True
-
-    def _staging(self, item: Queued) -> bool:
-        """Whether ``item`` waits this step for the saved state it would restore to be
-        read from disk (``Stage``, beside the decode loop): no step waits on the disk.
-        With nothing on disk (the usual case), no match is made here: admission makes
-        it, once."""
-        if not self.tiers.on_disk:
-            return False
-        entry = self._reuse(item.req).entry
-        if entry is None or self.tiers.ready(entry):
-            return False
-        if (op := self.tiers.stage(entry)) is not None:
-            self._ops.append(op)
         return True
 
     def _admit_restored(self, item: Queued, entry: Entry, m: int, now: float) -> bool:
         """Admit ``item`` into a free slot that gets ``entry``'s saved state, truncated
         to the ``m`` tokens its prompt shares: a restore instead of a recompute."""
         req = item.req
-        dst = self._free_slot()
-        forks = None if dst is None else self._fork_slots(req.n - 1, dst)
+        dst = self.cache.free_slot()
+        forks = None if dst is None else self.cache.fork_slots(req.n - 1, dst)
         # The restored cells are new ones (not shared with a slot): count them all.
         if dst is None or forks is None or not self._make_room(req, 0, None, dst, forks):
             return False
         # A long tail the prompt does not share stays saved; otherwise the entry leaves
         # the index first, so that saving what the slots held cannot drop it.
         keep = len(entry.tokens) - m >= MIN_SAVED_TOKENS
-        self.tiers.take(entry, keep)
-        self.tiers.stats.restored_tokens += m
+        self.cache.tiers.take(entry, keep)
+        self.cache.tiers.stats.restored_tokens += m
         self._count_reuse(req, m, req.session is not None and entry.session == req.session)
         for sid in (dst, *forks):
-            self._evict(self._slots[sid])
-        slot = self._slots[dst]
-        self._ops.append(SeqLoad(dst, entry, keep))
-        self.ledger.extend(dst, len(entry.tokens))
-        slot.tokens = list(entry.tokens)
-        self._truncate(slot, m, keep=False)
+            self.cache.evict(self.cache.slots[sid])
+        self.cache.restore(dst, entry, m, keep)
         self._start(item, [dst, *forks], m, now)
         return True
-
-    def _best_saved(self, req: Request) -> tuple[Entry | None, int]:
-        """The saved state (RAM or disk) sharing the longest prefix with ``req``."""
-        if req.prompt_logprobs or not req.cache:
-            return None, 0
-        return self.tiers.longest(req.tenant, req.prompt, len(req.prompt) - 1)
 
     def restore_failed(self, seq: int) -> Key | None:
         """The state restored into ``seq`` was refused (a corrupt or stale file): the
         request there computes its whole prompt instead. Returns its key."""
-        self.tiers.stats.restore_failures += 1
-        self.ledger.clear(seq)
-        self._slots[seq].tokens = []
+        self.cache.restore_failed(seq)
         run = next((r for r in self._running.values() if r.slot == seq), None)
         if run is None:
             return None
@@ -494,17 +401,6 @@ class Scheduler:
                         if isinstance(ev, Admission) and ev.rid == run.rid else ev
                         for ev in self._events]
         return run.key
-
-    def save_sessions(self) -> list[MemOp]:
-        """Before the worker exits: save every idle session's state (to be written to
-        disk with the RAM tier's), keeping the slots as they are."""
-        for slot in self._slots:
-            if slot.rid is None and slot.session is not None and self.tiers.worth_saving(
-                    slot.tokens, slot.session):
-                entry, dropped = self.tiers.save(slot.tokens, slot.tenant, slot.session)
-                self._ops.extend([*dropped, SeqSave(slot.sid, entry.eid)])
-        out, self._ops = self._ops, []
-        return out
 
     def _count_reuse(self, req: Request, n: int, own_session: bool) -> None:
         self.cache_queries += 1
@@ -519,8 +415,7 @@ class Scheduler:
         wait for it."""
         forks = tuple(item.index + j for j in range(1, len(slots)))
         for j, sid in enumerate(slots):
-            slot = self._slots[sid]
-            slot.rid, slot.last_used, slot.tenant = item.rid, now, item.req.tenant
+            self.cache.occupy(sid, item.rid, item.req.tenant, now)
             run = Running(item.rid, item.req, sid, now, item.submitted_at, item.vstart,
                            next_prompt=cached, cached=cached, index=item.index + j)
             if j:
@@ -528,69 +423,6 @@ class Scheduler:
             else:
                 run.forks = forks
             self._running[run.key] = run
-
-    def _fork_slots(self, count: int, dst: int) -> list[int] | None:
-        """Slots for a request's other choices (idle ones, empty first), or None."""
-        out: list[int] = []
-        for _ in range(count):
-            sid = self._free_slot(dst, *out)
-            if sid is None:
-                return None
-            out.append(sid)
-        return out
-
-    def _destination(self, req: Request, src: int | None, n: int) -> int | None:
-        """The slot ``req`` runs in. The slot holding its longest prefix, in place, when
-        that keeps most of what the slot holds (the same conversation, the same editor
-        a keystroke later): truncating it loses less than half of what it reuses.
-        Otherwise a free slot, with the prefix copied, so that the cache of whoever
-        shared only a header with ``req`` (another editor on the same repository, a
-        chat with the same system prompt) survives; unless that would throw away more
-        cache than truncating, or a pinned session's."""
-        reusable = src is not None and self._reusable(self._slots[src], req)
-        if src is None or not reusable:
-            return self._free_slot(src)
-        lost = len(self._slots[src].tokens) - n
-        free = self._free_slot(src) if 2 * lost > n else None
-        if free is None or self._pinned(self._slots[free]) or (
-                lost <= len(self._slots[free].tokens)):
-            return src  # a live session's cache weighs more than any tail
-        return free
-
-    def _best_prefix(self, req: Request) -> tuple[int | None, int]:
-        """The slot of ``req``'s tenant sharing the longest prefix with its prompt,
-        leaving one token to compute."""
-        best, best_key = None, (0, False, False)
-        for slot in self._slots:
-            # On equal length the caller's own session wins, then an idle slot: it is
-            # reused in place, with no copy.
-            key = (self._shared(req, slot.tenant, slot.tokens),
-                   req.session is not None and slot.session == req.session, slot.rid is None)
-            if key[0] and key > best_key:
-                best, best_key = slot.sid, key
-        return best, best_key[0]
-
-    @staticmethod
-    def _shared(req: Request, tenant: str, tokens: list[int]) -> int:
-        """How much of ``req``'s prompt ``tenant``'s ``tokens`` (a slot's, or a prompt
-        being computed) may serve: their common prefix, leaving one token to compute."""
-        if tenant != req.tenant or req.prompt_logprobs:
-            # Another tenant's prompt is never reused, never revealed; and a scored
-            # prompt needs logits that the cache's positions did not keep.
-            return 0
-        # The last prompt token must run to give logits.
-        return min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
-
-    def _reuse(self, req: Request) -> Reuse:
-        """What admission would reuse for ``req`` now: the longest prefix a slot holds,
-        or a saved state's when that is longer by at least ``min_copy_tokens`` (a
-        restore costs a copy). The one match that both admission and the wait
-        estimate (``_expected_cached``) make."""
-        src, n = self._best_prefix(req)
-        entry, m = self._best_saved(req)
-        if entry is not None and m >= n + self.limits.min_copy_tokens:
-            return Reuse(None, entry, m)
-        return Reuse(src, None, n)
 
     def _expected_cached(self, req: Request, reused: int) -> tuple[int, float]:
         """Prompt tokens ``req`` should not compute itself, and the place in the aging
@@ -631,7 +463,7 @@ class Scheduler:
         keeps no cache (it may drop its cells in the step it passes the prefix)."""
         if other.rank > req.rank or not other.cache:
             return 0
-        return self._shared(req, other.tenant, other.prompt)
+        return shared_prefix(req, other.tenant, other.prompt)
 
     def _hold(self, item: Queued, now: float) -> bool:
         """Whether ``item`` waits in the queue, this step, for ``_holder`` to compute
@@ -680,69 +512,22 @@ class Scheduler:
             return None
         return best
 
-    def _reusable(self, slot: Slot, req: Request) -> bool:
-        """May ``req`` take over ``slot`` in place (truncating what it does not share)?
-        Not while it runs, nor while it holds another live session's conversation."""
-        return slot.rid is None and (not self._pinned(slot) or slot.session == req.session)
-
-    def _free_slot(self, *keep: int | None) -> int | None:
-        """An empty slot, else the least recently used idle one (none of ``keep``)."""
-        idle = [s for s in self._slots if s.rid is None and s.sid not in keep]
-        if not idle:
-            return None
-        empty = [s for s in idle if not s.tokens]
-        return (empty[0] if empty else min(idle, key=self._eviction_order)).sid
-
     def _reserved(self) -> int:
         """Cells promised to running sequences but not written yet."""
         cap = self.limits.decode_reservation
         return sum(
-            max(0, r.reserved_length(cap) - self.ledger.length(r.slot))
+            max(0, r.reserved_length(cap) - self.cache.ledger.length(r.slot))
             for r in self._running.values()
         )
 
     def _make_room(self, req: Request, n: int, src: int | None, dst: int,
                    forks: list[int]) -> bool:
-        """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet.
-
-        The evictions are tried on a copy of the ledger first: evicting caches (pinned
-        sessions among them) that would still not admit the request would throw them
-        away for nothing, and again at every step while the request waits.
-        """
+        """Evict idle caches, LRU first, until ``req`` fits. False if it cannot yet."""
         if self.limits.per_slot:
             return True  # the slot's own stream holds the request, checked at submit
         # One prompt, and decode cells for each choice.
         need = len(req.prompt) - n + req.n * min(req.max_tokens, self.limits.decode_reservation)
-        taken = (dst, *forks)
-        if self._free_cells(self.ledger, src, taken, n) >= need:
-            return True
-        victims = sorted(
-            (s for s in self._slots if s.rid is None and s.sid not in (src, *taken)
-             and s.tokens),
-            key=self._eviction_order,
-        )
-        trial, count = copy.deepcopy(self.ledger), 0
-        while self._free_cells(trial, src, taken, n) < need:
-            if count == len(victims):
-                return False
-            trial.clear(victims[count].sid)
-            count += 1
-        for victim in victims[:count]:
-            self._evict(victim)
-        return True
-
-    def _free_cells(self, ledger: KVLedger, src: int | None, slots: tuple[int, ...],
-                    n: int) -> int:
-        """Cells left for a new request once ``slots`` are prepared for it, ``n`` tokens
-        of its prompt coming from ``src``."""
-        lim = self.limits
-        released = 0
-        for sid in slots:
-            cells = ledger.private_cells(sid)
-            # Truncating (or evicting after the copy) keeps the shared prefix; only what
-            # lies beyond ``n`` goes.
-            released += max(0, cells - n) if sid == src else cells
-        return lim.kv_cells - lim.kv_headroom - ledger.used - self._reserved() + released
+        return self.cache.make_room(need, self._reserved(), src, n, (dst, *forks))
 
     # --- capacity ---------------------------------------------------------------------
 
@@ -777,7 +562,7 @@ class Scheduler:
     def _prefill_seconds(self, work_ms: float) -> float:
         """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
         step fills the room its decoders leave, up to ``step_tokens``."""
-        positions = [self.ledger.length(r.slot) for r in self._running.values()
+        positions = [self.cache.ledger.length(r.slot) for r in self._running.values()
                      if r.phase is Phase.DECODE]
         full = self.cost.predict_extra(self.cost.chunk(0, self.limits.step_tokens - len(positions)))
         floor = self.cost.predict_extra(self.cost.chunk(0, MIN_PREFILL_TOKENS))
@@ -786,39 +571,6 @@ class Scheduler:
         if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
             return 0.0
         return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
-
-    # --- slots and cells ---------------------------------------------------------------
-
-    def _save(self, slot: Slot) -> None:
-        """Save ``slot``'s state to the RAM tier, if that is worth it."""
-        if self.tiers.worth_saving(slot.tokens, slot.session):
-            entry, ops = self.tiers.save(slot.tokens, slot.tenant, slot.session)
-            self._ops.extend(ops)
-            self._ops.append(SeqSave(slot.sid, entry.eid))
-
-    def _evict(self, slot: Slot, keep: bool = True) -> None:
-        """Empty ``slot``; with ``keep``, its state goes to the RAM tier first."""
-        if keep:
-            self._save(slot)
-        if slot.tokens or self.ledger.length(slot.sid):
-            self._ops.append(SeqRm(slot.sid, 0))
-            self.ledger.clear(slot.sid)
-        slot.tokens = []
-        slot.session = None
-
-    def _truncate(self, slot: Slot, n: int, keep: bool = True) -> None:
-        """Cut ``slot`` to ``n`` tokens; with ``keep``, a tail worth saving is saved
-        (with what precedes it) to the RAM tier first."""
-        if keep and len(slot.tokens) - n >= MIN_SAVED_TOKENS:
-            self._save(slot)
-        if len(slot.tokens) > n:
-            self._ops.append(SeqRm(slot.sid, n))
-            self.ledger.truncate(slot.sid, n)
-            del slot.tokens[n:]
-
-    def _record_cells(self, ch: Chunk) -> None:
-        self.ledger.extend(ch.seq, len(ch.tokens))
-        self._slots[ch.seq].tokens.extend(ch.tokens)
 
     # --- step layout ---------------------------------------------------------------------
 
@@ -838,12 +590,6 @@ class Scheduler:
     def is_running(self, rid: int) -> bool:
         return any(key[0] == rid for key in self._running)
 
-    def cached_slots(self) -> list[tuple[str, list[int]]]:
-        """What each slot holds (tenant, tokens), most recently used first: the prefix
-        cache, and the running sequences' prompts so far."""
-        held = sorted((s for s in self._slots if s.tokens), key=lambda s: -s.last_used)
-        return [(s.tenant, s.tokens) for s in held]
-
     def statistics(self) -> dict[str, float]:
         active = self._active_cells()
         out: dict[str, float] = {
@@ -852,13 +598,9 @@ class Scheduler:
             **{f"queued_{name}": len(q) for name, q in zip(PRIORITIES, self._queues,
                                                             strict=True)},
             "queued_tokens": self._queued_tokens,
-            "kv_cells_total": self.limits.kv_cells,
-            "kv_cells_used": self.ledger.used,
             "kv_cells_active": active,
-            "kv_cells_cached": self.ledger.used - active,
+            "kv_cells_cached": self.cache.ledger.used - active,
             "kv_cells_reserved": self._reserved(),
-            "slots_idle_cached": sum(1 for s in self._slots if s.rid is None and s.tokens),
-            "sessions_pinned": sum(1 for s in self._slots if s.rid is None and self._pinned(s)),
             "session_resumes": self.session_resumes,
             "prefix_cache_queries": self.cache_queries,
             "prefix_cache_hits": self.cache_hits,
@@ -873,12 +615,12 @@ class Scheduler:
             "target_step_ms": min(self.limits.target_step_ms, 1e9),
             "step_prompt_room_ms": min(prompt_room_ms(
                 self.limits, self.cost, [c.pos for c in decode_chunks(
-                    self._running.values(), self.ledger)], self._prefilling()), 1e9),
+                    self._running.values(), self.cache.ledger)], self._prefilling()), 1e9),
         }
         out.update(self.cost.statistics())
-        out.update(self.tiers.statistics())
+        out.update(self.cache.statistics())
         return out
 
     def _active_cells(self) -> int:
         """Cells that some running sequence sees (the rest is evictable cache)."""
-        return self.ledger.cells_seen_by({r.slot for r in self._running.values()})
+        return self.cache.ledger.cells_seen_by({r.slot for r in self._running.values()})
