@@ -642,8 +642,8 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
         s.submit(*req(rid, n=10, max_tokens=1000, start=100 * rid), 0.0)
     run_step(s, 0.0)
     # as observed: while requests waited, slots freed once a second
-    s._finished_at.extend([0.0, 1.0, 2.0, 3.0])
-    s._waiting_clock = 4.0
+    s.queue.finished_at.extend([0.0, 1.0, 2.0, 3.0])
+    s.queue.waiting_clock = 4.0
     now, rid = 4.0, 10
     with pytest.raises(QueueFull) as refused:
         while rid < 200:
@@ -701,7 +701,7 @@ def test_a_preempted_request_keeps_its_queue_timeout_and_its_place() -> None:
             break
     else:
         pytest.fail("request 2 was never preempted")
-    queued = s._queues[1][0]
+    queued = s.queue.classes[1][0]
     assert queued.rid == 2 and queued.vstart == virtual_start(s.limits, 0.0, 20)
     assert queued.deadline < math.inf  # before the fix it could wait forever
     # request 1 keeps running for a long time: request 2 times out instead of waiting on
@@ -899,7 +899,7 @@ def test_a_preempted_choice_resumes_alone_where_it_stopped() -> None:
     run_step(s, 1.0)
     assert s.preempt_one()
     assert s.n_running == 2 and not s._running.get((1, 2))
-    (queued,) = s._queues[0]
+    (queued,) = s.queue.classes[0]
     assert (queued.index, queued.req.n) == (2, 1)
     assert queued.req.prompt == [*range(100, 140), 7, 7]  # its prompt, its two tokens
     plan = s.plan(2.0)
@@ -916,7 +916,7 @@ def test_a_prefilling_leader_is_preempted_with_the_choices_waiting_for_it() -> N
     assert s._running[(2, 1)].phase.value == "fork"
     assert s.preempt_one()
     assert not s.is_running(2)
-    (queued,) = s._queues[0]
+    (queued,) = s.queue.classes[0]
     assert (queued.index, queued.req.n) == (0, 3)
     finish_all(s, 2.0)
     assert s.statistics()["kv_cells_active"] == 0

@@ -17,7 +17,8 @@ SANS_IO = ["forged/engine/scheduler.py", "forged/engine/kvledger.py",
            "forged/engine/costmodel.py", "forged/engine/core.py", "forged/engine/limits.py",
            "forged/engine/request.py", "forged/engine/textstream.py", "forged/engine/fim.py",
            "forged/engine/logprobs.py", "forged/engine/embedcore.py",
-           "forged/engine/decoding.py",
+           "forged/engine/decoding.py", "forged/engine/layout.py",
+           "forged/engine/slotcache.py", "forged/engine/waitqueue.py",
            "forged/agent/weight.py"]
 # (modules, what they must never import)
 NEVER = [

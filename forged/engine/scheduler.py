@@ -19,21 +19,12 @@ batched: every decoder's next token first, then prompt chunks within the step's 
 target, shortest remaining prompt first with aging. There is no batching window: a
 request that arrives on an idle worker is planned in the very next step.
 
-Admission knows capacity: ``submit`` estimates how long a request would wait for its
+Admission knows capacity: a request waits in :mod:`forged.engine.waitqueue` (where a
+request waits: its class's queue, shortest first with aging, held while another
+computes the prefix it shares). ``submit`` estimates how long it would wait for its
 first token (the prompt work ahead of it, at the rate steps leave for prompts, plus
-the wait for a slot at the rate slots have been freed) and refuses it at once,
-with that estimate, when the estimate is beyond its queue timeout. A queued prompt's
-work is only what the caches will not serve (``Queued.to_compute``): the prefix that
-admission would take from a slot or a saved state, or that a request running or queued
-before it computes (below), is matched once, when it is queued, and the same figure
-places it in the shortest-first order.
-
-A prefix is computed once: a queued request whose prompt shares a long prefix (at
-least ``min_copy_tokens`` more than the caches hold) with a request of its class or a
-more urgent one that is still prefilling that prefix is held in the queue, without
-blocking those behind it, until that prefix is computed; it is then admitted and
-copies it like any cached prefix (``_holder``). A cancelled or preempted holder stops
-prefilling, which releases the held request.
+the wait for a slot at the rate slots have been freed) and refuses it at once, with
+that estimate, when the estimate is beyond its queue timeout.
 
 Memory: the slots, their cells and the saved states are the slot cache's
 (:mod:`forged.engine.slotcache`, where cells are freed), which counts cells exactly. A
@@ -66,9 +57,6 @@ recompute, never a wrong answer, because the prompt always carries the full hist
 
 from __future__ import annotations
 
-import math
-from collections import deque
-
 import msgspec
 
 from forged.config import PRIORITIES
@@ -95,10 +83,8 @@ from forged.engine.plan import (
 )
 from forged.engine.request import Request
 from forged.engine.seqstate import Phase, Queued, Running
-from forged.engine.slotcache import SlotCache, shared_prefix
-
-# Slot frees remembered to estimate how fast slots turn over while requests wait.
-_FINISH_WINDOW = 16
+from forged.engine.slotcache import SlotCache
+from forged.engine.waitqueue import WaitQueue
 
 
 class Scheduler:
@@ -106,22 +92,15 @@ class Scheduler:
         self.limits = limits
         self.cost = cost or CostModel()
         self.cache = SlotCache(limits)
-        self._queues: tuple[list[Queued], ...] = tuple([] for _ in PRIORITIES)
-        self._queued_tokens = 0
+        self.queue = WaitQueue(limits)
         self._running: dict[Key, Running] = {}
         self._events: list[SchedEvent] = []
-        # The pace of slot turnover, measured only while requests wait for one: when
-        # nobody waits, slots free up at the pace requests arrive, which says nothing
-        # about capacity. ``_waiting_clock`` counts seconds spent with a queue.
-        self._waiting_clock = 0.0
-        self._finished_at: deque[float] = deque(maxlen=_FINISH_WINDOW)
         self.cache_queries = 0
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.prompt_tokens_computed = 0
         self.session_resumes = 0
         self.early_rejections = 0
-        self.prefix_holds = 0
         self.last_plan_ms = 0.0
         self._now = 0.0
 
@@ -131,10 +110,7 @@ class Scheduler:
         """Queue ``req`` as ``rid``. Raises :class:`QueueFull` when a bound would be passed, or when
         it would wait beyond its queue timeout before its prompt is computed."""
         lim = self.limits
-        if self.n_queued >= lim.max_queued or (
-            self.n_queued and self._queued_tokens + len(req.prompt) > lim.max_queued_tokens
-        ):
-            raise QueueFull
+        self.queue.check_room(req)
         self._tick(now)
         if not req.prompt or len(req.prompt) + req.max_tokens > lim.max_context:
             raise ValueError(f"the request is longer than the largest a slot takes "
@@ -144,7 +120,7 @@ class Scheduler:
             raise ValueError(f"n: at most {most} choices of this request can run at once")
         # Shortest first means least work first: a long prompt the caches serve is short.
         reused = self.cache.reuse(req).cached
-        cached, after = self._expected_cached(req, reused)
+        cached, after = self.queue.expected_cached(req, reused, self._prefilling())
         vstart = max(virtual_start(self.limits, now, len(req.prompt) - cached), after)
         wait = self.wait_estimate(req.rank, vstart, req.n)
         if wait > req.queue_timeout:
@@ -152,19 +128,13 @@ class Scheduler:
             raise QueueFull(f"the server is at capacity: this request would wait about "
                             f"{wait:.0f} s before its prompt is computed",
                             wait - req.queue_timeout)
-        self._queues[req.rank].append(Queued(rid, req, now, vstart, now + req.queue_timeout,
-                                              cached=cached, reused=reused))
-        self._queued_tokens += len(req.prompt)
+        self.queue.add(Queued(rid, req, now, vstart, now + req.queue_timeout, cached=cached,
+                              reused=reused))
 
     def drop(self, rid: int) -> bool:
         """Forget ``rid`` wherever it is, queued or running, every choice of it: its
         caller left, or it failed. Returns whether it was known."""
-        found = False
-        for q in self._queues:
-            for item in [item for item in q if item.rid == rid]:
-                q.remove(item)
-                self._queued_tokens -= len(item.req.prompt)
-                found = True
+        found = self.queue.drop(rid)
         for key in [key for key in self._running if key[0] == rid]:
             self._release(key)
             found = True
@@ -174,13 +144,11 @@ class Scheduler:
         """Choice ``index`` of ``rid`` finished by itself (EOS, stop string, length). Its
         KV stays as prefix cache unless opted out, and its slot counts towards the pace
         at which slots free up."""
-        if self.n_queued:
-            self._finished_at.append(self._waiting_clock)
+        self.queue.slot_freed()
         self._release((rid, index))
 
     def _tick(self, now: float) -> None:
-        if self.n_queued and now > self._now:
-            self._waiting_clock += now - self._now
+        self.queue.tick(now)
         self._now = self.cache.now = now
 
     def _release(self, key: Key) -> None:
@@ -190,20 +158,19 @@ class Scheduler:
     def expire(self, now: float) -> list[int]:
         """Drop queued requests whose deadline passed; they are also reported as events."""
         gone: list[int] = []
-        for q in self._queues:
-            for item in [item for item in q if item.deadline <= now]:
-                if item.rid in gone:
-                    continue  # another of its choices expired already: all are gone
-                self.drop(item.rid)
-                gone.append(item.rid)
-                self._events.append(Expired(item.rid))
+        for item in self.queue.due(now):
+            if item.rid in gone:
+                continue  # another of its choices expired already: all are gone
+            self.drop(item.rid)
+            gone.append(item.rid)
+            self._events.append(Expired(item.rid))
         return gone
 
     def set_limits(self, limits: SchedulerLimits) -> None:
         """Apply reloadable limits; the KV and slot geometry cannot change live."""
         if limits.geometry != self.limits.geometry:
             raise ValueError("kv_cells, slots and kv_layout need a restart")
-        self.limits = limits
+        self.limits = self.queue.limits = limits
         self.cache.set_limits(limits)
 
     # --- decisions out -------------------------------------------------------------
@@ -289,10 +256,10 @@ class Scheduler:
             self.cache.vacate(self._running.pop((run.rid, index)).slot)
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
         reused = self.cache.reuse(again).cached
-        self._queues[run.req.rank].append(Queued(
-            run.rid, again, run.submitted_at, run.vstart, self._now + run.req.queue_timeout,
-            run.index, cached=self._expected_cached(again, reused)[0], reused=reused))
-        self._queued_tokens += len(again.prompt)
+        cached = self.queue.expected_cached(again, reused, self._prefilling())[0]
+        self.queue.add(Queued(run.rid, again, run.submitted_at, run.vstart,
+                              self._now + run.req.queue_timeout, run.index, cached=cached,
+                              reused=reused))
         self._events.append(Preempted(run.rid))
 
     def commit(self, plan: StepPlan, sampled: dict[Key, int], now: float) -> None:
@@ -324,16 +291,16 @@ class Scheduler:
     # --- admission ------------------------------------------------------------------
 
     def _admit(self, now: float) -> None:
-        for q in self._queues:
-            for item in sorted(q, key=lambda it: (it.vstart, it.submitted_at)):
-                if self._hold(item, now) or self.cache.staging(item.req):
+        for _, items in self.queue.in_order():
+            for item in items:
+                if (self.queue.hold(item, self._prefilling(), now)
+                        or self.cache.staging(item.req)):
                     continue  # it needs no room yet, so it blocks nobody behind it
                 while (len(self._running) + item.req.n > self.limits.max_running
                         or not self._try_admit(item, now)):
                     if not self._swap_for(item):
                         return  # it waits for room; nothing behind it may pass meanwhile
-                q.remove(item)
-                self._queued_tokens -= len(item.req.prompt)
+                self.queue.remove(item)
                 self._events.append(Admission(item.rid,
                                              self._running[(item.rid, item.index)].cached,
                                              now - item.submitted_at))
@@ -424,94 +391,6 @@ class Scheduler:
                 run.forks = forks
             self._running[run.key] = run
 
-    def _expected_cached(self, req: Request, reused: int) -> tuple[int, float]:
-        """Prompt tokens ``req`` should not compute itself, and the place in the aging
-        order it must not pass: the prefix the caches would serve it now (``reused``,
-        from ``_reuse``), or a longer one (by ``min_copy_tokens``) that a request of its
-        class or a more urgent one is computing or is queued to compute. ``_hold``
-        makes it wait for that one and copy; so it is ordered after that one too,
-        or it could jump ahead as a short prompt and then compute the long prefix.
-
-        Matched once, when it is queued, and not refreshed: the estimate sums every
-        queued request at each submit and each ``statistics()`` (up to max_queued of
-        them), and a match is a pass over the slots, the saved states and the queue.
-        Slots change at every step, so a cached match would be invalid at every step
-        anyway. Staleness errs both ways (a cache evicted after it was queued, one
-        computed since) and is bounded: the queue timeout still expires what waits
-        too long, and admission matches afresh. In the per-slot layout a slot prefix
-        under ``min_copy_tokens`` may be recomputed after all (``_try_admit``); the
-        estimate is then off by less than that.
-        """
-        best, after = reused, -math.inf
-        pending = [(r.req, r.vstart) for r in self._prefilling()]
-        # A queued request that computes less than a copy's worth itself can give no
-        # more: what the caches serve it, they serve ``req`` too, and what it copies
-        # from another, ``req`` finds in that other. Skipping those keeps a queue of
-        # requests on cached contexts from costing a full match each.
-        pending += [(q.req, q.vstart) for queue in self._queues for q in queue
-                    if q.to_compute >= self.limits.min_copy_tokens]
-        for other, vstart in pending:
-            n = self._computed_for(req, other)
-            if n > best and n >= reused + self.limits.min_copy_tokens:
-                # Strictly after: on a tie the queue's order would not say who computes.
-                best, after = n, math.nextafter(vstart, math.inf)
-        return best, after
-
-    def _computed_for(self, req: Request, other: Request) -> int:
-        """How much of ``req``'s prompt ``other`` computes that ``req`` may wait for: not
-        behind a less urgent class (``_holder`` says why), nor behind a request that
-        keeps no cache (it may drop its cells in the step it passes the prefix)."""
-        if other.rank > req.rank or not other.cache:
-            return 0
-        return shared_prefix(req, other.tenant, other.prompt)
-
-    def _hold(self, item: Queued, now: float) -> bool:
-        """Whether ``item`` waits in the queue, this step, for ``_holder`` to compute
-        the prefix it shares. Such a wait is for work done on its behalf, not for
-        capacity: its queue timeout starts again (as a preempted request's does), so
-        it cannot expire for having been held."""
-        if self._holder(item) is None:
-            return False
-        if not item.held:
-            item.held = True
-            self.prefix_holds += 1
-        item.deadline = max(item.deadline, now + item.req.queue_timeout)
-        return True
-
-    def _holder(self, item: Queued) -> Running | None:
-        """The running request computing a prefix of ``item``'s prompt that ``item``
-        should wait for, to copy it once computed, rather than compute it a second
-        time in parallel (what vLLM and SGLang do for in-flight prefixes).
-
-        Only while that request has not yet passed the shared part (it then holds it
-        in its slot, and ``_try_admit`` copies it from there), only when the prefix
-        gives at least ``min_copy_tokens`` more than the caches give now, and only
-        behind a request of the same class or a more urgent one. Batch prefill yields
-        every step to interactive prompts, so an interactive request held behind it
-        could wait as long as the interactive load lasts: it computes the prefix
-        itself instead. Behind its own class the wait is bounded: the holder runs,
-        and the aging order gives it each step's room once it is the oldest. A holder
-        that is cancelled or preempted stops prefilling, which ends the hold: the
-        request is then admitted on whatever the caches hold.
-
-        What the caches give is the match made when ``item`` was queued (``reused``)
-        or what the running requests have computed of its prefix so far, not a fresh
-        ``_reuse``: that is a pass over every slot and saved state, for every held
-        request at every step. A cache that appeared since can only make it wait for
-        what it would have had at once (then admission matches afresh and takes the
-        best); one that went since can only make it compute a prefix itself, as it
-        did before holds existed.
-        """
-        best, best_n, done = None, 0, item.reused
-        for run in self._prefilling():
-            n = self._computed_for(item.req, run.req) if run.rid != item.rid else 0
-            done = max(done, min(n, run.next_prompt))  # in that run's slot already
-            if n > max(run.next_prompt, best_n):
-                best, best_n = run, n
-        if best is None or best_n < done + self.limits.min_copy_tokens:
-            return None
-        return best
-
     def _reserved(self) -> int:
         """Cells promised to running sequences but not written yet."""
         cap = self.limits.decode_reservation
@@ -536,9 +415,11 @@ class Scheduler:
         own prompt starts: for a slot, then for the prompt work ahead of it, at the pace
         steps leave for prompts. Its own prefill is not waiting, so a lone long prompt is
         never refused. An estimate, used only to refuse at once what would wait past its
-        queue timeout anyway. ``wanted``: the slots it needs (its choices)."""
-        ahead = [q for cls, queue in enumerate(self._queues) for q in queue
-                 if cls < rank or (cls == rank and q.vstart <= vstart)]
+        queue timeout anyway. ``wanted``: the slots it needs (its choices).
+
+        The slots: at the pace slots were freed lately while requests waited
+        (``WaitQueue.slot_wait``)."""
+        ahead = self.queue.ahead(rank, vstart)
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
         for q in ahead:  # only what the caches will not serve
@@ -546,18 +427,10 @@ class Scheduler:
         for r in self._prefilling():
             if (r.req.rank, r.vstart) <= (rank, vstart):
                 work = work.plus(self.cost.chunk(r.next_prompt, r.prompt_left))
-        return self._slot_wait(sum(q.req.n for q in ahead) + wanted) + self._prefill_seconds(
+        short = sum(q.req.n for q in ahead) + wanted - (
+            self.limits.max_running - len(self._running))
+        return self.queue.slot_wait(short) + self._prefill_seconds(
             self.cost.predict_extra(work))
-
-    def _slot_wait(self, wanted: int) -> float:
-        """Seconds until ``wanted`` slots are free, at the pace slots were freed lately
-        while requests waited (0 while that pace is unknown: no evidence is no reason to
-        refuse). The pace slows by itself while waiting requests see no slot free."""
-        short = wanted - (self.limits.max_running - len(self._running))
-        if short <= 0 or len(self._finished_at) < 2:
-            return 0.0
-        span = self._waiting_clock - self._finished_at[0]
-        return short * span / len(self._finished_at) if span > 0 else 0.0
 
     def _prefill_seconds(self, work_ms: float) -> float:
         """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
@@ -581,7 +454,7 @@ class Scheduler:
 
     @property
     def n_queued(self) -> int:
-        return sum(len(q) for q in self._queues)
+        return len(self.queue)
 
     @property
     def n_running(self) -> int:
@@ -595,9 +468,9 @@ class Scheduler:
         out: dict[str, float] = {
             "running": len(self._running),
             "prefilling": len(self._prefilling()),
-            **{f"queued_{name}": len(q) for name, q in zip(PRIORITIES, self._queues,
+            **{f"queued_{name}": len(q) for name, q in zip(PRIORITIES, self.queue.classes,
                                                             strict=True)},
-            "queued_tokens": self._queued_tokens,
+            "queued_tokens": self.queue.tokens,
             "kv_cells_active": active,
             "kv_cells_cached": self.cache.ledger.used - active,
             "kv_cells_reserved": self._reserved(),
@@ -607,7 +480,7 @@ class Scheduler:
             "prefix_cache_tokens_saved": self.cache_tokens_saved,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "early_rejections": self.early_rejections,
-            "prefix_holds": self.prefix_holds,
+            "prefix_holds": self.queue.prefix_holds,
             # What a one-token interactive request submitted now would wait: the daemon
             # refuses at the door when even that exceeds the queue timeout.
             "wait_estimate_s": self.wait_estimate(0, self._now),
