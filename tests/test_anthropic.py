@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from forged.auth import add_key
-from forged.engine import frames as fr
 from forged.engine import testhooks
+from forged.engine.events import Done
 from forged.http.anthropic import (
     MessageFormat,
     MessagesRequest,
@@ -382,7 +382,7 @@ def test_text_then_a_tool_call_stream_as_two_blocks() -> None:
     fmt.prompt_tokens, fmt.cached_tokens = 30, 20
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     raw = fmt.start() + fmt.delta("Let me look. ") + fmt.delta(call[:15]) + \
-        fmt.delta(call[15:]) + fmt.finish(fr.Done(
+        fmt.delta(call[15:]) + fmt.finish(Done(
             rid=0, text="", stop_type="eos", prompt_tokens=30, completion_tokens=25,
             cached_tokens=20)) + fmt.end([], False)
     frames = events(httpx.Response(200, content=raw))

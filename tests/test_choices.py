@@ -23,8 +23,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from forged.auth import add_key
-from forged.engine import frames as fr
 from forged.engine import testhooks
+from forged.engine.events import Delta, Done
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from tests.conftest import DaemonFactory
@@ -65,8 +65,8 @@ def test_latency_is_timed_on_the_first_choice() -> None:
     of ~0 in the ITL histogram."""
     rs = RequestStream(1, Request(prompt=[1], max_tokens=3, n=3))
     for index in (0, 1, 2, 0, 1, 2):
-        rs.push(fr.Delta(rid=1, text="a", index=index))
-    rs.push(fr.Done(rid=1, text="b", stop_type="eos", prompt_tokens=1,
+        rs.push(Delta(rid=1, text="a", index=index))
+    rs.push(Done(rid=1, text="b", stop_type="eos", prompt_tokens=1,
                     completion_tokens=3, cached_tokens=0, index=1))
     assert len(rs.delta_times) == 2
 

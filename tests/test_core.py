@@ -14,6 +14,7 @@ from forged.engine import frames as fr
 from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
 from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace
+from forged.engine.events import Admitted, Delta, Done, Event, Failed
 from forged.engine.request import Request, Sampling
 from forged.engine.routing import BLOCK, block_hashes
 from tests.test_scheduler import limits
@@ -126,8 +127,8 @@ def submit(core: WorkerCore, rid: int, prompt: list[int], max_tokens: int = 10,
     core.handle(fr.Submit(rid=rid, request=request), 0.0)
 
 
-def run(core: WorkerCore, steps: int = 50) -> list[fr.Event]:
-    events: list[fr.Event] = []
+def run(core: WorkerCore, steps: int = 50) -> list[Event]:
+    events: list[Event] = []
     for _ in range(steps):
         core.step(0.0)
         frame = core.frame(0.0)
@@ -137,7 +138,7 @@ def run(core: WorkerCore, steps: int = 50) -> list[fr.Event]:
     return events
 
 
-def of(events: list[fr.Event], rid: int) -> list[fr.Event]:
+def of(events: list[Event], rid: int) -> list[Event]:
     return [e for e in events if e.rid == rid]
 
 
@@ -151,9 +152,9 @@ def test_text_held_for_a_stop_string_is_released_at_the_end_of_sequence() -> Non
     submit(core, 1, [5, 6], stop=["xxy"])
     events = run(core)
     # "xx" could begin "xxy": held back, then released by the end of the sequence
-    assert not [e for e in events if isinstance(e, fr.Delta)]
+    assert not [e for e in events if isinstance(e, Delta)]
     done = events[-1]
-    assert isinstance(done, fr.Done) and done.text == "xx" and done.finish_reason == "stop"
+    assert isinstance(done, Done) and done.text == "xx" and done.finish_reason == "stop"
     assert done.completion_tokens == 2
     assert_nothing_left(core, backend)
 
@@ -163,7 +164,7 @@ def test_min_tokens_suppresses_the_end_and_stop_strings_until_reached() -> None:
     submit(core, 1, [5], stop=["b"], sampling=Sampling(min_tokens=3))
     done = run(core)[-1]
     # the early end was never drawn, and "b" came before the third token
-    assert isinstance(done, fr.Done) and done.stop_type == "eos"
+    assert isinstance(done, Done) and done.stop_type == "eos"
     assert done.completion_tokens == 4 and done.stop_reason is None
     assert_nothing_left(core, backend)
 
@@ -175,14 +176,14 @@ def test_a_stop_token_ends_the_answer_and_is_its_stop_reason(include: bool,
     submit(core, 1, [5], stop_tokens=[3], include_stop=include)
     events = run(core)
     done = events[-1]
-    assert isinstance(done, fr.Done) and done.stop_reason == 3
+    assert isinstance(done, Done) and done.stop_reason == 3
     assert done.finish_reason == "stop" and done.completion_tokens == 2
-    assert "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done)) == text
+    assert "".join(e.text for e in events if isinstance(e, Delta | Done)) == text
     # min_tokens holds a stop token back as it does the end of sequence
     core, backend = core_with({5: [1, 3, 2, 3]})
     submit(core, 2, [5], stop_tokens=[3], sampling=Sampling(min_tokens=2))
     done = run(core)[-1]
-    assert isinstance(done, fr.Done) and done.completion_tokens == 2
+    assert isinstance(done, Done) and done.completion_tokens == 2
     assert_nothing_left(core, backend)
 
 
@@ -193,8 +194,8 @@ def test_a_stop_string_is_the_stop_reason_and_kept_when_asked(include: bool,
     submit(core, 1, [5], stop=["zz", "bc"], include_stop=include)
     events = run(core)
     done = events[-1]
-    assert isinstance(done, fr.Done) and done.stop_reason == "bc"
-    assert "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done)) == text
+    assert isinstance(done, Done) and done.stop_reason == "bc"
+    assert "".join(e.text for e in events if isinstance(e, Delta | Done)) == text
     assert_nothing_left(core, backend)
 
 
@@ -202,7 +203,7 @@ def test_a_stop_string_ends_the_request_and_drops_what_follows() -> None:
     core, backend = core_with({5: [1, 2, 3, 4]})  # a b c d
     submit(core, 1, [5], stop=["bc"])
     done = run(core)[-1]
-    assert isinstance(done, fr.Done) and done.finish_reason == "stop"
+    assert isinstance(done, Done) and done.finish_reason == "stop"
     assert_nothing_left(core, backend)
 
 
@@ -214,9 +215,9 @@ def test_a_failed_step_fails_only_the_request_whose_chunk_fails() -> None:
     slot_of_1 = next(seq for seq, n in backend.batches[0] if n == 3)
     backend.failing_seqs = {slot_of_1}
     events = run(core)
-    failed = [e for e in events if isinstance(e, fr.Failed)]
+    failed = [e for e in events if isinstance(e, Failed)]
     assert len(failed) == 1 and failed[0].code == "engine_error"
-    done = [e for e in events if isinstance(e, fr.Done)]
+    done = [e for e in events if isinstance(e, Done)]
     assert len(done) == 1 and done[0].rid != failed[0].rid and done[0].completion_tokens == 4
     assert_nothing_left(core, backend)
 
@@ -229,15 +230,15 @@ def test_no_kv_space_preempts_the_newest_request_which_resumes_where_it_stopped(
     core.step(0.0)
     backend.full_steps = 1  # llama.cpp finds no cells although the ledger said it fits
     events = run(core)
-    done = {e.rid: e for e in events if isinstance(e, fr.Done)}
+    done = {e.rid: e for e in events if isinstance(e, Done)}
     assert set(done) == {1, 2}
     assert all(d.completion_tokens == 6 for d in done.values())
     # the preempted request's text has every token once: it resumed, it did not restart
     text = {rid: "".join(e.text for e in of(events, rid)
-                         if isinstance(e, fr.Delta | fr.Done)) for rid in (1, 2)}
+                         if isinstance(e, Delta | Done)) for rid in (1, 2)}
     assert text == {1: "a" * 6, 2: "b" * 6}
     # it was admitted (as callers see it) once, and its prompt was computed again
-    assert [type(e) for e in events].count(fr.Admitted) == 2
+    assert [type(e) for e in events].count(Admitted) == 2
     assert any(n > 3 for batch in backend.batches for _, n in batch)
     assert_nothing_left(core, backend)
 
@@ -247,9 +248,9 @@ def test_no_kv_space_for_a_lone_request_fails_it_with_a_clear_error() -> None:
     submit(core, 1, [5, 1, 1], max_tokens=6)
     backend.full_steps = 1
     events = run(core)
-    assert len(events) == 2 and isinstance(events[0], fr.Admitted)
+    assert len(events) == 2 and isinstance(events[0], Admitted)
     failed = events[1]
-    assert isinstance(failed, fr.Failed) and "KV cache is full" in failed.message
+    assert isinstance(failed, Failed) and "KV cache is full" in failed.message
     assert_nothing_left(core, backend)
 
 
@@ -264,7 +265,7 @@ def test_a_cancel_during_prefill_stops_the_prompt_and_frees_the_request() -> Non
     assert_nothing_left(core, backend)
     # what was computed stays as prefix cache: a new request shares it
     submit(core, 2, [5] + [1] * 20, max_tokens=1)
-    admitted = [e for e in run(core) if isinstance(e, fr.Admitted)]
+    admitted = [e for e in run(core) if isinstance(e, Admitted)]
     assert admitted[0].cached == 16
 
 
@@ -273,8 +274,8 @@ def test_a_request_that_can_never_fit_is_refused_without_a_stream() -> None:
     submit(core, 1, [5] * 300)
     frame = core.frame(0.0)
     assert frame is not None
-    assert [type(e) for e in frame.events] == [fr.Failed]
-    assert isinstance(frame.events[0], fr.Failed) and frame.events[0].code == "bad_request"
+    assert [type(e) for e in frame.events] == [Failed]
+    assert isinstance(frame.events[0], Failed) and frame.events[0].code == "bad_request"
     assert_nothing_left(core, backend)
 
 
@@ -287,7 +288,7 @@ def test_ignore_eos_bans_the_end_of_sequence_tokens() -> None:
     done = run(core)[-1]
     assert seen[0].logit_bias == [(EOS, -float("inf"))]
     # the fake samples token 0 regardless: with ignore_eos it is text, not an end
-    assert isinstance(done, fr.Done) and done.finish_reason == "length"
+    assert isinstance(done, Done) and done.finish_reason == "length"
 
 
 @pytest.mark.parametrize("interval_passed", [False, True])
@@ -300,7 +301,7 @@ def test_statistics_ride_with_tokens_at_most_every_interval(interval_passed: boo
     core.step(0.0)
     now = 0.06 if interval_passed else 0.01
     second = core.frame(now)
-    assert second is not None and [type(e) for e in second.events] == [fr.Delta]
+    assert second is not None and [type(e) for e in second.events] == [Delta]
     assert bool(second.stats) is interval_passed
 
 
@@ -318,9 +319,9 @@ def test_n_indent_stops_before_a_line_that_dedents_past_it(script: list[int], se
     core, backend = core_with({5: script})
     submit(core, 1, [5], max_tokens=20, n_indent=4)
     events = run(core)
-    text = "".join(e.text for e in events if isinstance(e, fr.Delta | fr.Done))
+    text = "".join(e.text for e in events if isinstance(e, Delta | Done))
     done = events[-1]
-    assert text == sent and isinstance(done, fr.Done) and done.stop_type == "limit"
+    assert text == sent and isinstance(done, Done) and done.stop_type == "limit"
     assert_nothing_left(core, backend)
 
 
@@ -334,7 +335,7 @@ def test_the_time_limit_ends_at_the_first_newline_past_it() -> None:
         core.step(0.0)
         clock.t += 0.1  # each token takes 100 ms
         frame = core.frame(0.0)
-        text += "".join(e.text for e in frame.events if isinstance(e, fr.Delta | fr.Done)
+        text += "".join(e.text for e in frame.events if isinstance(e, Delta | Done)
                         ) if frame else ""
         if not core.busy:
             break
@@ -348,7 +349,7 @@ def test_a_warm_up_computes_the_prompt_and_says_nothing() -> None:
     submit(core, 1, [5, 1, 2], max_tokens=0)
     events = run(core)
     done = events[-1]
-    assert isinstance(done, fr.Done) and done.text == "" and done.completion_tokens == 0
+    assert isinstance(done, Done) and done.text == "" and done.completion_tokens == 0
     assert backend.batches == [[(0, 3)]]  # the prompt, once, and nothing after it
     assert_nothing_left(core, backend)
 
@@ -356,10 +357,10 @@ def test_a_warm_up_computes_the_prompt_and_says_nothing() -> None:
 # --- n > 1 ---------------------------------------------------------------------------------
 
 
-def texts(events: list[fr.Event]) -> dict[int, str]:
+def texts(events: list[Event]) -> dict[int, str]:
     out: dict[int, str] = {}
     for e in events:
-        if isinstance(e, fr.Delta | fr.Done):
+        if isinstance(e, Delta | Done):
             out[e.index] = out.get(e.index, "") + e.text
     return out
 
@@ -371,12 +372,12 @@ def test_each_choice_samples_with_its_own_seed_and_ends_on_its_own() -> None:
     submit(core, 1, [5, 1, 1, 1], max_tokens=3, n=3, sampling=Sampling(seed=10))
     events = run(core)
     assert texts(events) == {0: "ab", 1: "c", 2: "def"}
-    done = {e.index: e for e in events if isinstance(e, fr.Done)}
+    done = {e.index: e for e in events if isinstance(e, Done)}
     assert {i: (d.stop_type, d.completion_tokens, d.prompt_tokens) for i, d in done.items()
             } == {0: ("eos", 2, 4), 1: ("eos", 1, 4), 2: ("limit", 3, 4)}
     # the prompt was decoded once, by one sequence; the others only decoded their tokens
     assert [n for batch in backend.batches for _, n in batch if n > 1] == [4]
-    assert [type(e) for e in events].count(fr.Admitted) == 1
+    assert [type(e) for e in events].count(Admitted) == 1
     assert_nothing_left(core, backend)
 
 
@@ -400,10 +401,10 @@ def test_a_draw_with_no_token_fails_its_request_and_the_step_goes_on() -> None:
     submit(core, 1, [5, 1, 1], max_tokens=4)
     submit(core, 2, [6, 2, 2], max_tokens=4)
     events = run(core)
-    assert [(e.code, e.message) for e in of(events, 1) if isinstance(e, fr.Failed)] == [
+    assert [(e.code, e.message) for e in of(events, 1) if isinstance(e, Failed)] == [
         ("bad_request", "no token can continue the answer within the grammar")]
-    assert "".join(e.text for e in of(events, 1) if isinstance(e, fr.Delta)) == "ab"
-    done = [e for e in events if isinstance(e, fr.Done)]
+    assert "".join(e.text for e in of(events, 1) if isinstance(e, Delta)) == "ab"
+    done = [e for e in events if isinstance(e, Done)]
     assert [(d.rid, d.completion_tokens) for d in done] == [(2, 4)]
     assert_nothing_left(core, backend)
 
@@ -415,8 +416,8 @@ def test_a_failed_step_fails_a_request_of_n_choices_once() -> None:
     core.step(0.0)  # every choice has decoded
     backend.failing_seqs = {seq for seq, _ in backend.batches[-1]}
     events = run(core)
-    assert [type(e) for e in events if not isinstance(e, fr.Admitted | fr.Delta)
-            ] == [fr.Failed]
+    assert [type(e) for e in events if not isinstance(e, Admitted | Delta)
+            ] == [Failed]
     assert_nothing_left(core, backend)
 
 
@@ -432,7 +433,7 @@ def test_a_grammar_refused_for_one_choice_closes_the_samplers_made() -> None:
     backend.sampler = refuse_third  # type: ignore[method-assign]
     submit(core, 1, [5], max_tokens=3, n=3)
     events = run(core)
-    assert [e.code for e in events if isinstance(e, fr.Failed)] == ["bad_request"]
+    assert [e.code for e in events if isinstance(e, Failed)] == ["bad_request"]
     assert_nothing_left(core, backend)
 
 
@@ -449,7 +450,7 @@ def test_an_admission_is_sent_before_the_decode_that_computes_its_prompt() -> No
 
     submit(core, 1, [5, 6, 7])
     core.step(0.0, flush=flush)
-    assert sent == [([fr.Admitted], 0)]  # before the first decode
+    assert sent == [([Admitted], 0)]  # before the first decode
     core.step(0.0, flush=flush)
     assert len(sent) == 1  # nothing newly admitted: no extra frame
 

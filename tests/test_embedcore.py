@@ -11,6 +11,7 @@ import pytest
 from forged.engine import frames as fr
 from forged.engine.decoding import DecodeError
 from forged.engine.embedcore import EmbedCore
+from forged.engine.events import Done, Event, Failed
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 
@@ -45,11 +46,11 @@ def request(*inputs: list[int], timeout: float = 30.0) -> Request:
                    inputs=[len(x) for x in inputs], queue_timeout=timeout)
 
 
-def vectors(done: fr.Done) -> list[list[float]]:
+def vectors(done: Done) -> list[list[float]]:
     return np.frombuffer(done.embeddings, dtype="<f4").reshape(-1, DIMS).tolist()
 
 
-def run(core: EmbedCore, now: float = 0.0) -> list[fr.Event]:
+def run(core: EmbedCore, now: float = 0.0) -> list[Event]:
     core.step(now)
     step = core.frame(now)
     return step.events if step is not None else []
@@ -65,12 +66,12 @@ def test_inputs_of_several_callers_share_a_batch_within_its_tokens_and_slots() -
     assert [[x[0] for x in b] for b in backend.batches] == [[1, 3, 2]]
     assert [type(ev).__name__ for ev in events] == ["Admitted", "Admitted", "Done"]
     done = events[2]
-    assert isinstance(done, fr.Done) and done.rid == 1 and done.prompt_tokens == 12
+    assert isinstance(done, Done) and done.rid == 1 and done.prompt_tokens == 12
     assert vectors(done) == [[1, 6, 0, 0], [2, 6, 0, 0]]
     events = run(core)
     assert [x[0] for x in backend.batches[1]] == [4, 5]
     (done,) = events
-    assert isinstance(done, fr.Done) and done.rid == 2
+    assert isinstance(done, Done) and done.rid == 2
     assert vectors(done) == [[3, 3, 0, 0], [4, 3, 0, 0], [5, 1, 0, 0]]
     assert not core.busy
 
@@ -92,7 +93,7 @@ def test_a_request_it_cannot_run_fails_alone(req: Request, why: str) -> None:
     core = EmbedCore(FakeEmbedder(), limits())
     core.handle(fr.Submit(rid=1, request=req), 0.0)
     (failed,) = run(core)
-    assert isinstance(failed, fr.Failed) and failed.code == "bad_request"
+    assert isinstance(failed, Failed) and failed.code == "bad_request"
     assert why in failed.message
 
 
@@ -103,7 +104,7 @@ def test_a_full_queue_refuses_with_its_wait() -> None:
     step = core.frame(0.0)
     assert step is not None
     (failed,) = step.events
-    assert isinstance(failed, fr.Failed) and failed.code == "overloaded"
+    assert isinstance(failed, Failed) and failed.code == "overloaded"
     assert failed.rid == 2 and failed.retry_after is not None
 
 
@@ -114,7 +115,7 @@ def test_a_cancelled_request_is_not_computed() -> None:
     core.handle(fr.Submit(rid=2, request=request([2])), 0.0)
     core.handle(fr.Cancel(rid=1), 0.0)
     _admitted, done = run(core)
-    assert isinstance(done, fr.Done) and done.rid == 2
+    assert isinstance(done, Done) and done.rid == 2
     assert backend.batches == [[[2]]]
 
 
@@ -123,7 +124,7 @@ def test_a_request_that_waited_past_its_timeout_expires() -> None:
     core = EmbedCore(backend, limits())
     core.handle(fr.Submit(rid=1, request=request([1], timeout=2.0)), 0.0)
     (failed,) = run(core, now=3.0)
-    assert isinstance(failed, fr.Failed) and failed.code == "queue_timeout"
+    assert isinstance(failed, Failed) and failed.code == "queue_timeout"
     assert backend.batches == []
 
 
@@ -134,10 +135,10 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs() -> None:
     core.handle(fr.Submit(rid=1, request=request([9])), 0.0)
     core.handle(fr.Submit(rid=2, request=request([2])), 0.0)
     _admitted, failed = run(core)
-    assert isinstance(failed, fr.Failed) and failed.code == "engine_error"
+    assert isinstance(failed, Failed) and failed.code == "engine_error"
     assert failed.rid == 1
     events = run(core)
-    assert isinstance(events[-1], fr.Done) and events[-1].rid == 2
+    assert isinstance(events[-1], Done) and events[-1].rid == 2
 
 
 def test_the_batch_holds_one_whole_input_of_the_longest_kind() -> None:
@@ -175,7 +176,7 @@ def test_a_batch_the_backend_refuses_fails_its_requests_not_the_worker() -> None
     core = EmbedCore(Refusing(), limits())
     core.handle(fr.Submit(rid=1, request=request([1])), 0.0)
     _admitted, failed = run(core)
-    assert isinstance(failed, fr.Failed) and failed.code == "engine_error"
+    assert isinstance(failed, Failed) and failed.code == "engine_error"
 
 
 def test_a_long_call_shares_every_batch_with_the_short_ones_behind_it() -> None:
@@ -187,4 +188,4 @@ def test_a_long_call_shares_every_batch_with_the_short_ones_behind_it() -> None:
     events = run(core, now=1.0)
     # The short call's text is in the next batch, not after the long call's 36 others.
     assert [x[0] for x in backend.batches[1]] == [1, 2, 1, 1]
-    assert any(isinstance(ev, fr.Done) and ev.rid == 2 for ev in events)
+    assert any(isinstance(ev, Done) and ev.rid == 2 for ev in events)

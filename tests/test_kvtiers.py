@@ -12,9 +12,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from forged.engine import frames as fr
 from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
+from forged.engine.events import Admitted, Delta, Done, Event
 from forged.engine.kvdisk import MAGIC, DiskStore
 from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tier, Tiers
 from forged.engine.plan import SeqLoad, SeqRm, SeqSave
@@ -38,14 +38,14 @@ def tiered(scripts: dict[int, list[int]], disk: DiskStore | None = None,
     return core, backend
 
 
-def done(events: list[fr.Event], rid: int) -> fr.Done:
+def done(events: list[Event], rid: int) -> Done:
     last = of(events, rid)[-1]
-    assert isinstance(last, fr.Done), last
+    assert isinstance(last, Done), last
     return last
 
 
-def text(events: list[fr.Event], rid: int) -> str:
-    return "".join(e.text for e in of(events, rid) if isinstance(e, fr.Delta | fr.Done))
+def text(events: list[Event], rid: int) -> str:
+    return "".join(e.text for e in of(events, rid) if isinstance(e, Delta | Done))
 
 
 def test_an_evicted_slot_is_saved_to_ram_and_restored_by_prefix() -> None:
@@ -59,7 +59,7 @@ def test_an_evicted_slot_is_saved_to_ram_and_restored_by_prefix() -> None:
     submit(core, 3, prompt(5, tail=(1, 2, 9)))
     events = run(core)
     admitted = of(events, 3)[0]
-    assert isinstance(admitted, fr.Admitted) and admitted.cached == LONG + 2
+    assert isinstance(admitted, Admitted) and admitted.cached == LONG + 2
     assert done(events, 3).cached_tokens == LONG + 2
     stats = core.sched.cache.tiers.statistics()
     assert stats["kv_ram_restores"] == 1 and stats["kv_restored_tokens"] == LONG + 2
@@ -131,7 +131,7 @@ def test_interactive_work_swaps_batch_work_out_and_it_resumes_the_same() -> None
 
     core, backend = tiered({5: script, 6: [9, EOS]})
     submit(core, 1, prompt(5), max_tokens=20, priority="batch")
-    events: list[fr.Event] = []
+    events: list[Event] = []
     for _ in range(3):  # the batch request is decoding
         core.step(0.0)
     submit(core, 2, prompt(6), max_tokens=5)
@@ -180,7 +180,7 @@ def test_a_refused_restore_computes_the_prompt_and_reports_no_cache() -> None:
     submit(core, 3, prompt(5, tail=(1, 9)))
     events = run(core)
     admitted = of(events, 3)[0]
-    assert isinstance(admitted, fr.Admitted) and admitted.cached == 0
+    assert isinstance(admitted, Admitted) and admitted.cached == 0
     assert done(events, 3).cached_tokens == 0 and text(events, 3) == "a"
     assert core.sched.cache.tiers.statistics()["kv_restore_failures"] == 1
     assert_nothing_left(core, backend)
@@ -271,7 +271,7 @@ def test_a_restore_from_disk_is_read_beside_the_decode_loop(tmp_path: Path) -> N
                            saved=store.scan(), slots=2, max_running=2)
     submit(core, 2, prompt(6), max_tokens=20)
     submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
-    events: list[fr.Event] = []
+    events: list[Event] = []
     for _ in range(6):  # the gate is shut: rid 2 decodes, rid 3 waits for its state
         core.step(0.0)
         frame = core.frame(0.0)

@@ -28,6 +28,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from forged.engine import frames as fr
 from forged.engine.backend import ContextParams, Llama, Model
 from forged.engine.decoding import DecodeItem, TokenLogprob
+from forged.engine.events import Admitted, Delta, Done, Event, Scored
 from forged.engine.request import Request
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.test_core import EOS, FakeBackend, core_with, of, run
@@ -63,13 +64,13 @@ def scoring_core(script: list[int]) -> tuple[Any, ScoringBackend]:
     return core, backend
 
 
-def entries(events: list[fr.Event]) -> list[int]:
-    return [e.token for ev in events if isinstance(ev, fr.Delta | fr.Done)
+def entries(events: list[Event]) -> list[int]:
+    return [e.token for ev in events if isinstance(ev, Delta | Done)
             for e in ev.logprobs or []]
 
 
-def text(events: list[fr.Event]) -> str:
-    return "".join(ev.text for ev in events if isinstance(ev, fr.Delta | fr.Done))
+def text(events: list[Event]) -> str:
+    return "".join(ev.text for ev in events if isinstance(ev, Delta | Done))
 
 
 def submit(core: Any, rid: int, **kw: Any) -> None:
@@ -82,9 +83,9 @@ def test_entries_go_out_with_their_text_and_a_split_character_waits() -> None:
     events = run(core)
     assert text(events) == "a\u20acb" and entries(events) == [1, 30, 31, 2]
     for ev in events:  # each delta carries exactly the tokens its text completes
-        if isinstance(ev, fr.Delta):
+        if isinstance(ev, Delta):
             assert ev.text != "\u20ac" or [e.token for e in ev.logprobs or []] == [30, 31]
-    first = next(e for e in events if isinstance(e, fr.Delta))
+    first = next(e for e in events if isinstance(e, Delta))
     assert first.logprobs == [TokenLogprob(1, -1.0, [(7, -0.5)])]
 
 
@@ -99,7 +100,7 @@ def test_without_logprobs_nothing_is_scored_or_sent() -> None:
     core, backend = scoring_core([1, 2, EOS])
     submit(core, 1, prompt=[5, 6, 7])
     events = run(core)
-    assert all(ev.logprobs is None for ev in events if isinstance(ev, fr.Delta | fr.Done))
+    assert all(ev.logprobs is None for ev in events if isinstance(ev, Delta | Done))
     assert set(backend.logits_asked) <= {0, 1}
     assert b"logprobs" not in fr.encode(fr.Step(events=events, stats={}))
 
@@ -109,11 +110,11 @@ def test_a_scored_prompt_asks_for_every_position_and_is_sent_once() -> None:
     prompt = [5, *range(1, 27), *range(1, 27)]  # 53 tokens
     submit(core, 1, prompt=prompt, logprobs=2, prompt_logprobs=True, max_tokens=0)
     events = of(run(core), 1)
-    scored = [ev for ev in events if isinstance(ev, fr.Scored)]
+    scored = [ev for ev in events if isinstance(ev, Scored)]
     assert len(scored) == 1 and [e.token for e in scored[0].logprobs] == prompt[1:]
     assert sum(backend.logits_asked) == len(prompt)  # every position, once
     done = events[-1]
-    assert isinstance(done, fr.Done) and done.text == "" and done.completion_tokens == 0
+    assert isinstance(done, Done) and done.text == "" and done.completion_tokens == 0
 
 
 def test_a_scored_prompt_is_not_taken_from_the_cache() -> None:
@@ -122,9 +123,9 @@ def test_a_scored_prompt_is_not_taken_from_the_cache() -> None:
     run(core)
     submit(core, 2, prompt=[5, 6, 7, 8, 9, 10], logprobs=0, prompt_logprobs=True)
     events = of(run(core), 2)
-    admitted = next(ev for ev in events if isinstance(ev, fr.Admitted))
+    admitted = next(ev for ev in events if isinstance(ev, Admitted))
     assert admitted.cached == 0
-    assert [e.token for ev in events if isinstance(ev, fr.Scored) for e in ev.logprobs] \
+    assert [e.token for ev in events if isinstance(ev, Scored) for e in ev.logprobs] \
         == [6, 7, 8, 9, 10]
 
 

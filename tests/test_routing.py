@@ -14,6 +14,7 @@ import trio.testing
 from forged import config as fc
 from forged.engine import frames as fr
 from forged.engine.channel import Outbox
+from forged.engine.events import Admitted
 from forged.engine.pool import RESUBMITS, EnginePool, RequestStream
 from forged.engine.request import Request
 from forged.engine.routing import (
@@ -145,7 +146,7 @@ def request(*prompt: int) -> Request:
 
 
 async def admit(rs: RequestStream) -> None:
-    rs.push(fr.Admitted(rid=rs.rid, cached=0, queue_time=0.0))
+    rs.push(Admitted(rid=rs.rid, cached=0, queue_time=0.0))
     assert rs.admitted and len(await rs.receive()) == 1
 
 

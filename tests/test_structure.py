@@ -28,6 +28,9 @@ NEVER = [
     # swapper: forged.http.state.Swapper)
     (["forged/http/*.py"], ("forged.engine.backend", "forged.engine.worker", "llama_cpp",
                             "forged.daemon")),
+    # the worker's wire is the pool's business: http reads engine events
+    # (forged.engine.events), with failures already turned into errors
+    (["forged/http/*.py", "forged/daemon/*.py"], ("forged.engine.frames",)),
     (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
     (["forged/config.py"], ("forged",)),
     (["bench/*.py"], ("tests",)),

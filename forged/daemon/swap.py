@@ -29,7 +29,6 @@ import trio
 
 from forged import config as fc
 from forged.daemon.startup import model_key, open_prompter
-from forged.engine import frames as fr
 from forged.engine.groups import (
     MIB,
     ModelFile,
@@ -93,10 +92,12 @@ async def warm_up(group: ModelGroup) -> None:
         request = Request(prompt=prompt, max_tokens=1, sampling=Sampling(temperature=0.0),
                           cache=False)
     async with group.pool.open_request(request) as rs:
-        while not rs.finished:
-            for ev in await rs.receive():
-                if isinstance(ev, fr.Failed):
-                    raise Unavailable(f"its first request failed: {ev.message}", 1)
+        try:
+            while not rs.finished:
+                await rs.receive()
+            rs.raise_failure()
+        except ForgedError as exc:
+            raise Unavailable(f"its first request failed: {exc}", 1) from exc
 
 
 # What ends a new group's start that is a refusal, not a bug: a worker that did not

@@ -42,6 +42,7 @@ from forged.engine.decoding import (
     TokenLogprob,
     TokenSampler,
 )
+from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
@@ -153,7 +154,7 @@ class WorkerCore:
         # and the first tokens.
         self.clock = clock
         self.streams: dict[int, _Stream] = {}
-        self.events: list[fr.Event] = []
+        self.events: list[Event] = []
         # Requests whose draw this step found no token to take (a grammar left none):
         # the step ran, but they end here, by rid, with why.
         self._undrawn: dict[int, str] = {}
@@ -184,11 +185,11 @@ class WorkerCore:
         try:
             self.sched.submit(rid, req, now)
         except QueueFull as exc:
-            self.events.append(fr.Failed(rid=rid, code="overloaded", message=str(exc),
+            self.events.append(Failed(rid=rid, code="overloaded", message=str(exc),
                                          retry_after=exc.retry_after))
             return
         except ValueError as exc:
-            self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
+            self.events.append(Failed(rid=rid, code="bad_request", message=str(exc)))
             return
         sampling, eog = _ends(req, frozenset(self.backend.eog_tokens))
         stream = self.streams[rid] = _Stream(req, eog)
@@ -201,7 +202,7 @@ class WorkerCore:
         except ValueError as exc:  # a grammar llama.cpp refused (the daemon checks first)
             self.sched.drop(rid)
             self._close(rid)
-            self.events.append(fr.Failed(rid=rid, code="bad_request", message=str(exc)))
+            self.events.append(Failed(rid=rid, code="bad_request", message=str(exc)))
 
     def _close(self, rid: int) -> None:
         stream = self.streams.pop(rid, None)
@@ -422,10 +423,10 @@ class WorkerCore:
             for rid in dict.fromkeys(c.rid for c in plan.chunks):  # once per request
                 self._fail(rid, "engine_error", "the KV cache is full")
 
-    def _fail(self, rid: int, code: fr.ErrorCode, message: str) -> None:
+    def _fail(self, rid: int, code: ErrorCode, message: str) -> None:
         self.sched.drop(rid)
         self._close(rid)
-        self.events.append(fr.Failed(rid=rid, code=code, message=message))
+        self.events.append(Failed(rid=rid, code=code, message=message))
 
     def _scheduler_events(self) -> bool:
         """Turn the scheduler's events into the daemon's; whether one was an admission."""
@@ -437,12 +438,12 @@ class WorkerCore:
                     if not stream.admitted:  # a preempted request is admitted again, silently
                         stream.admitted, stream.cached = True, cached
                         stream.admitted_at = (self.clock(), self._steps)
-                        self.events.append(fr.Admitted(rid=rid, cached=cached, queue_time=qt))
+                        self.events.append(Admitted(rid=rid, cached=cached, queue_time=qt))
                         admitted = True
                 case Expired(rid=rid):
                     self.sched.drop(rid)  # its other choices may be running
                     self._close(rid)
-                    self.events.append(fr.Failed(rid=rid, code="queue_timeout",
+                    self.events.append(Failed(rid=rid, code="queue_timeout",
                                                  message="timed out waiting for a free slot"))
         return admitted
 
@@ -451,7 +452,7 @@ class WorkerCore:
         req, choice = stream.request, stream.choices[index]
         scores = choice.scores
         if scores is not None and (prompt := scores.take_prompt()) is not None:
-            self.events.append(fr.Scored(rid=rid, logprobs=prompt))
+            self.events.append(Scored(rid=rid, logprobs=prompt))
         if req.max_tokens == 0:  # a warm-up: the prompt is in the cache now; say nothing
             self._finish(rid, index, "limit", "")
             return
@@ -466,7 +467,7 @@ class WorkerCore:
             scores.add(piece)
         # vLLM's min_tokens: no stop string counts before it is reached either.
         text = choice.text.feed(piece, match=choice.generated >= req.sampling.min_tokens)
-        stop: fr.StopType | None = "word" if choice.text.stopped else None
+        stop: StopType | None = "word" if choice.text.stopped else None
         if stop is None and (choice.generated >= req.max_tokens
                              or self._out_of_time(req, choice, piece)):
             text, stop = text + choice.text.flush(), "limit"
@@ -474,7 +475,7 @@ class WorkerCore:
         if dedented or stop is not None:
             self._finish(rid, index, stop or "limit", text, choice.text.matched)
         elif text:
-            self.events.append(fr.Delta(rid=rid, text=text, index=index,
+            self.events.append(Delta(rid=rid, text=text, index=index,
                                         logprobs=_released(choice, text)))
 
     def _end_on_token(self, rid: int, index: int, tok: int) -> None:
@@ -497,7 +498,7 @@ class WorkerCore:
         return bool(limit) and b"\n" in piece and (
             self.clock() - choice.first_at[0]) * 1000 > limit
 
-    def _finish(self, rid: int, index: int, stop: fr.StopType, text: str,
+    def _finish(self, rid: int, index: int, stop: StopType, text: str,
                 reason: str | int | None = None) -> None:
         """Choice ``index`` ended; the request ends with its last choice."""
         stream = self.streams[rid]
@@ -506,7 +507,7 @@ class WorkerCore:
         choice.close()
         if all(c.done for c in stream.choices):
             del self.streams[rid]
-        self.events.append(fr.Done(
+        self.events.append(Done(
             rid=rid, index=index, text=text, stop_type=stop,
             prompt_tokens=len(stream.request.prompt), completion_tokens=choice.generated,
             cached_tokens=stream.cached,
@@ -530,7 +531,7 @@ class WorkerCore:
         if not self.events and not force:
             return None
         fresh = (force or now - self._last_stats >= fr.STATS_INTERVAL
-                 or any(not isinstance(e, fr.Delta) for e in self.events))
+                 or any(not isinstance(e, Delta) for e in self.events))
         if fresh:
             self._last_stats = now
         step = fr.Step(events=self.events, stats=self.statistics() if fresh else {},

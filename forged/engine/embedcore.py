@@ -31,6 +31,7 @@ from typing import Protocol
 
 from forged.engine import frames as fr
 from forged.engine.decoding import DecodeError
+from forged.engine.events import Admitted, Done, Event, Failed
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
 
@@ -69,7 +70,7 @@ class EmbedCore:
         # (a reload's larger step_tokens must not pass it).
         self.batch = limits.embed_batch
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
-        self.events: list[fr.Event] = []
+        self.events: list[Event] = []
         self._token_cost = _FIRST_TOKEN_COST_S
         self._step_ms = 0.0
         self._counts = {"embed_requests": 0.0, "embed_inputs": 0.0, "embed_tokens": 0.0,
@@ -96,10 +97,10 @@ class EmbedCore:
     def _submit(self, rid: int, req: Request, now: float) -> None:
         why = self._refusal(req)
         if why:
-            self.events.append(fr.Failed(rid=rid, code="bad_request", message=why))
+            self.events.append(Failed(rid=rid, code="bad_request", message=why))
             return
         if len(self.jobs) >= self.limits.max_queued:
-            self.events.append(fr.Failed(
+            self.events.append(Failed(
                 rid=rid, code="overloaded", message="the embedding queue is full",
                 retry_after=self.wait_estimate()))
             return
@@ -165,7 +166,7 @@ class EmbedCore:
     def _admit(self, job: _Job, now: float) -> None:
         if job.admitted_at is None:
             job.admitted_at = now
-            self.events.append(fr.Admitted(rid=job.rid, cached=0,
+            self.events.append(Admitted(rid=job.rid, cached=0,
                                            queue_time=now - job.arrived))
 
     def _finish(self, now: float) -> None:
@@ -176,7 +177,7 @@ class EmbedCore:
             self._counts["embed_requests"] += 1
             self._counts["embed_inputs"] += len(job.request.inputs)
             self._counts["embed_tokens"] += len(job.request.prompt)
-            self.events.append(fr.Done(
+            self.events.append(Done(
                 rid=rid, text="", stop_type="eos", prompt_tokens=len(job.request.prompt),
                 completion_tokens=0, cached_tokens=0,
                 prefill_s=now - (job.admitted_at or now), embeddings=b"".join(job.vectors)))
@@ -184,14 +185,14 @@ class EmbedCore:
     def _fail_batch(self, batch: list[tuple[_Job, int]], why: str) -> None:
         for rid in {job.rid for job, _ in batch}:
             if self.jobs.pop(rid, None) is not None:
-                self.events.append(fr.Failed(rid=rid, code="engine_error",
+                self.events.append(Failed(rid=rid, code="engine_error",
                                              message=f"the embedding batch failed: {why}"))
 
     def _expire(self, now: float) -> None:
         for rid, job in list(self.jobs.items()):
             if job.admitted_at is None and now - job.arrived > job.request.queue_timeout:
                 del self.jobs[rid]
-                self.events.append(fr.Failed(
+                self.events.append(Failed(
                     rid=rid, code="queue_timeout",
                     message=f"waited {now - job.arrived:.1f} s for the embedding model"))
 

@@ -39,11 +39,20 @@ import trio
 from forged.config import Config, ModelConfig
 from forged.engine import frames as fr
 from forged.engine.channel import Outbox
+from forged.engine.events import Admitted, Delta, Done, Event, Failed
 from forged.engine.limits import scheduler_limits
 from forged.engine.request import Request
 from forged.engine.routing import Policy, Router
 from forged.engine.supervisor import WorkerSupervisor
-from forged.errors import BadRequest, ForgedError, Overloaded, Unavailable, WorkerLost
+from forged.errors import (
+    BadRequest,
+    EngineError,
+    ForgedError,
+    Overloaded,
+    QueueTimeout,
+    Unavailable,
+    WorkerLost,
+)
 
 # Statistics that describe one worker (a step's time, its cost model, its wait) and
 # would mean nothing summed over workers.
@@ -72,10 +81,28 @@ def retry_after_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
-class RequestStream:
-    """Events of one request, coalesced: ``receive()`` returns all that arrived."""
+def failure(ev: Failed, retry_after: int) -> ForgedError:
+    """The domain error a worker's ``Failed`` event stands for; ``retry_after``: the
+    configured hint, unless the worker estimated the wait itself."""
+    match ev.code:
+        case "overloaded":
+            return Overloaded(ev.message, retry_after if ev.retry_after is None
+                              else retry_after_seconds(ev.retry_after))
+        case "queue_timeout":
+            return QueueTimeout(ev.message, retry_after)
+        case "bad_request":
+            return BadRequest(ev.message)
+        case _:
+            return EngineError(ev.message)
 
-    def __init__(self, rid: int, request: Request, fingerprint: int = 0) -> None:
+
+class RequestStream:
+    """Events of one request, coalesced: ``receive()`` returns all that arrived. A
+    ``Failed`` event never comes out: once the events before it are taken,
+    ``receive()`` raises the error it stands for (:func:`failure`)."""
+
+    def __init__(self, rid: int, request: Request, fingerprint: int = 0,
+                 retry_after: int = 1) -> None:
         self.rid = rid
         self.request = request  # kept to submit it again if its worker is lost
         self.fingerprint = fingerprint  # of the prompt, to recognise one that kills
@@ -90,30 +117,37 @@ class RequestStream:
         # When each piece of the first choice's text reached the daemon: TTFT and
         # inter-token latency (other choices' pieces would show as gaps of ~0).
         self.delta_times: list[float] = []
-        self._events: list[fr.Event] = []
+        self.retry_after = retry_after
+        self._events: list[Event] = []
         self._error: ForgedError | None = None
         self._wake = trio.Event()
 
-    def push(self, ev: fr.Event) -> None:
-        if (isinstance(ev, fr.Delta) or (isinstance(ev, fr.Done) and ev.text)) \
+    def push(self, ev: Event) -> None:
+        if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \
                 and ev.index == 0:
             self.delta_times.append(time.monotonic())
-        if isinstance(ev, fr.Admitted):
+        if isinstance(ev, Admitted):
             self.admitted = True
-        elif isinstance(ev, fr.Done):
+        elif isinstance(ev, Done):
             self._open -= 1
             self.finished = self._open == 0
-        elif isinstance(ev, fr.Failed):
-            self.finished = True
+        elif isinstance(ev, Failed):
+            self.fail(failure(ev, self.retry_after))
+            return
         self._events.append(ev)
         self._wake.set()
 
     def fail(self, error: ForgedError) -> None:
         self.finished = True
-        self._error = error
+        self._error = self._error or error  # the first cause is the one to report
         self._wake.set()
 
-    async def receive(self) -> list[fr.Event]:
+    def raise_failure(self) -> None:
+        """Raise the stream's error, if it failed (events before it may be pending)."""
+        if self._error is not None:
+            raise self._error
+
+    async def receive(self) -> list[Event]:
         """Wait for at least one event. Raises the stream's error once events run out."""
         while not self._events:
             if self._error is not None:
@@ -364,7 +398,8 @@ class EnginePool:
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")
         routable = self.check_capacity() or await self._late_workers()
-        rs = RequestStream(next(self._rids), request, fingerprint)
+        rs = RequestStream(next(self._rids), request, fingerprint,
+                           self.cfg.limits.retry_after)
         if (size := fr.encoded_size(fr.Submit(rid=rs.rid, request=request))) > fr.MAX_FRAME:
             # A worker would refuse the frame, and die of it.
             raise BadRequest(f"the request is {size} bytes on the wire to the model "

@@ -31,8 +31,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import errors as e
-from forged.engine import frames as fr
 from forged.engine.decoding import TokenLogprob
+from forged.engine.events import Done
 from forged.http import api, sse
 from forged.http.logprobs import Vocabulary
 from forged.http.refused import Refused
@@ -462,7 +462,7 @@ class MessageFormat(sse.ChatFormat):
                 "type": "input_json_delta", "partial_json": call.arguments}}) \
             + event("content_block_stop", {"index": index})
 
-    def finish(self, done: fr.Done) -> bytes:
+    def finish(self, done: Done) -> bytes:
         out = self.delta(done.text, done.index) if done.text else b""
         if self.parsers is not None:
             out += self._text(self.parsers[done.index].flush())
@@ -473,13 +473,13 @@ class MessageFormat(sse.ChatFormat):
             data["retrieved"] = self.retrieved
         return out + self._close_text() + event("message_delta", data)
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return event("message_stop", {})
 
     def error(self, err: HTTPError) -> bytes:
         return event("error", {"error": error_detail(err)})
 
-    def _stop(self, done: fr.Done) -> tuple[str, str | None]:
+    def _stop(self, done: Done) -> tuple[str, str | None]:
         """Anthropic's stop_reason, and the stop sequence that ended the answer."""
         if done.stop_type == "limit":
             return "max_tokens", None
@@ -489,7 +489,7 @@ class MessageFormat(sse.ChatFormat):
             return "tool_use", None
         return "end_turn", None
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
         text, done = texts[0], dones[0]
         calls: list[ToolCall] = []
@@ -522,7 +522,7 @@ def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": output}
 
 
-def _done_usage(done: fr.Done) -> dict[str, int]:
+def _done_usage(done: Done) -> dict[str, int]:
     return usage(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
 
 

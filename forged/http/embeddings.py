@@ -28,12 +28,12 @@ from quart_trio import QuartTrio
 
 from forged import errors as e
 from forged.config import Priority
-from forged.engine import frames as fr
+from forged.engine.events import Done, Event
 from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import api
-from forged.http.generate import Outcome, admitted_events, failure
+from forged.http.generate import Outcome, admitted_events
 from forged.http.infill import check_ids
 from forged.http.keylimits import capped_priority, hold_generation
 from forged.http.lifetime import resources
@@ -171,12 +171,10 @@ async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcom
     return done.embeddings
 
 
-async def _answer(state: AppState, rs: RequestStream, events: list[fr.Event]) -> fr.Done:
+async def _answer(state: AppState, rs: RequestStream, events: list[Event]) -> Done:
     while True:
         for ev in events:
-            if isinstance(ev, fr.Failed):
-                raise failure(state, ev)
-            if isinstance(ev, fr.Done):
+            if isinstance(ev, Done):
                 return ev
         events = await rs.receive()
 

@@ -22,9 +22,9 @@ import msgspec
 from quart import Response
 
 from forged import errors as e
-from forged.engine import frames as fr
+from forged.engine.events import Admitted, Delta, Done, Event, Scored
 from forged.engine.groups import ModelGroup
-from forged.engine.pool import RequestStream, retry_after_seconds
+from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import sse
 from forged.http.keylimits import KeyHold
@@ -178,7 +178,7 @@ async def generate(state: AppState, group: ModelGroup, req: Any, request: Reques
         raise
 
 
-async def admitted_events(state: AppState, rs: RequestStream, outcome: Outcome) -> list[fr.Event]:
+async def admitted_events(state: AppState, rs: RequestStream, outcome: Outcome) -> list[Event]:
     """Wait for the worker to admit the request, so that a full queue is an honest 503,
     and so that a request still queued when a drain ends gets one too."""
     scope = state.drain.wait_scope()
@@ -194,22 +194,23 @@ async def admitted_events(state: AppState, rs: RequestStream, outcome: Outcome) 
 
 
 async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
-                          ) -> list[fr.Event]:
-    events: list[fr.Event] = []
+                          ) -> list[Event]:
+    events: list[Event] = []
     while True:
         batch = await rs.receive()
         for ev in batch:
-            if isinstance(ev, fr.Failed):
-                raise failure(state, ev)
-            if isinstance(ev, fr.Admitted):
+            if isinstance(ev, Admitted):
                 outcome.queue_time, outcome.cached_tokens = ev.queue_time, ev.cached
         events.extend(batch)
         if rs.admitted or rs.finished:
+            # A request that fails before its first token is refused with its error's
+            # status, not streamed.
+            rs.raise_failure()
             outcome.mark_admitted()
             return events
 
 
-async def _next_events(state: AppState, rs: RequestStream) -> list[fr.Event] | None:
+async def _next_events(state: AppState, rs: RequestStream) -> list[Event] | None:
     """The request's next events, or None once the drain's deadline has passed."""
     scope = state.drain.wait_scope()
     try:
@@ -220,22 +221,7 @@ async def _next_events(state: AppState, rs: RequestStream) -> list[fr.Event] | N
         state.drain.end_wait(scope)
 
 
-def failure(state: AppState, ev: fr.Failed) -> e.ForgedError:
-    retry = state.cfg.limits.retry_after
-    match ev.code:
-        case "overloaded":
-            # The worker's own estimate of the wait, when it refused for that reason.
-            return e.Overloaded(ev.message, retry if ev.retry_after is None
-                                else retry_after_seconds(ev.retry_after))
-        case "queue_timeout":
-            return e.QueueTimeout(ev.message, retry)
-        case "bad_request":
-            return e.BadRequest(ev.message)
-        case _:
-            return e.EngineError(ev.message)
-
-
-def _done(state: AppState, outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Done],
+def _done(state: AppState, outcome: Outcome, ev: Done, dones: dict[int, Done],
           n: int) -> bool:
     """Count one choice's end (into ``dones``); whether it was the last of ``n``, which
     makes the completion whole."""
@@ -251,40 +237,38 @@ def _done(state: AppState, outcome: Outcome, ev: fr.Done, dones: dict[int, fr.Do
     return True
 
 
-async def _collect(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
+async def _collect(state: AppState, rs: RequestStream, events: list[Event] | None,
                    out: sse.Format, outcome: Outcome, keep: int) -> dict[str, Any]:
     """The whole completion, its best ``keep`` choices (all but with ``best_of``).
     Counted among the open generations like a stream, it may finish until the drain's
     deadline; past it the caller gets a 503 to retry."""
     parts: list[list[str]] = [[] for _ in range(out.n)]
     scores = [sse.Scores() for _ in range(out.n)]
-    dones: dict[int, fr.Done] = {}
+    dones: dict[int, Done] = {}
     while events is not None:
         for ev in events:
             match ev:
-                case fr.Delta(text=text, index=index):
+                case Delta(text=text, index=index):
                     parts[index].append(text)
                     scores[index].tokens += ev.logprobs or []
                     outcome.text(text, index)
-                case fr.Scored(logprobs=prompt):
+                case Scored(logprobs=prompt):
                     for score in scores:  # every choice echoes the prompt
                         score.prompt = prompt
-                case fr.Done():
+                case Done():
                     parts[ev.index].append(ev.text)
                     scores[ev.index].tokens += ev.logprobs or []
                     if _done(state, outcome, ev, dones, out.n):
                         outcome.end = "ok"
                         return _whole(out, ["".join(p) for p in parts],
                                       [dones[i] for i in range(out.n)], scores, keep)
-                case fr.Failed():
-                    raise failure(state, ev)
         events = await _next_events(state, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
                         state.cfg.limits.retry_after)
 
 
-def _whole(out: sse.Format, texts: list[str], dones: list[fr.Done], scores: list[sse.Scores],
+def _whole(out: sse.Format, texts: list[str], dones: list[Done], scores: list[sse.Scores],
            keep: int) -> dict[str, Any]:
     """The response of the ``keep`` choices with the highest mean logprob per token
     (OpenAI's ``best_of``), numbered from 0; usage counts every choice generated."""
@@ -303,7 +287,7 @@ def _mean_logprob(scores: sse.Scores) -> float:
     return sum(t.logprob for t in entries) / len(entries) if entries else -math.inf
 
 
-def _finish(out: sse.Format, ev: fr.Done, dones: dict[int, fr.Done] | None,
+def _finish(out: sse.Format, ev: Done, dones: dict[int, Done] | None,
             include_usage: bool) -> bytes:
     """A choice's end; after the last (``dones``: every choice's), the usage chunk and
     [DONE] in the same write. The finish is made first: a dialect's format may end on
@@ -314,35 +298,31 @@ def _finish(out: sse.Format, ev: fr.Done, dones: dict[int, fr.Done] | None,
     return frames
 
 
-async def _stream(state: AppState, rs: RequestStream, events: list[fr.Event] | None,
+async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None,
                   out: sse.Format, include_usage: bool, outcome: Outcome
                   ) -> AsyncIterator[bytes]:
     """The SSE body. It releases nothing: the request's resources do, also when the
     client goes away before this body has started."""
     if state.holds is not None:
         await state.holds.at("streaming")
-    dones: dict[int, fr.Done] = {}
+    dones: dict[int, Done] = {}
     try:
         if head := out.start():
             yield head
         while events is not None:
             for ev in events:
                 match ev:
-                    case fr.Delta(text=text, index=index):
+                    case Delta(text=text, index=index):
                         outcome.text(text, index)
                         yield out.delta(text, index, ev.logprobs)
-                    case fr.Scored(logprobs=prompt):
+                    case Scored(logprobs=prompt):
                         yield out.scored(prompt)
-                    case fr.Done():
+                    case Done():
                         last = _done(state, outcome, ev, dones, out.n)
                         yield _finish(out, ev, dones if last else None, include_usage)
                         if last:
                             outcome.end = "ok"  # the last frame went out
                             return
-                    case fr.Failed():
-                        outcome.end = "error"
-                        yield out.error(from_exception(failure(state, ev)))
-                        return
             events = await _next_events(state, rs)
         outcome.end = "drain"
         yield out.error(http_error(

@@ -24,8 +24,8 @@ from msgspec import Meta
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import Priority
-from forged.engine import frames as fr
 from forged.engine.decoding import TokenLogprob
+from forged.engine.events import Done
 from forged.engine.fim import ExtraFile
 from forged.engine.groups import ModelGroup
 from forged.http import sse
@@ -109,7 +109,7 @@ async def infill_context(state: AppState, group: ModelGroup, req: InfillRequest,
                          cursor_names(prefix))
 
 
-def final_fields(done: fr.Done, text: str, model: str) -> dict[str, Any]:
+def final_fields(done: Done, text: str, model: str) -> dict[str, Any]:
     """llama-server's fields of a completion's last event (``/infill``, ``/completion``)."""
     return {
         "id_slot": -1, "stop": True, "model": model,
@@ -125,7 +125,7 @@ def final_fields(done: fr.Done, text: str, model: str) -> dict[str, Any]:
     }
 
 
-def timings(done: fr.Done) -> dict[str, float]:
+def timings(done: Done) -> dict[str, float]:
     """llama.cpp's ``timings`` of a finished request."""
     prompt_n, predicted_n = done.prompt_tokens - done.cached_tokens, done.completion_tokens
     prompt_ms, predicted_ms = done.prefill_s * 1000, done.decode_s * 1000
@@ -156,18 +156,18 @@ class InfillFormat(sse.Format):
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 
-    def finish(self, done: fr.Done) -> bytes:
+    def finish(self, done: Done) -> bytes:
         out = self.delta(done.text) if done.text else b""
         return out + sse.event(self._choice("", done, sse.Scores()))
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""  # llama.cpp's events end with the last one, without [DONE]
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
         return self._choice(texts[0], dones[0], sse.Scores())
 
-    def _choice(self, text: str, done: fr.Done, scores: sse.Scores) -> dict[str, Any]:
+    def _choice(self, text: str, done: Done, scores: sse.Scores) -> dict[str, Any]:
         body = {
             # not llama.cpp's: the id editors name in /v1/events
             "id": self.id, "index": 0, "content": text, "tokens": [],

@@ -28,8 +28,8 @@ from quart_trio import QuartTrio
 
 import forged
 from forged import errors as e
-from forged.engine import frames as fr
 from forged.engine.decoding import TokenLogprob
+from forged.engine.events import Done
 from forged.engine.request import Sampling
 from forged.http import api, sse
 from forged.http.chat import chat_text
@@ -193,17 +193,17 @@ class LlamaFormat(sse.CompletionFormat):
             out["completion_probabilities"] = self._probabilities(entries)
         return sse.event(out)
 
-    def finish(self, done: fr.Done) -> bytes:
+    def finish(self, done: Done) -> bytes:
         out = self.delta(done.text, 0, done.logprobs) if done.text or done.logprobs else b""
         return out + sse.event(self._final("", done, []))
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""  # llama-server's events end with the last one, without [DONE]
 
     def error(self, err: HTTPError) -> bytes:
         return sse.event(err.body)
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
         entries = scores[0].tokens if scores else []
         body = self._final(texts[0], dones[0], entries)
@@ -211,7 +211,7 @@ class LlamaFormat(sse.CompletionFormat):
             body["completion_probabilities"] = self._probabilities(entries)
         return body if self.fields is None else select(body, self.fields)
 
-    def _final(self, text: str, done: fr.Done, entries: list[TokenLogprob]
+    def _final(self, text: str, done: Done, entries: list[TokenLogprob]
                ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "index": 0, "content": text,

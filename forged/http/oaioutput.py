@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from forged.engine import frames as fr
 from forged.engine.decoding import TokenLogprob
+from forged.engine.events import Done
 from forged.http.responses import HTTPError
 from forged.http.sse import ChatFormat, Scores
 from forged.http.tools import ToolCall
@@ -113,7 +113,7 @@ class Output:
                 "item": dict(self.items[-1])}
 
 
-def usage(done: fr.Done) -> dict[str, Any]:
+def usage(done: Done) -> dict[str, Any]:
     return {"input_tokens": done.prompt_tokens,
             "input_tokens_details": {"cached_tokens": done.cached_tokens},
             "output_tokens": done.completion_tokens,
@@ -154,7 +154,7 @@ class ResponsesFormat(ChatFormat):
                        + b"\n\n")
         return b"".join(out)
 
-    def response(self, status: str, done: fr.Done | None = None,
+    def response(self, status: str, done: Done | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response object as it stands."""
         out = {"id": self.id, "object": "response", "created_at": self.created,
@@ -187,10 +187,10 @@ class ResponsesFormat(ChatFormat):
         rest = self.parsers[0].flush() if self.parsers is not None else ""
         return self._frames(self.output.text(rest))
 
-    def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
+    def _final_chunk(self, done: Done, reason: str) -> bytes:
         return self._frames(self.output.close(_status(done)))
 
-    def finish(self, done: fr.Done) -> bytes:
+    def finish(self, done: Done) -> bytes:
         """The answer's last frames, then the last event: the whole response (usage is
         always in it). Here, not in ``end``: forged.http.generate makes ``end``'s frames
         before ``finish``'s, and the one choice's end is the response's."""
@@ -199,10 +199,10 @@ class ResponsesFormat(ChatFormat):
         whole = self._finished(status, done)
         return frames + self._frames([{"type": f"response.{status}", "response": whole}])
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[Scores] | None = None) -> dict[str, Any]:
         self._feed(texts[0])
         self._tail(0)
@@ -210,7 +210,7 @@ class ResponsesFormat(ChatFormat):
         self.output.close(status)
         return self._finished(status, dones[0])
 
-    def _finished(self, status: str, done: fr.Done) -> dict[str, Any]:
+    def _finished(self, status: str, done: Done) -> dict[str, Any]:
         whole = self.response(status, done)
         self.turn.keep(whole, self.output.items)
         return whole
@@ -227,7 +227,7 @@ class ResponsesFormat(ChatFormat):
 _ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
 
 
-def _status(done: fr.Done) -> str:
+def _status(done: Done) -> str:
     return "incomplete" if done.finish_reason == "length" else "completed"
 
 

@@ -25,8 +25,8 @@ from forged.http.responses import HTTPError
 from forged.http.tools import ToolCall
 
 if TYPE_CHECKING:
-    from forged.engine import frames as fr
     from forged.engine.decoding import TokenLogprob
+    from forged.engine.events import Done
     from forged.engine.groups import ModelGroup
     from forged.http.state import AppState
 
@@ -111,21 +111,21 @@ class _Lines(sse.Format):
         rest = self._rest(index)
         return _line(self._object(self._piece(rest, []), False)) if rest else b""
 
-    def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
+    def _final_chunk(self, done: Done, reason: str) -> bytes:
         return _line(self._last(done, self._piece("", [])))
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""
 
     def error(self, err: HTTPError) -> bytes:
         return _line({"error": err.body.error.message})
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
         content, calls = self._split(texts[0], 0)  # Ollama's requests have one choice
         return self._last(dones[0], self._piece(content + self._rest(0), calls))
 
-    def _last(self, done: fr.Done, piece: dict[str, Any]) -> dict[str, Any]:
+    def _last(self, done: Done, piece: dict[str, Any]) -> dict[str, Any]:
         out = self._object(piece, True)
         out.update(
             done_reason=done.finish_reason,

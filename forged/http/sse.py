@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from forged.engine import frames as fr
 from forged.engine.decoding import TokenLogprob
+from forged.engine.events import Done
 from forged.http.logprobs import ChatLogprobs, CompletionLogprobs, Vocabulary, joined
 from forged.http.responses import HTTPError
 from forged.http.tools import ToolCallParser
@@ -27,7 +27,7 @@ def error_event(err: HTTPError) -> bytes:
     return event(err.body) + DONE
 
 
-def usage(dones: list[fr.Done]) -> dict[str, Any]:
+def usage(dones: list[Done]) -> dict[str, Any]:
     """A response's usage: its prompt once, the completions of all its choices."""
     prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
     return {
@@ -95,14 +95,14 @@ class Format:
         """The prompt's entries (after its first token), when it was scored."""
         return b""
 
-    def finish(self, done: fr.Done) -> bytes:
+    def finish(self, done: Done) -> bytes:
         """One choice's last frames: the text it held back, then its finish_reason."""
         out = b""
         if done.text or done.logprobs:
             out += self.delta(done.text, done.index, done.logprobs)
         return out + self._tail(done.index) + self._final_chunk(done, self._reason(done))
 
-    def end(self, dones: list[fr.Done], include_usage: bool) -> bytes:
+    def end(self, dones: list[Done], include_usage: bool) -> bytes:
         """After the last choice: the usage chunk, when asked for, and ``[DONE]``."""
         named = b""
         if self.retrieved is not None:
@@ -119,14 +119,14 @@ class Format:
         """Frames for what a subclass still holds when a choice ends."""
         return b""
 
-    def _reason(self, done: fr.Done) -> str:
+    def _reason(self, done: Done) -> str:
         return done.finish_reason
 
-    def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
+    def _final_chunk(self, done: Done, reason: str) -> bytes:
         """A choice's last chunk: ``finish_reason`` and vLLM's ``stop_reason``."""
         raise NotImplementedError
 
-    def whole(self, texts: list[str], dones: list[fr.Done],
+    def whole(self, texts: list[str], dones: list[Done],
               scores: list[Scores] | None = None) -> dict[str, Any]:
         """The whole response: ``texts[i]`` is choice i's, ``dones[i]`` its end."""
         scores = scores or [Scores() for _ in dones]
@@ -138,7 +138,7 @@ class Format:
             out["retrieved"] = self.retrieved
         return out
 
-    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
+    def _choice(self, text: str, done: Done, scores: Scores) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -199,11 +199,11 @@ class CompletionFormat(Format):
         return self._chunk({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": None})
 
-    def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
+    def _final_chunk(self, done: Done, reason: str) -> bytes:
         return self._chunk({"index": done.index, "text": "", "logprobs": None,
                             "finish_reason": reason, "stop_reason": done.stop_reason})
 
-    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
+    def _choice(self, text: str, done: Done, scores: Scores) -> dict[str, Any]:
         logprobs = None
         if self.logprobs is not None:
             lp = self.logprobs[done.index]
@@ -279,17 +279,17 @@ class ChatFormat(Format):
         return self._chunk({**self._content(rest, index),
                             "logprobs": self._take_logprobs(index)})
 
-    def _reason(self, done: fr.Done) -> str:
+    def _reason(self, done: Done) -> str:
         called = self.parsers is not None and self.parsers[done.index].calls
         return "tool_calls" if called and done.finish_reason == "stop" else done.finish_reason
 
-    def _final_chunk(self, done: fr.Done, reason: str) -> bytes:
+    def _final_chunk(self, done: Done, reason: str) -> bytes:
         # Entries still held (text the tool-call parser consumed) go with the last chunk.
         logprobs = self._take_logprobs(done.index) if self._pending[done.index] else None
         return self._chunk({"index": done.index, "delta": {}, "logprobs": logprobs,
                             "finish_reason": reason, "stop_reason": done.stop_reason})
 
-    def _choice(self, text: str, done: fr.Done, scores: Scores) -> dict[str, Any]:
+    def _choice(self, text: str, done: Done, scores: Scores) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.parsers is not None:
             parser = self.parsers[done.index]
