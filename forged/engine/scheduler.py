@@ -61,7 +61,7 @@ import msgspec
 
 from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel, StepShape, decode_shape
-from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry
+from forged.engine.kvtiers import Entry
 from forged.engine.layout import (
     MIN_PREFILL_TOKENS,
     decode_chunks,
@@ -321,16 +321,9 @@ class Scheduler:
             src, n = None, 0  # copying a whole stream costs more than a short prefill
         if not self._make_room(req, n, src, dst, forks):
             return False
-        slots = self.cache.slots
-        self._count_reuse(req, n, src is not None and slots[src].session == req.session)
-        if dst == src:
-            self.cache.truncate(slots[dst], n)
-        else:
-            self.cache.evict(slots[dst])
-            if src is not None and n:
-                self.cache.copy(src, dst, n)
-        for sid in forks:  # after the copy: a fork may take the source's slot
-            self.cache.evict(slots[sid])
+        own = src is not None and self.cache.slots[src].session == req.session
+        self._count_reuse(req, n, own)
+        self.cache.place(dst, forks, src, n)
         self._start(item, [dst, *forks], n, now)
         return True
 
@@ -343,15 +336,8 @@ class Scheduler:
         # The restored cells are new ones (not shared with a slot): count them all.
         if dst is None or forks is None or not self._make_room(req, 0, None, dst, forks):
             return False
-        # A long tail the prompt does not share stays saved; otherwise the entry leaves
-        # the index first, so that saving what the slots held cannot drop it.
-        keep = len(entry.tokens) - m >= MIN_SAVED_TOKENS
-        self.cache.tiers.take(entry, keep)
-        self.cache.tiers.stats.restored_tokens += m
         self._count_reuse(req, m, req.session is not None and entry.session == req.session)
-        for sid in (dst, *forks):
-            self.cache.evict(self.cache.slots[sid])
-        self.cache.restore(dst, entry, m, keep)
+        self.cache.place_restored(dst, forks, entry, m)
         self._start(item, [dst, *forks], m, now)
         return True
 

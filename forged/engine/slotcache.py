@@ -116,7 +116,31 @@ class SlotCache:
         self.slots[dst].tokens = self.slots[src].tokens[:n]
         self.slots[dst].last_used = self.slots[src].last_used
 
-    def restore(self, dst: int, entry: Entry, m: int, keep: bool) -> None:
+    def place(self, dst: int, forks: list[int], src: int | None, n: int) -> None:
+        """Prepare the slots of a request admitted into ``dst`` (its other choices in
+        ``forks``) that reuses ``n`` tokens of ``src``: in place (``dst`` is ``src``,
+        cut to them) or copied into the emptied ``dst``."""
+        if dst == src:
+            self.truncate(self.slots[dst], n)
+        else:
+            self.evict(self.slots[dst])
+            if src is not None and n:
+                self.copy(src, dst, n)
+        for sid in forks:  # after the copy: a fork may take the source's slot
+            self.evict(self.slots[sid])
+
+    def place_restored(self, dst: int, forks: list[int], entry: Entry, m: int) -> None:
+        """As :meth:`place`, for a request that restores ``m`` tokens of ``entry``."""
+        # A long tail the prompt does not share stays saved; otherwise the entry leaves
+        # the index first, so that saving what the slots held cannot drop it.
+        keep = len(entry.tokens) - m >= MIN_SAVED_TOKENS
+        self.tiers.take(entry, keep)
+        self.tiers.stats.restored_tokens += m
+        for sid in (dst, *forks):
+            self.evict(self.slots[sid])
+        self._restore(dst, entry, m, keep)
+
+    def _restore(self, dst: int, entry: Entry, m: int, keep: bool) -> None:
         """Load ``entry``'s saved state into the empty slot ``dst``, cut to the ``m``
         tokens its request shares; ``keep``: the entry stays saved."""
         slot = self.slots[dst]
