@@ -49,9 +49,9 @@ def test_the_layout_puts_the_pieces_where_llama_cpp_does(fim_model: Path) -> Non
         assert p.fim is not None and p.fim.rep is not None and p.fim.sep is not None
         ids = p.encode_infill("ab", "cd", [ExtraFile(text="x", filename="f.py")], "Z",
                               n_batch=1024, n_ctx=2048, n_predict=16)
-        plain = lambda s: p.model.tokenize(s, add_special=False, parse_special=False)  # noqa: E731
+        plain = lambda s: p.vocab.tokenize(s, add_special=False, parse_special=False)  # noqa: E731
         assert ids == [p.fim.rep, *plain("myproject\n"), p.fim.sep, *plain("f.py\n"),
-                       *plain("x"), p.fim.sep, *plain("filename\n"), p.model.bos,
+                       *plain("x"), p.fim.sep, *plain("filename\n"), p.vocab.bos,
                        p.fim.pre, *plain("ab"), *plain("Z"), p.fim.suf, *plain("cd"),
                        p.fim.mid]
     finally:

@@ -83,6 +83,6 @@ def test_forged_lays_out_the_infill_prompt_as_llama_server_does(
                                case.get("prompt", ""), n_batch=N_BATCH, n_ctx=N_CTX,
                                n_predict=N_PREDICT)
         assert theirs["tokens_evaluated"] == len(ours)
-        assert theirs["prompt"] == p.model.detokenize(ours)
+        assert theirs["prompt"] == p.vocab.detokenize(ours)
     finally:
         p.close()

@@ -90,7 +90,7 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
         prompter = open_prompter(config_path, model, key)
         try:
             # An encoder (an embedding model) keeps no KV cache.
-            per_cell = 0 if prompter.embedding else prompter.model.kv_bytes_per_cell()
+            per_cell = 0 if prompter.embedding else prompter.vocab.kv_bytes_per_cell()
             # The context it will serve: its own training context when max_context is 0.
             context = scheduler_limits(own, prompter.n_ctx_train,
                                        encoder=prompter.embedding).max_context

@@ -47,7 +47,7 @@ def memory_bytes(prompter: Prompter, path: str, engine: EngineConfig) -> int:
     worker's KV cache. Compute buffers and the RAM tier of saved states are not
     counted: the first are small beside these, the second grows within its budget."""
     # An encoder keeps no KV cache.
-    kv = 0 if prompter.embedding else prompter.model.kv_bytes_per_cell() * engine.kv_cells
+    kv = 0 if prompter.embedding else prompter.vocab.kv_bytes_per_cell() * engine.kv_cells
     return os.path.getsize(path) + engine.workers * kv
 
 

@@ -65,11 +65,13 @@ def model_info(model: Model, template: str, content: str = "") -> ModelInfo:
 
 class Prompter:
     def __init__(self, model_path: str, chat_template: str = "") -> None:
-        self.model = Model(model_path, vocab_only=True)
-        template = chat_template or self.model.meta("tokenizer.chat_template") or CHATML
+        # The vocabulary only (llama.cpp's model, without weights): not the config's
+        # ``group.model``.
+        self.vocab = Model(model_path, vocab_only=True)
+        template = chat_template or self.vocab.meta("tokenizer.chat_template") or CHATML
         self.chat_template = template
-        eos = self.model.piece(self.model.eos, special=True).decode("utf-8", "replace")
-        bos = self.model.piece(self.model.bos, special=True).decode("utf-8", "replace")
+        eos = self.vocab.piece(self.vocab.eos, special=True).decode("utf-8", "replace")
+        bos = self.vocab.piece(self.vocab.bos, special=True).decode("utf-8", "replace")
         self._chat = chat_formatter(template, eos, bos)
         # A template that renders tools and writes calls as <tool_call> blocks (the
         # format forged parses); others get the tools in a system message of forged's.
@@ -78,62 +80,62 @@ class Prompter:
         # must reach the tool-call parser (llama.cpp's "preserved tokens").
         self.tool_tokens = [t for t in map(self._special_token, (TOOL_OPEN, TOOL_CLOSE))
                             if t is not None]
-        self.n_vocab = self.model.n_vocab
-        self.n_ctx_train = self.model.n_ctx_train
-        self.fim = self.model.fim_tokens()
-        self.embedding = self.model.pools
-        self._bos = self.model.bos if self.model.add_bos else None
+        self.n_vocab = self.vocab.n_vocab
+        self.n_ctx_train = self.vocab.n_ctx_train
+        self.fim = self.vocab.fim_tokens()
+        self.embedding = self.vocab.pools
+        self._bos = self.vocab.bos if self.vocab.add_bos else None
         # The file's content (its size and ends): what an index's vectors must be made
         # by to be compared with this model's (forged.retrieval.vectors).
         self.content_id = model_identity(model_path)
-        self.info = model_info(self.model, template, self.content_id)
+        self.info = model_info(self.vocab, template, self.content_id)
         self.template = template  # the one in use (Ollama's /api/show reports it)
         self._pieces: dict[int, bytes] = {}
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as text (``general.architecture``, ...); None if absent."""
-        return self.model.meta(key)
+        return self.vocab.meta(key)
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+        return self.vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def piece(self, token: int) -> bytes:
         """The token's bytes, special tokens written out (llama.cpp's /tokenize pieces)."""
-        return self.model.piece(token, special=True)
+        return self.vocab.piece(token, special=True)
 
     def token_bytes(self, token: int) -> bytes:
         """:meth:`piece`, cached for logprobs, which ask per token. Called on the event
         loop only (the cache is not locked); bounded by the vocabulary."""
         piece = self._pieces.get(token)
         if piece is None:
-            piece = self._pieces[token] = self.model.piece(token, special=True)
+            piece = self._pieces[token] = self.vocab.piece(token, special=True)
         return piece
 
     def detokenize(self, tokens: list[int]) -> str:
-        return self.model.detokenize(tokens)
+        return self.vocab.detokenize(tokens)
 
     def encode_completion(self, text: str) -> list[int]:
         # Like llama.cpp's server and llama-cpp-python: BOS if the model wants one, and
         # special tokens written in the text are parsed as such.
-        return self.model.tokenize(text, add_special=True, parse_special=True)
+        return self.vocab.tokenize(text, add_special=True, parse_special=True)
 
     def encode_mixed(self, pieces: list[int | str]) -> list[int]:
         """llama.cpp's mixed prompt (``[12, "text", 34]``): ids as given, text as
         :meth:`encode_completion` has it, BOS only before text that comes first."""
         out: list[int] = []
         for i, piece in enumerate(pieces):
-            out += [piece] if isinstance(piece, int) else self.model.tokenize(
+            out += [piece] if isinstance(piece, int) else self.vocab.tokenize(
                 piece, add_special=i == 0, parse_special=True)
         return out
 
     def _special_token(self, text: str) -> int | None:
-        ids = self.model.tokenize(text, add_special=False, parse_special=True)
-        plain = self.model.tokenize(text, add_special=False, parse_special=False)
+        ids = self.vocab.tokenize(text, add_special=False, parse_special=True)
+        plain = self.vocab.tokenize(text, add_special=False, parse_special=False)
         return ids[0] if len(ids) == 1 and ids != plain else None
 
     def check_grammar(self, grammar: Grammar) -> None:
         """ValueError unless llama.cpp parses ``grammar`` (it logs where it fails)."""
-        check_grammar(self.model, grammar)
+        check_grammar(self.vocab, grammar)
 
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
@@ -156,7 +158,7 @@ class Prompter:
                     tools: list[dict[str, Any]] | None = None,
                     variables: dict[str, Any] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it.
-        return self.model.tokenize(self.render_chat(messages, tools, variables),
+        return self.vocab.tokenize(self.render_chat(messages, tools, variables),
                                    add_special=False, parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
@@ -167,11 +169,11 @@ class Prompter:
             raise BadRequest("this model has no fill-in-the-middle tokens (prefix, suffix "
                              "and middle): serve a FIM-capable model for completions "
                              "with code after the cursor", code="fim_not_supported")
-        ids = self.model.tokenize(prompt, add_special=False, parse_special=True)
+        ids = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
         return infill_prompt(
             prefix, suffix, extra, ids, self.fim,
-            lambda s: self.model.tokenize(s, add_special=False, parse_special=False),
+            lambda s: self.vocab.tokenize(s, add_special=False, parse_special=False),
             bos=self._bos, n_batch=n_batch, n_ctx=n_ctx, n_predict=n_predict).tokens
 
     def close(self) -> None:
-        self.model.close()
+        self.vocab.close()

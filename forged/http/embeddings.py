@@ -115,9 +115,9 @@ async def embed(state: AppState, model: str | None, given: Input, *, truncate: b
     started = time.monotonic()
     group = resources().enter_context(state.models.use(model, embed=True))
     g.model_id = group.model_id
-    if dimensions is not None and dimensions != group.prompter.model.n_embd:
+    if dimensions is not None and dimensions != group.prompter.vocab.n_embd:
         raise e.BadRequest(f"the model {group.model_id} makes vectors of "
-                           f"{group.prompter.model.n_embd} dimensions only; forged does "
+                           f"{group.prompter.vocab.n_embd} dimensions only; forged does "
                            "not shorten them", param="dimensions")
     _hold_key(state, group)
     inputs = await state.off_loop(_tokens, group, given, truncate, param)
