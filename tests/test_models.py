@@ -172,6 +172,20 @@ async def load(c: httpx.AsyncClient, results: list[tuple[set[str], str]],
             failures.append(repr(exc))
 
 
+Load = tuple[list[tuple[set[str], str]], list[str], trio.Event]
+
+
+def start_load(nursery: trio.Nursery, c: httpx.AsyncClient, callers: int) -> Load:
+    """``callers`` closed-loop callers on ``c``, until the event is set: what they got,
+    and what failed."""
+    results: list[tuple[set[str], str]] = []
+    failures: list[str] = []
+    stop = trio.Event()
+    for _ in range(callers):
+        nursery.start_soon(load, c, results, failures, stop)
+    return results, failures, stop
+
+
 async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     with trio.fail_after(180):
@@ -179,12 +193,8 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
         async with start_daemon(tiny_model, server={"drain_timeout": 60.0}) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=60) as c, admin(d) as a:
             old = await answer(c)
-            results: list[tuple[set[str], str]] = []
-            failures: list[str] = []
-            stop = trio.Event()
             async with trio.open_nursery() as nursery:
-                for _ in range(4):
-                    nursery.start_soon(load, c, results, failures, stop)
+                results, failures, stop = start_load(nursery, c, 4)
                 # A long stream on the old model, still running when the swap is done.
                 testhooks.slow_steps(d.daemon.pool, 0, 0.03)
                 long: list[tuple[set[str], str]] = []
@@ -382,12 +392,8 @@ async def test_a_reload_adds_and_removes_a_drop_in_model_under_load(
                 httpx.AsyncClient(base_url=d.url, timeout=60) as c:
             d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
             assert (await c.post("/infill", json=infill)).status_code == 400
-            results: list[tuple[set[str], str]] = []
-            failures: list[str] = []
-            stop = trio.Event()
             async with trio.open_nursery() as nursery:
-                for _ in range(2):
-                    nursery.start_soon(load, c, results, failures, stop)
+                results, failures, stop = start_load(nursery, c, 2)
                 gguf.parent.mkdir()
                 shutil.copy(fim_model, gguf)
                 fc.drop_in_dir(d.daemon.config_path).mkdir()
