@@ -39,6 +39,7 @@ from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
 from forged.http.generate import Outcome, generate, log_content
 from forged.http.infill import (
+    InfillRequest,
     check_ids,
     extra_files,
     fim_prompt,
@@ -75,6 +76,7 @@ from forged.http.sampling import sampling
 from forged.http.schemas import (
     ChatRequest,
     CompletionRequest,
+    GenerationFields,
     body_error,
     chat_decoder,
     completion_decoder,
@@ -514,7 +516,7 @@ def _refuse_raw_fim(group: ModelGroup, text: str) -> None:
                            "model has none", param="prompt", code="fim_not_supported")
 
 
-def _use_model(state: AppState, req: Any, *, fim: bool = False) -> ModelGroup:
+def _use_model(state: AppState, req: GenerationFields, *, fim: bool = False) -> ModelGroup:
     """The group serving ``req.model`` (none named: the one whose role fits, ``fim``
     or chat), held until the request ends (a swap drains a group only once nobody
     holds it), and the key's places for ``req`` on it."""
@@ -527,7 +529,7 @@ def _use_model(state: AppState, req: Any, *, fim: bool = False) -> ModelGroup:
 # --- generation --------------------------------------------------------------------------
 
 
-def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
+def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: list[int],
              requested: int | None, grammar: Grammar | None, asked: Asked) -> Request:
     """The one engine request for this body, its API key, its model and the config."""
     lim = state.cfg.limits
@@ -545,8 +547,9 @@ def _request(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
         stop=_stops(state, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
-        max_predict_ms=getattr(req, "t_max_predict_ms", 0.0),
-        n_indent=getattr(req, "n_indent", 0),
+        # An editor's bounds, llama.cpp's /infill's only.
+        max_predict_ms=req.t_max_predict_ms if isinstance(req, InfillRequest) else 0.0,
+        n_indent=req.n_indent if isinstance(req, InfillRequest) else 0,
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "", logprobs=asked.top, prompt_logprobs=asked.prompt,
@@ -581,7 +584,7 @@ def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | N
     return max_tokens
 
 
-def _choices(group: ModelGroup, req: Any, prompt: list[int], max_tokens: int) -> int:
+def _choices(group: ModelGroup, req: GenerationFields, prompt: list[int], max_tokens: int) -> int:
     """The choices to generate: ``n``, or ``best_of`` of which the best ``n`` are
     returned; checked against what a worker can run at once."""
     best_of = req.best_of or req.n
@@ -609,7 +612,7 @@ def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
+async def _run(state: AppState, group: ModelGroup, req: GenerationFields, prompt: list[int],
                requested: int | None, fmt: sse.MakeFormat, *,
                grammar: Grammar | None = None, asked: Asked | None = None) -> Response:
     """Generate for ``req``; ``grammar`` is the tools' (chat), else the body's own;
@@ -634,7 +637,7 @@ async def _run(state: AppState, group: ModelGroup, req: Any, prompt: list[int],
     return await generate(state, group, req, engine_request, fmt, outcome)
 
 
-async def _grammar(state: AppState, group: ModelGroup, req: Any,
+async def _grammar(state: AppState, group: ModelGroup, req: GenerationFields,
                    tools: Grammar | None) -> Grammar | None:
     """The request's grammar: the tools' (chat), else the body's own; converted and
     checked by llama.cpp in one of the door's threads, since both grow with the input."""
@@ -649,7 +652,7 @@ async def _grammar(state: AppState, group: ModelGroup, req: Any,
     return await state.off_loop(_checked_grammar, group, req, tools)
 
 
-def _checked_grammar(group: ModelGroup, req: Any, tools: Grammar | None) -> Grammar:
+def _checked_grammar(group: ModelGroup, req: GenerationFields, tools: Grammar | None) -> Grammar:
     try:
         grammar = tools or request_grammar(req)
         assert grammar is not None  # asks_grammar said so
@@ -661,7 +664,7 @@ def _checked_grammar(group: ModelGroup, req: Any, tools: Grammar | None) -> Gram
     return grammar
 
 
-def _hold_key(state: AppState, group: ModelGroup, req: Any) -> None:
+def _hold_key(state: AppState, group: ModelGroup, req: GenerationFields) -> None:
     """Per-key limits, taken before any work that grows with the request: over them
     this key gets 429 and every other key is unaffected. A request takes a place per
     sequence it runs (``n`` choices, or ``best_of``, take as many)."""

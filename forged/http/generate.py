@@ -30,6 +30,7 @@ from forged.http import sse
 from forged.http.keylimits import KeyHold
 from forged.http.lifetime import resources
 from forged.http.responses import from_exception, http_error, json_response
+from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
 from forged.observe.telemetry import Completion, Usage
 
@@ -142,16 +143,18 @@ class Outcome:
         access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
 
 
-def log_content(state: AppState, outcome: Outcome, req: Any) -> None:
+def log_content(state: AppState, outcome: Outcome, req: GenerationFields) -> None:
     """With log.log_content, keep what the access log line will show of the content."""
     if state.cfg.log.log_content:
+        # A chat's messages, or the prompt of a completion or an infill.
         given = getattr(req, "messages", None) or getattr(req, "prompt", None)
         outcome.prompt = given if isinstance(given, str) else \
             msgspec.json.encode(given).decode()
         outcome.completion = {}
 
 
-async def generate(state: AppState, group: ModelGroup, req: Any, request: Request,
+async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
+                   request: Request,
                    fmt: sse.MakeFormat, outcome: Outcome) -> Response:
     out = fmt(model=req.model or group.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)

@@ -22,6 +22,7 @@ from typing import Any, get_args
 from forged import errors as e
 from forged.engine.groups import ModelGroup
 from forged.engine.request import DRY_BREAKERS, SAMPLER_ORDER, SamplerName, Sampling
+from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
 
 # llama.cpp's letters for its samplers (common_sampler_type_to_chr).
@@ -38,7 +39,7 @@ _ALIASES: dict[str, SamplerName] = {
 _DRY_BASE = 1.75
 
 
-def sampling(state: AppState, group: ModelGroup, req: Any) -> Sampling:
+def sampling(state: AppState, group: ModelGroup, req: GenerationFields) -> Sampling:
     """The engine's sampling settings for a body of any generation route."""
     context = group.max_context
     return Sampling(
@@ -103,7 +104,7 @@ def _token_id(key: str) -> int | None:
     return int(key) if _TOKEN_ID.fullmatch(key) else None
 
 
-def _repeat_penalty(req: Any) -> float:
+def _repeat_penalty(req: GenerationFields) -> float:
     """llama.cpp's repeat_penalty, or vLLM's name for it, repetition_penalty."""
     given = {p for p in (req.repeat_penalty, req.repetition_penalty) if p is not None}
     if len(given) > 1:
