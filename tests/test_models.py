@@ -160,29 +160,34 @@ def test_a_model_s_bad_engine_settings_are_named(tmp_path: Path, engine: dict[st
         fc.load(config)
 
 
-async def load(c: httpx.AsyncClient, results: list[tuple[set[str], str]],
-               failures: list[str], stop: trio.Event) -> None:
+# What a load's caller got: the fingerprints that made the answer, its text, and which
+# caller it was.
+Result = tuple[set[str], str, int]
+
+
+async def load(c: httpx.AsyncClient, results: list[Result], failures: list[str],
+               stop: trio.Event, caller: int = 0) -> None:
     """One caller of a closed-loop load: a streamed request after another."""
     deadline = time.monotonic() + LOAD_SECONDS
     while not stop.is_set() and len(results) < LOAD_REQUESTS \
             and time.monotonic() < deadline:
         try:
-            results.append(await streamed(c))
+            results.append((*await streamed(c), caller))
         except (AssertionError, httpx.HTTPError) as exc:
             failures.append(repr(exc))
 
 
-Load = tuple[list[tuple[set[str], str]], list[str], trio.Event]
+Load = tuple[list[Result], list[str], trio.Event]
 
 
 def start_load(nursery: trio.Nursery, c: httpx.AsyncClient, callers: int) -> Load:
     """``callers`` closed-loop callers on ``c``, until the event is set: what they got,
     and what failed."""
-    results: list[tuple[set[str], str]] = []
+    results: list[Result] = []
     failures: list[str] = []
     stop = trio.Event()
-    for _ in range(callers):
-        nursery.start_soon(load, c, results, failures, stop)
+    for caller in range(callers):
+        nursery.start_soon(load, c, results, failures, stop, caller)
     return results, failures, stop
 
 
@@ -226,11 +231,21 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
             # Wholly one model or wholly the other, and the new one after the swap.
             assert old[0] != new[0]
             texts = {old[0]: old[1], new[0]: new[1]}
-            assert all(len(prints) == 1 for prints, _ in results)
-            made_by = [next(iter(prints)) for prints, _ in results]
-            assert all(text == texts[m] for m, (_, text) in zip(made_by, results,
-                                                                strict=True))
-            assert made_by[:8] == [old[0]] * 8 and made_by[-4:] == [new[0]] * 4
+            assert all(len(prints) == 1 for prints, _, _ in results)
+            made_by = [next(iter(prints)) for prints, _, _ in results]
+            assert all(text == texts[m] for m, (_, text, _) in zip(made_by, results,
+                                                                   strict=True))
+            assert made_by[:8] == [old[0]] * 8
+            # Each caller's requests: the old model's, then the new one's, never back.
+            # (One that was running on the old model when the swap came may end after
+            # other callers' first answers from the new one: the old model drains it.)
+            for caller in range(4):
+                mine = [m for m, (_, _, who) in zip(made_by, results, strict=True)
+                        if who == caller]
+                switched = mine.index(new[0]) if new[0] in mine else len(mine)
+                assert mine[switched:] == [new[0]] * (len(mine) - switched), mine
+            # Of the 8 answers awaited after the swap, at most one a caller was in flight.
+            assert made_by.count(new[0]) >= 4
             # The old group's stream finished, wholly on the old model.
             assert long and long[0][0] == {old[0]} and len(long[0][1]) > 0
             await until(lambda: len(d.daemon.models.all()) == 1, 30)
