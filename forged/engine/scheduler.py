@@ -291,7 +291,7 @@ class Scheduler:
     # --- admission ------------------------------------------------------------------
 
     def _admit(self, now: float) -> None:
-        for _, items in self.queue.in_order():
+        for items in self.queue.in_order():
             for item in items:
                 if (self.queue.hold(item, self._prefilling(), now)
                         or self.cache.staging(item.req)):

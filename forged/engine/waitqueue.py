@@ -78,10 +78,10 @@ class WaitQueue:
         """The queued requests whose deadline passed."""
         return [item for q in self.classes for item in q if item.deadline <= now]
 
-    def in_order(self) -> Iterator[tuple[int, list[Queued]]]:
-        """Each class, most urgent first, with its requests in admission order."""
-        for rank, q in enumerate(self.classes):
-            yield rank, sorted(q, key=lambda it: (it.vstart, it.submitted_at))
+    def in_order(self) -> Iterator[list[Queued]]:
+        """Each class's requests in admission order, the most urgent class first."""
+        for q in self.classes:
+            yield sorted(q, key=lambda it: (it.vstart, it.submitted_at))
 
     # --- the pace of slots --------------------------------------------------------------
 

@@ -162,7 +162,7 @@ async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcom
     try:
         held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(req))
-        done = await _answer(state, rs, await admitted_events(state, rs, outcome))
+        done = await _answer(rs, await admitted_events(state, rs, outcome))
     except e.ForgedError as exc:
         outcome.failed(exc)
         raise
@@ -171,7 +171,7 @@ async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcom
     return done.embeddings
 
 
-async def _answer(state: AppState, rs: RequestStream, events: list[Event]) -> Done:
+async def _answer(rs: RequestStream, events: list[Event]) -> Done:
     while True:
         for ev in events:
             if isinstance(ev, Done):
@@ -192,7 +192,7 @@ async def query_vector(state: AppState, text: str, tenant: str) -> tuple[bytes, 
             req = Request(prompt=tokens, max_tokens=0, inputs=[len(tokens)], tenant=tenant,
                           queue_timeout=state.cfg.limits.queue_timeout)
             async with group.pool.open_request(req) as rs:
-                done = await _answer(state, rs, [])
+                done = await _answer(rs, [])
             return done.embeddings, group.prompter.content_id
         except e.ForgedError as exc:
             log.info("retrieval by BM25 alone: the embedding model did not answer: %s", exc)
