@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -29,11 +30,14 @@ if TYPE_CHECKING:
     from forged.retrieval.vectors import Embedding
 
 
+_QUOTED = re.compile(r'[ "\\=\x00-\x1f]')  # what a bare logfmt value cannot hold
+
+
 def logfmt_value(value: object) -> str:
     """``value`` as a logfmt value: bare if it can be, else JSON-quoted, whose escapes
     keep any text (a logged prompt, say) on its one line."""
     text = str(value)
-    if not text or any(c in ' "\\=' or c < " " for c in text):
+    if not text or _QUOTED.search(text):
         return json.dumps(text, ensure_ascii=False)
     return text
 

@@ -23,12 +23,12 @@ from typing import Any
 import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hyper_serve
 from quart_trio import QuartTrio
 
 from forged import config as fc
 from forged.agent.listener import serve_agent
 from forged.auth import KeyStore
+from forged.daemon import listener
 from forged.daemon.notify import Notifier, watchdog_interval
 from forged.daemon.swap import Swapper, open_group, run_group
 from forged.daemon.tls import TLS
@@ -205,7 +205,7 @@ class Daemon:
             except (OSError, ssl.SSLError) as exc:
                 raise fc.ConfigError(f"server.tls_cert {server.tls_cert} and server.tls_key "
                                      f"{server.tls_key}: {exc}") from exc
-        binds = await self._serve(http, self._api_app, api_bind, self._tls)
+        binds = await self._serve(http, self._api_app, api_bind, self._tls, hot=state)
         admin = self.cfg.server.admin_listen
         if admin.startswith("unix:"):
             Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
@@ -220,14 +220,15 @@ class Daemon:
         return binds
 
     async def _serve(self, http: trio.Nursery, app: QuartTrio, bind: str,
-                     tls: TLS | None = None) -> list[str]:
+                     tls: TLS | None = None, hot: AppState | None = None) -> list[str]:
+        """Listen on ``bind`` for ``app``; with ``hot``, through the hot door."""
         hc = _hyper_config(self.cfg, bind)
         if tls is not None:
             tls.serve_with(hc)
         self._hyper_configs.append(hc)
         try:
             binds: list[str] = await http.start(partial(
-                hyper_serve, app, hc, shutdown_trigger=self._shutdown.wait))
+                listener.serve, app, hc, hot, shutdown_trigger=self._shutdown.wait))
         except (OSError, BaseExceptionGroup) as exc:
             # hypercorn binds inside its nurseries: say which address failed, in a line.
             fault = sole_fault(exc, OSError)

@@ -16,9 +16,7 @@ next step.
 from __future__ import annotations
 
 import functools
-import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -34,6 +32,7 @@ from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.groups import ModelGroup
 from forged.engine.request import Grammar, Request
 from forged.http import refused, sse
+from forged.http.access import count_request, log_access, request_id
 from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
@@ -88,7 +87,6 @@ from forged.http.tokens import detokenize, detokenize_decoder, tokenize, tokeniz
 from forged.http.tools import ToolPlan
 from forged.retrieval.store import cursor_names
 
-access_log = logging.getLogger("forged.access")
 # Routes outside /v1/ that need an API key as /v1/ does: llama.cpp's and Ollama's (/api/).
 _KEYED_PATHS = ("/infill", "/tokenize", "/detokenize", "/completion", "/completions",
                 "/props", "/apply-template", "/embedding")
@@ -177,7 +175,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
 
     @app.before_request
     async def _request_id() -> None:
-        g.request_id = uuid.uuid4().hex
+        g.request_id = request_id()
         g.started = time.monotonic()
         if state.keys.enabled and (request.path.startswith(_KEYED_PREFIXES)
                                    or request.path in _KEYED_PATHS):
@@ -194,12 +192,12 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
         if "Connection" not in resp.headers and not await _drain_body():
             resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
-        priority = g.get("priority", "none")
         key = g.get("key")
-        state.metrics.requests.labels(rule, str(resp.status_code), priority,
-                                      key.name if key else "-", g.get("model_id", "-")).inc()
+        count_request(state, rule, resp.status_code, g.get("priority", "none"), key,
+                      g.get("model_id", "-"))
         if outcome is None:  # a generation logs its own line when it ends
-            _log_access(rule, resp.status_code)
+            log_access(rule, resp.status_code, g.get("request_id", ""), key,
+                       g.get("started", time.monotonic()))
         return resp
 
 
@@ -214,15 +212,6 @@ async def _authenticate(state: AppState) -> KeyEntry:
         raise e.Unauthorized("Incorrect or missing API key: send "
                              "'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
     return key
-
-
-def _log_access(rule: str, status: int) -> None:
-    """The access-log line of a request that generated nothing."""
-    key = g.get("key")
-    access_log.info("%s %s", rule, status, extra={"fields": {
-        "request_id": g.get("request_id", ""), "status": status,
-        "key": key.name if key else "-",
-        "duration": f"{time.monotonic() - g.get('started', time.monotonic()):.3f}"}})
 
 
 def _add_error_handlers(app: QuartTrio) -> None:
@@ -244,13 +233,11 @@ def _add_error_handlers(app: QuartTrio) -> None:
 
 
 def _add_info_routes(app: QuartTrio, state: AppState) -> None:
+    # Also answered by the hot door (forged.http.hotdoor) in their plainest form.
     @app.get("/health")
     async def health() -> Response:
-        if state.leaving or state.draining:
-            return json_response({"status": "draining"}, 503)
-        if not state.ready:
-            return json_response({"status": "unavailable"}, 503)
-        return json_response({"status": "ok"})
+        status, body = state.health()
+        return json_response(body, status)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -77,8 +77,13 @@ def from_exception(exc: e.ForgedError) -> HTTPError:
 _json = msgspec.json.Encoder()
 
 
+def encode_json(obj: Any) -> bytes:
+    """A JSON body, as every answer of the door encodes it."""
+    return _json.encode(obj)
+
+
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status=status, content_type="application/json")
+    return Response(encode_json(obj), status=status, content_type="application/json")
 
 
 def error_response(err: HTTPError) -> Response:

@@ -160,6 +160,15 @@ class AppState:
         """Every model has a worker ready (one without would fail its requests)."""
         return all(g.pool.ready for g in self.models.serving)
 
+    def health(self) -> tuple[int, dict[str, str]]:
+        """``/health``'s status and body: 503 while leaving the pool or draining (the
+        balancer stops sending) and until every model has a worker."""
+        if self.leaving or self.draining:
+            return 503, {"status": "draining"}
+        if not self.ready:
+            return 503, {"status": "unavailable"}
+        return 200, {"status": "ok"}
+
     def totals(self) -> dict[str, float]:
         """Worker statistics summed over every model's ready workers."""
         out: dict[str, float] = {}

@@ -1,0 +1,164 @@
+"""The API listener: hypercorn's trio worker (``hypercorn.trio.run.worker_serve``),
+with the hot door (forged.http.hotdoor) in front of each plain-TCP connection.
+
+hypercorn's ``serve`` takes no per-connection hook, so this is its worker loop with one
+change: a plain connection is first served by the hot door, which hands it to
+hypercorn's ``TCPServer`` at its first request that is not a hot route. TLS
+connections go to hypercorn directly. The lifespan, the shutdown trigger, the graceful
+timeout and the binds are hypercorn's, as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+from forged.http.hotdoor import Handoff, HotDoor, IdleConnections
+from forged.http.state import AppState
+
+log = logging.getLogger("forged.http")
+
+
+class ResponseTail:
+    """The header lines hypercorn adds to each response (``date``, ``server``), made
+    once a second rather than once a request: the date has seconds only."""
+
+    def __init__(self, hc: HyperConfig) -> None:
+        self.hc = hc
+        self._second = -1
+        self._lines = b""
+
+    def __call__(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._lines = b"".join(b"%s: %s\r\n" % kv for kv in self.hc.response_headers("h11"))
+        return self._lines
+
+
+async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
+                shutdown_trigger: Callable[[], Awaitable[None]],
+                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` as ``hypercorn.trio.serve`` does; with ``state``, through the hot
+    door on plain-TCP sockets."""
+    wrapped = wrap_app(app, hc.wsgi_max_body_size, None)
+    lifespan_state: dict[str, Any] = {}
+    lifespan = Lifespan(wrapped, hc, lifespan_state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            general = partial(TCPServer, wrapped, hc, context,
+                              ConnectionState(lifespan_state.copy()))
+            idle = IdleConnections(lambda: float(hc.keep_alive_timeout))
+            listeners, binds = _listeners(hc, general, state, idle)
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(idle.sweep)
+                    for listener, handler in listeners:
+                        nursery.start_soon(_accept, listener, handler, server_nursery)
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other = error.split((ShutdownError, KeyboardInterrupt))
+                if other is not None:
+                    raise other from None
+            finally:
+                await context.terminated.set()
+                await idle.close_all()
+                server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+Handler = Callable[[Any], Awaitable[None]]
+Listening = tuple[socket.socket | trio.abc.Listener[Any], Handler]
+# Out of descriptors or memory: wait and retry, as trio.serve_listeners does.
+_ACCEPT_LATER = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
+_BURST = 256  # connections accepted at one wake, before the others get the loop again
+
+
+async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Handler,
+                  nursery: trio.Nursery) -> None:
+    if isinstance(listener, trio.abc.Listener):  # TLS: trio's loop, as hypercorn's
+        await trio.serve_listeners(handler, [listener], handler_nursery=nursery)
+    else:
+        await _accept_bursts(listener, handler, nursery)
+
+
+async def _accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nursery) -> None:
+    """Accept every connection waiting at each wake, not one per turn of the event loop
+    as ``trio.serve_listeners`` does: with the loop busy, 256 connections opened at once
+    waited up to a second for their turn to be accepted, which was the door's p99."""
+    sock.setblocking(False)
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            for _ in range(_BURST):
+                try:
+                    conn, _ = sock.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_LATER:
+                        raise
+                    log.error("accept: %s; retrying in 0.1 s", os.strerror(exc.errno or 0))
+                    await trio.sleep(0.1)
+                    break
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+                nursery.start_soon(_connection, stream, handler)
+    finally:
+        sock.close()
+
+
+async def _connection(stream: trio.SocketStream, handler: Handler) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppState | None,
+               idle: IdleConnections) -> tuple[list[Listening], list[str]]:
+    """Each bound socket's listener and the handler of its connections; the binds."""
+    sockets = hc.create_sockets()
+    out: list[Listening] = []
+    binds = []
+    ssl_context = hc.create_ssl_context()
+
+    async def hypercorn(stream: Any) -> None:
+        await general(stream)
+
+    for sock in sockets.secure_sockets:
+        assert ssl_context is not None  # hypercorn makes secure sockets only with one
+        sock.listen(hc.backlog)
+        out.append((trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                     ssl_context, https_compatible=True), hypercorn))
+        binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
+    plain = hypercorn
+    if state is not None:
+        door = HotDoor(state, ResponseTail(hc))
+        handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
+        plain = partial(door.serve, handoff=handoff)
+    for sock in sockets.insecure_sockets:
+        sock.listen(hc.backlog)
+        out.append((sock, plain))
+        binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+    return out, binds

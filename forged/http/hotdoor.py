@@ -1,0 +1,243 @@
+"""The hot door: ``GET /health`` and ``GET /v1/models`` answered straight off the socket.
+
+A health probe or a model listing through hypercorn, h11 and Quart costs about a
+millisecond of CPU: a task per request, a request context, routing, hooks. Balancers
+probe often and clients list models before every session, and that CPU comes from the
+cores the model decodes on. So each plain-TCP connection of the API listener starts
+here. A request head that is a hot route in its plainest form (HTTP/1.1, ``GET``, no
+body, no ``Connection``, ``Upgrade`` or ``Expect``, no CORS in the config) is answered
+by this module with the bytes the general path would send: the same status, body and
+headers (``x-request-id``, hypercorn's ``date`` and ``server``), the same metrics and
+access-log line.
+
+Anything else (another route, a missing or unknown key, a header this module does not
+read, a head it cannot parse) hands the connection, with the bytes already read, to
+hypercorn for the rest of its life (:class:`Handoff`). So every error and every edge of
+HTTP is the general path's, by construction: this module never answers an error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+import trio
+
+from forged.http.access import count_request, log_access, request_id
+from forged.http.modellist import model_list
+from forged.http.responses import encode_json
+from forged.http.state import AppState
+
+MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
+_READ = 65536
+# Headers whose presence means the general path must answer: a body, a connection
+# option, a protocol switch, a CORS origin's or a dialect's shape (Anthropic's
+# anthropic-version on /v1/models).
+_HANDED = frozenset((b"content-length", b"transfer-encoding", b"connection", b"upgrade",
+                     b"expect", b"te", b"trailer", b"anthropic-version"))
+
+
+class IdleConnections:
+    """The hot door's connections waiting for a request, and until when each may.
+
+    One sweeper task closes those past their time, once a second, rather than a timeout
+    scope around every read: on a loaded door, a deadline per read cost a third of the
+    request rate and pushed p99 from 13 ms to about 500 ms (docs/benchmarks.md). A
+    connection's time starts when it waits for a request (hypercorn's keep-alive
+    timeout, which also bounds slow headers) and ends when a whole head has arrived."""
+
+    def __init__(self, keep_alive_s: Callable[[], float]) -> None:
+        self._keep_alive_s = keep_alive_s  # read when needed: a reload changes it
+        self._until: dict[trio.SocketStream, float] = {}
+        self.closing = False  # the listener is shutting down: no more waiting
+
+    def waiting(self, stream: trio.SocketStream) -> bool:
+        """Note that ``stream`` waits (from now, unless it already was); False once the
+        listener is shutting down, when an idle connection is closed instead."""
+        if stream not in self._until:
+            self._until[stream] = trio.current_time() + self._keep_alive_s()
+        return not self.closing
+
+    def busy(self, stream: trio.SocketStream) -> None:
+        self._until.pop(stream, None)
+
+    async def sweep(self, every_s: float = 1.0) -> None:
+        while True:
+            await trio.sleep(every_s)
+            now = trio.current_time()
+            await self._close([s for s, until in self._until.items() if until <= now])
+
+    async def close_all(self) -> None:
+        """At shutdown, as hypercorn does with its idle connections."""
+        self.closing = True
+        await self._close(list(self._until))
+
+    async def _close(self, streams: list[trio.SocketStream]) -> None:
+        for stream in streams:  # its reader then gets ClosedResourceError: it leaves
+            self._until.pop(stream, None)
+            await stream.aclose()
+
+
+class Handoff(NamedTuple):
+    """What the general path needs to take a connection over: ``serve(stream)`` runs
+    hypercorn's connection on it. ``max_requests`` is hypercorn's setting, read when
+    needed."""
+
+    serve: Callable[[trio.abc.Stream], Awaitable[None]]
+    max_requests: Callable[[], int]
+    idle: IdleConnections
+
+
+class Head(NamedTuple):
+    path: str
+    headers: dict[bytes, bytes]
+
+
+def parse_head(raw: bytes) -> Head | None:
+    """The path and headers of a plain ``GET`` head (without its blank line), or None
+    for anything else: another method or version, a malformed or repeated header line,
+    a header that belongs to the general path."""
+    lines = raw.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1":
+        return None
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        name = name.lower()
+        if not colon or not name or name != name.strip() or name in headers \
+                or name in _HANDED:
+            return None
+        headers[name] = value.strip(b" \t")
+    if b"host" not in headers:
+        return None  # h11 refuses an HTTP/1.1 request without Host: so must we
+    try:
+        return Head(parts[1].decode("ascii"), headers)
+    except UnicodeDecodeError:
+        return None
+
+
+class HotDoor:
+    """The hot routes of one API listener, and the loop that serves a connection."""
+
+    def __init__(self, state: AppState, response_headers: Callable[[], bytes]) -> None:
+        """``response_headers``: the header lines hypercorn adds to every response
+        (``date``, ``server``), each ending in CRLF."""
+        self.state = state
+        self._tail = response_headers
+        self._routes: dict[str, tuple[str, Callable[[], tuple[int, bytes]]]] = {
+            "/health": ("/health", self._health),
+            "/v1/models": ("/v1/models", self._models),
+        }
+
+    def _health(self) -> tuple[int, bytes]:
+        status, body = self.state.health()
+        return status, encode_json(body)
+
+    def _models(self) -> tuple[int, bytes]:
+        return 200, encode_json(model_list(self.state))
+
+    def answer(self, head: Head) -> bytes | None:
+        """The whole response to ``head``, or None when the general path must answer."""
+        route = self._routes.get(head.path)
+        server = self.state.cfg.server  # read each time: a reload applies
+        if route is None or server.cors_origins or not server.hot_door:
+            return None
+        started = time.monotonic()
+        key = None
+        if self.state.keys.enabled and head.path.startswith("/v1/"):
+            given = head.headers.get(b"authorization")
+            if given is None and (x_api_key := head.headers.get(b"x-api-key")) is not None:
+                given = b"Bearer " + x_api_key
+            key = self.state.keys.lookup(given.decode("latin-1") if given else None)
+            if key is None:
+                return None  # the general path's 401, with its body drained
+        rule, handler = route
+        status, body = handler()
+        rid = request_id()
+        count_request(self.state, rule, status, "none", key, "-")
+        log_access(rule, status, rid, key, started)
+        return (b"HTTP/1.1 %d \r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"x-request-id: %s\r\n%s\r\n%s" % (status, len(body), rid.encode(),
+                                                  self._tail(), body))
+
+    async def serve(self, stream: trio.SocketStream, handoff: Handoff) -> None:
+        """Answer the hot requests of ``stream`` until one is not, then hand it over."""
+        buf = b""
+        served = 0
+        try:
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0 and len(buf) <= MAX_HEAD:
+                    data = await _receive(stream) if handoff.idle.waiting(stream) else b""
+                    if not data:  # the client left, or the sweeper closed it
+                        await stream.aclose()
+                        return
+                    buf += data
+                    continue
+                handoff.idle.busy(stream)
+                head = parse_head(buf[:end]) if end >= 0 else None
+                answer = self.answer(head) if head is not None else None
+                if answer is None:
+                    break
+                buf = buf[end + 4:]
+                served += 1
+                if not await _send(stream, answer, served >= handoff.max_requests()):
+                    return
+        finally:
+            handoff.idle.busy(stream)
+        await handoff.serve(Prefixed(stream, buf))
+
+
+async def _receive(stream: trio.SocketStream) -> bytes:
+    try:
+        return bytes(await stream.receive_some(_READ))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return b""
+
+
+async def _send(stream: trio.SocketStream, answer: bytes, last: bool) -> bool:
+    """Send one answer; False once the connection is closed (the client left, or it
+    made its last request: hypercorn's ``keep_alive_max_requests``)."""
+    if last:  # hypercorn's way: the last answer says so, then the connection closes
+        cut = answer.index(b"\r\n\r\n")
+        answer = answer[:cut] + b"\r\nconnection: close" + answer[cut:]
+    try:  # unshielded (a shield per send cost a tenth of the rate): only a shutdown
+        await stream.send_all(answer)  # past its grace time cancels, and then cuts all
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
+    if last:
+        await stream.aclose()
+        return False
+    return True
+
+
+class Prefixed(trio.abc.Stream):
+    """A socket stream whose first reads return bytes already read from it: the hot
+    door's unanswered requests, which hypercorn then parses as if fresh."""
+
+    def __init__(self, stream: trio.SocketStream, first: bytes) -> None:
+        self.transport = stream
+        self.socket = stream.socket  # hypercorn reads the peer's address from it
+        self._first = first
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._first:
+            out, self._first = self._first, b""
+            await trio.lowlevel.checkpoint()
+            return out
+        return bytes(await self.transport.receive_some(max_bytes))
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.transport.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.transport.send_eof()
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+

@@ -1,0 +1,241 @@
+"""The door's cheap paths. The hot door (forged.http.hotdoor): GET /health and
+GET /v1/models answered off the socket give the general path's bytes, headers, metrics
+and log lines; everything else is handed to hypercorn with the bytes already read, on
+the same connection. A stream's tokens share a write only within their budget
+(forged.http.generate.Pace)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from forged.auth import add_key
+from forged.engine.events import Delta
+from forged.engine.pool import RequestStream
+from forged.engine.request import Request
+from forged.http import hotdoor
+from forged.http.generate import Pace
+from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
+from tests.conftest import DaemonFactory, RunningDaemon
+
+# A header that hands the request to the general path and changes nothing in the answer.
+GENERAL = b"Connection: keep-alive\r\n"
+
+
+def _get(path: str, extra: bytes = b"") -> bytes:
+    return b"GET %s HTTP/1.1\r\nHost: forged\r\n%s\r\n" % (path.encode(), extra)
+
+
+def test_only_the_plainest_get_is_hot() -> None:
+    head = parse_head(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")
+    assert head is not None and head.path == "/health"
+    assert head.headers[b"authorization"] == b"Bearer k"
+    for raw in [b"POST /health HTTP/1.1\r\nHost: x",  # another method
+                b"GET /health HTTP/1.0\r\nHost: x",  # another version
+                b"GET /health HTTP/1.1",  # no Host (h11 answers 400)
+                b"GET  /health HTTP/1.1\r\nHost: x",  # a malformed request line
+                b"GET /health HTTP/1.1\r\nHost: x\r\nHost: y",  # a repeated header
+                b"GET /health HTTP/1.1\r\nHost : x",  # space before the colon
+                b"GET /health HTTP/1.1\r\nHost: x\r\n folded",  # obsolete line folding
+                b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0",  # a body
+                b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c",
+                b"GET /h\xc3\xa9 HTTP/1.1\r\nHost: x"]:  # not ASCII
+        assert parse_head(raw) is None, raw
+
+
+async def _exchange(stream: trio.SocketStream, request: bytes, answers: int) -> list[bytes]:
+    """Send ``request`` (one or more pipelined requests) and read ``answers`` responses,
+    each with its Content-Length body."""
+    await stream.send_all(request)
+    buf, out = b"", []
+    with trio.fail_after(10):
+        while len(out) < answers:
+            end = buf.find(b"\r\n\r\n")
+            length = re.search(rb"content-length: (\d+)", buf[:end]) if end >= 0 else None
+            if length is not None and len(buf) >= end + 4 + int(length[1]):
+                cut = end + 4 + int(length[1])
+                out.append(buf[:cut])
+                buf = buf[cut:]
+                continue
+            data = await stream.receive_some(65536)
+            assert data, f"closed after {len(out)} answers: {buf!r}"
+            buf += data
+    return out
+
+
+def _shape(answer: bytes) -> bytes:
+    """An answer with the values that differ between any two answers blanked."""
+    answer = re.sub(rb"x-request-id: [0-9a-f]{32}", b"x-request-id: ID", answer)
+    return re.sub(rb"date: [^\r]+", b"date: DATE", answer)
+
+
+async def _connect(d: RunningDaemon) -> trio.SocketStream:
+    host, port = d.url.removeprefix("http://").rsplit(":", 1)
+    return await trio.open_tcp_stream(host, int(port))
+
+
+@pytest.fixture
+def answered(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths the hot door answered (not those it handed to the general path)."""
+    paths: list[str] = []
+    answer = HotDoor.answer
+
+    def counted(door: HotDoor, head: hotdoor.Head) -> bytes | None:
+        out = answer(door, head)
+        if out is not None:
+            paths.append(head.path)
+        return out
+
+    monkeypatch.setattr(HotDoor, "answer", counted)
+    return paths
+
+
+def _requests(d: RunningDaemon, rule: str) -> float:
+    assert d.daemon.state is not None
+    total = 0.0
+    for metric in d.daemon.state.metrics.requests.collect():
+        total += sum(s.value for s in metric.samples
+                     if s.name.endswith("_total") and s.labels["endpoint"] == rule)
+    return total
+
+
+async def test_a_hot_answer_is_the_general_paths_bytes_headers_count_and_log(
+        tiny_model: Path, start_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture,
+        answered: list[str]) -> None:
+    caplog.set_level(logging.INFO, logger="forged.access")
+    async with start_daemon(tiny_model) as d:
+        for path in ("/health", "/v1/models"):
+            before = _requests(d, path)
+            async with await _connect(d) as stream:  # once handed over, it stays so
+                hot, = await _exchange(stream, _get(path), 1)
+                general, = await _exchange(stream, _get(path, GENERAL), 1)
+            assert hot.startswith(b"HTTP/1.1 200 \r\n")
+            assert _shape(hot) == _shape(general)
+            assert _requests(d, path) == before + 2
+            lines = [r for r in caplog.records if r.name == "forged.access"
+                     and r.getMessage() == f"{path} 200"][-2:]
+            ids = [re.search(rb"x-request-id: (\w+)", a)[1].decode()  # type: ignore[index]
+                   for a in (hot, general)]
+            assert [r.fields["request_id"] for r in lines] == ids  # type: ignore[attr-defined]
+            assert {r.fields["key"] for r in lines} == {"-"}  # type: ignore[attr-defined]
+        assert answered == ["/health", "/v1/models"]
+        # The hot door's answers follow the state, as the general path's do.
+        assert d.daemon.state is not None
+        d.daemon.state.leaving = True
+        async with await _connect(d) as stream:
+            hot, = await _exchange(stream, _get("/health"), 1)
+        assert hot.startswith(b"HTTP/1.1 503 ") and hot.endswith(b'{"status":"draining"}')
+        d.daemon.state.leaving = False
+
+
+async def test_pipelined_requests_are_answered_in_order_across_the_handoff(
+        tiny_model: Path, start_daemon: DaemonFactory, answered: list[str]) -> None:
+    """Two hot requests, then one for the general path, in one write: hypercorn gets
+    the bytes the hot door read but did not answer, and the connection stays usable."""
+    body = b'{"content": "hello"}'
+    tokenize = (b"POST /tokenize HTTP/1.1\r\nHost: forged\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        answers = await _exchange(stream, _get("/health") + _get("/v1/models") + tokenize, 3)
+        assert answers[0].endswith(b'{"status":"ok"}')
+        assert b'"object":"list"' in answers[1]
+        assert b'"tokens":[' in answers[2]
+        assert answered == ["/health", "/v1/models"]
+        again, = await _exchange(stream, _get("/health"), 1)  # now hypercorn's connection
+        assert _shape(again) == _shape(answers[0])
+
+
+async def test_with_keys_a_known_key_is_hot_and_a_wrong_one_gets_the_general_401(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path,
+        answered: list[str]) -> None:
+    key = add_key(tmp_path / "keys.toml", "editor", max_streams=2, max_queued=2,
+                  priority="interactive")
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        auth = b"Authorization: Bearer %s\r\n" % key.encode()
+        hot, = await _exchange(stream, _get("/v1/models", auth), 1)
+        x_api_key, = await _exchange(stream, _get("/v1/models", b"x-api-key: %s\r\n"
+                                                  % key.encode()), 1)
+        general, = await _exchange(stream, _get("/v1/models", auth + GENERAL), 1)
+        assert hot.startswith(b"HTTP/1.1 200 ") and _shape(hot) == _shape(general)
+        assert _shape(x_api_key) == _shape(hot)
+        async with await _connect(d) as other:
+            wrong, = await _exchange(other, _get("/v1/models", b"Authorization: Bearer no\r\n"),
+                                     1)
+            assert wrong.startswith(b"HTTP/1.1 401 ")
+            error = msgspec.json.decode(wrong.split(b"\r\n\r\n", 1)[1])
+            assert error["error"]["type"] == "invalid_request_error"
+            health, = await _exchange(other, _get("/health"), 1)  # the connection lives on
+            assert health.endswith(b'{"status":"ok"}')
+        assert answered == ["/v1/models", "/v1/models"]  # the Bearer and the x-api-key
+
+
+async def test_idle_connections_close_after_keep_alive_and_all_at_shutdown(
+        autojump_clock: trio.testing.MockClock) -> None:
+    idle = IdleConnections(lambda: 30.0)
+    a, b = trio.socket.socketpair()
+    c, d = trio.socket.socketpair()
+    first, second = trio.SocketStream(a), trio.SocketStream(c)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(idle.sweep)
+        assert idle.waiting(first)
+        await trio.sleep(20)
+        assert idle.waiting(second)
+        assert idle.waiting(first)  # still waiting: its time is not renewed
+        await trio.sleep(11)  # past the first's 30 s, and within the second's
+        with pytest.raises(trio.ClosedResourceError):
+            await first.send_all(b"x")
+        await second.send_all(b"x")  # open
+        idle.busy(second)  # a request arrived: no longer idle
+        await trio.sleep(60)
+        await second.send_all(b"x")
+        assert idle.waiting(second)
+        await idle.close_all()
+        with pytest.raises(trio.ClosedResourceError):
+            await second.send_all(b"x")
+        assert not idle.waiting(second)  # shutting down: no more waiting
+        nursery.cancel_scope.cancel()
+    b.close()
+    d.close()
+
+
+async def _paced(intervals: list[float], budget_s: float) -> list[list[tuple[float, float]]]:
+    """Deltas pushed after each of ``intervals`` (seconds), read as the SSE body reads
+    them; each write's (pushed, written) times."""
+    rs = RequestStream(1, Request(prompt=[1], max_tokens=len(intervals)))
+    pace, pushed, writes = Pace(budget_s), [], []
+
+    async def engine() -> None:
+        for i, wait in enumerate(intervals):
+            await trio.sleep(wait)
+            pushed.append(trio.current_time())
+            rs.push(Delta(rid=1, text=str(i)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine)
+        while sum(len(w) for w in writes) < len(intervals):
+            events = await rs.receive()
+            events += await pace.gather(rs)
+            now = trio.current_time()
+            writes.append([(pushed[int(ev.text)], now) for ev in events
+                           if isinstance(ev, Delta)])
+    return writes
+
+
+async def test_fast_tokens_share_writes_within_the_budget_and_slow_ones_go_at_once(
+        autojump_clock: trio.testing.MockClock) -> None:
+    fast = await _paced([0.001] * 200, budget_s=0.005)
+    delays = [written - pushed for write in fast for pushed, written in write]
+    assert max(delays) <= 0.005 + 1e-9  # never past the budget
+    assert len(fast) <= 200 / 4  # about 5 tokens a write at 1 ms a token
+    slow = await _paced([0.020] * 50, budget_s=0.005)
+    assert [len(w) for w in slow] == [1] * 50
+    assert all(written == pushed for write in slow for pushed, written in write)
+    off = await _paced([0.001] * 50, budget_s=0.0)  # stream_coalesce_ms = 0
+    assert all(written == pushed for write in off for pushed, written in write)
