@@ -121,6 +121,11 @@ class RequestStream:
         self._events: list[Event] = []
         self._error: ForgedError | None = None
         self._wake = trio.Event()
+        # When the first of the pending events arrived, and how long after the event
+        # before it: the door's coalescing reads them (forged.http.generate.Pace).
+        self.arrived = 0.0
+        self.gap = math.inf
+        self._last = -math.inf
 
     def push(self, ev: Event) -> None:
         if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \
@@ -134,6 +139,10 @@ class RequestStream:
         elif isinstance(ev, Failed):
             self.fail(failure(ev, self.retry_after))
             return
+        now = trio.current_time()
+        if not self._events:
+            self.arrived, self.gap = now, now - self._last
+        self._last = now
         self._events.append(ev)
         self._wake.set()
 
@@ -154,6 +163,10 @@ class RequestStream:
                 raise self._error
             await self._wake.wait()
             self._wake = trio.Event()
+        return self.take()
+
+    def take(self) -> list[Event]:
+        """The events that arrived, without waiting; an error stays for receive()."""
         out, self._events = self._events, []
         return out
 
