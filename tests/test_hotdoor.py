@@ -208,7 +208,8 @@ async def test_idle_connections_close_after_keep_alive_and_all_at_shutdown(
 async def _paced(intervals: list[float], budget_s: float) -> list[list[tuple[float, float]]]:
     """Deltas pushed after each of ``intervals`` (seconds), read as the SSE body reads
     them; each write's (pushed, written) times."""
-    rs = RequestStream(1, Request(prompt=[1], max_tokens=len(intervals)))
+    rs = RequestStream(1, Request(prompt=[1], max_tokens=len(intervals)),
+                       clock=trio.current_time)
     pace, pushed, writes = Pace(budget_s), [], []
 
     async def engine() -> None:

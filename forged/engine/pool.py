@@ -30,7 +30,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -102,8 +102,9 @@ class RequestStream:
     ``receive()`` raises the error it stands for (:func:`failure`)."""
 
     def __init__(self, rid: int, request: Request, fingerprint: int = 0,
-                 retry_after: int = 1) -> None:
+                 retry_after: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.rid = rid
+        self.clock = clock  # of arrivals (a test's may be trio's autojump clock)
         self.request = request  # kept to submit it again if its worker is lost
         self.fingerprint = fingerprint  # of the prompt, to recognise one that kills
         # Where it was submitted: the worker and that process's outbox (None: parked,
@@ -130,7 +131,7 @@ class RequestStream:
     def push(self, ev: Event) -> None:
         if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \
                 and ev.index == 0:
-            self.delta_times.append(time.monotonic())
+            self.delta_times.append(self.clock())
         if isinstance(ev, Admitted):
             self.admitted = True
         elif isinstance(ev, Done):
@@ -139,7 +140,7 @@ class RequestStream:
         elif isinstance(ev, Failed):
             self.fail(failure(ev, self.retry_after))
             return
-        now = trio.current_time()
+        now = self.clock()
         if not self._events:
             self.arrived, self.gap = now, now - self._last
         self._last = now

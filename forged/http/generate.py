@@ -367,5 +367,5 @@ class Pace:
         """After ``rs.receive()``: the events to write with those it returned."""
         if self.budget_s <= 0 or rs.gap >= self.budget_s or rs.finished:
             return []
-        await trio.sleep_until(rs.arrived + self.budget_s)
+        await trio.sleep(max(0.0, rs.arrived + self.budget_s - rs.clock()))
         return rs.take()
