@@ -25,6 +25,7 @@ import trio
 from forged import __version__
 from forged import config as fc
 from forged.daemon.startup import check_gguf_header, model_key
+from forged.placement import keep_to
 
 if TYPE_CHECKING:
     from forged.retrieval.vectors import Embedding
@@ -185,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fatal(str(exc))
         return fc.EX_CANTCREAT
     daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
+    keep_to(cfg.server.door_cpus)  # its workers get theirs in their Init
     try:
         trio.run(daemon.run)
     except (Exception, BaseExceptionGroup) as exc:

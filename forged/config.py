@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from forged.placement import STARTED_ON, unknown_cpus
+
 DEFAULT_CONFIG_PATH = Path("/etc/forged/forged.toml")
 EX_CONFIG = 78
 EX_CANTCREAT = 73
@@ -73,6 +75,9 @@ class ServerConfig(_Section, frozen=True):
     # A request waits at most door_timeout seconds for one, then gets a 503.
     door_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     door_timeout: Seconds = 10.0
+    # CPUs the daemon process (the door: HTTP, SSE, the pool) keeps to; the workers then
+    # get the others unless engine.cpus places them (forged.placement). []: every CPU.
+    door_cpus: list[Annotated[int, msgspec.Meta(ge=0)]] = []
     # GET /health and GET /v1/models in their plainest form answered off the socket,
     # without Quart (forged.http.hotdoor): the same bytes at a fraction of the CPU.
     hot_door: bool = True
@@ -145,6 +150,9 @@ class EngineConfig(_Section, frozen=True):
     # streams and short chunks, which made a step of 15 streams 1,000 tokens deep twice
     # as long (237 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
     flash_attn: bool = False
+    # CPUs this model's workers (and llama.cpp's threads) run on; []: every CPU but
+    # server.door_cpus.
+    cpus: list[Annotated[int, msgspec.Meta(ge=0)]] = []
     # "per_slot": each slot owns kv_cells / slots cells (attention reads only its own);
     # "unified": one cache shared by all slots (prefixes shared in place, but every
     # decode step attends over all cells in use). See docs/engine.md.
@@ -341,6 +349,7 @@ def _check(path: Path, cfg: Config) -> None:
         _parse_listen(path, "server.metrics_listen", cfg.server.metrics_listen)
     _check_agent_listen(path, cfg.server)
     _check_model_ids(path, cfg)
+    _check_cpus(path, "server.door_cpus", cfg.server.door_cpus)
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: server.tls_cert and server.tls_key: set both (TLS) "
                           "or neither (plain HTTP)")
@@ -357,9 +366,17 @@ def check_model_engine(path: Path, key: str, cfg: Config, model: ModelConfig) ->
     _check_engine(path, f"{key}.engine", engine)
 
 
+def _check_cpus(path: Path, key: str, cpus: list[int]) -> None:
+    if unknown := unknown_cpus(cpus):
+        raise ConfigError(f"{path}: {key}: CPU {unknown[0]} is not one forged may run on "
+                          f"(this machine, or the service's CPUAffinity=, allows "
+                          f"{sorted(STARTED_ON)})")
+
+
 def _check_engine(path: Path, section: str, eng: EngineConfig) -> None:
     """The engine settings' rules: ``section`` names where they came from."""
     where = f"{path}: {section}"
+    _check_cpus(path, f"{section}.cpus", eng.cpus)
     if eng.max_running > eng.slots:
         raise ConfigError(f"{where}.max_running: must not exceed engine.slots ({eng.slots})")
     if eng.step_tokens < eng.max_running:
@@ -514,7 +531,7 @@ RESTART_KEYS = (
     "server.agent_listen", "server.node_name", "server.state_dir",
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
-    "engine.flash_attn", "engine.max_running",
+    "engine.flash_attn", "engine.max_running", "engine.cpus", "server.door_cpus",
     "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
     "engine.cache_disk_mib",
     "retrieval.search_threads", "server.door_threads",

@@ -47,6 +47,8 @@ class Init(_Frame, tag="init"):
     # it (llama.cpp's threads spin, and two sets of them on the same cores stall
     # both). Renice brings it back once it serves.
     nice: int = 0
+    # The CPUs to keep to, before llama.cpp starts its threads ([]: where it started).
+    cpus: list[int] = []
     # An embedding model's worker (forged.engine.embedcore): it pools, it never samples.
     embedding: bool = False
 

@@ -53,6 +53,7 @@ from forged.errors import (
     Unavailable,
     WorkerLost,
 )
+from forged.placement import worker_cpus
 
 # Statistics that describe one worker (a step's time, its cost model, its wait) and
 # would mean nothing summed over workers.
@@ -229,7 +230,8 @@ class EnginePool:
         return fr.Init(model_path=path, threads=e.threads,
                        flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
-                       nice=self.nice, embedding=self.embedding)
+                       nice=self.nice, embedding=self.embedding,
+                       cpus=worker_cpus(e.cpus, self.cfg.server.door_cpus))
 
     def supervisor(self, index: int) -> WorkerSupervisor:
         return self.workers[index]

@@ -30,6 +30,7 @@ from forged.engine.decoding import Backend
 from forged.engine.embedcore import EmbedCore
 from forged.engine.kvdisk import DiskStore, model_identity
 from forged.engine.testhooks import HookedBackend
+from forged.placement import keep_to
 
 
 class WorkerShell:
@@ -167,6 +168,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[1]))
     init = _read_init(sock)
+    keep_to(init.cpus)  # before llama.cpp starts threads: they inherit the mask
     if init.nice:
         renice(init.nice)  # before llama.cpp starts threads: they inherit it
     try:

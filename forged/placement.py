@@ -1,0 +1,48 @@
+"""Which CPUs the door and each model's workers run on.
+
+On one machine the door (the daemon process: HTTP, SSE, the pool) and the workers
+(llama.cpp's threads) share the cores. llama.cpp's threads spin while they wait for
+each other, so a door that takes one of their cores for a moment stalls the whole
+step, and every stream's next token with it. With ``server.door_cpus`` the daemon
+keeps to its own cores and the workers, unless ``engine.cpus`` places them, get the
+rest; ``engine.threads`` should then be the number of their cores.
+
+Linux keeps a CPU mask per thread, so each is applied to every thread of the process
+(as ``renice`` does for nice values): new threads inherit their creator's mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+# The CPUs forged was started on (systemd's CPUAffinity=, taskset), read when this
+# module is imported: before the daemon keeps to server.door_cpus, which its workers,
+# forked from it, would otherwise inherit.
+STARTED_ON = frozenset(os.sched_getaffinity(0))
+
+
+def worker_cpus(engine_cpus: list[int], door_cpus: list[int]) -> list[int]:
+    """A worker's CPUs: its model's ``engine.cpus``; else, with ``server.door_cpus``,
+    every CPU forged was started on but the door's (all of them, if the door took
+    every one); else [], which keeps the worker where it was started."""
+    if engine_cpus:
+        return sorted(engine_cpus)
+    if door_cpus:
+        return sorted((STARTED_ON - set(door_cpus)) or STARTED_ON)
+    return []
+
+
+def keep_to(cpus: list[int]) -> None:
+    """Every thread of this process to ``cpus`` ([]: left as it is)."""
+    if not cpus:
+        return
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def unknown_cpus(cpus: list[int]) -> list[int]:
+    """Those of ``cpus`` that this process may not run on."""
+    return sorted(set(cpus) - STARTED_ON)
