@@ -240,3 +240,25 @@ async def test_fast_tokens_share_writes_within_the_budget_and_slow_ones_go_at_on
     assert all(written == pushed for write in slow for pushed, written in write)
     off = await _paced([0.001] * 50, budget_s=0.0)  # stream_coalesce_ms = 0
     assert all(written == pushed for write in off for pushed, written in write)
+
+
+async def test_a_request_that_asks_connection_close_gets_its_answer_then_the_close(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """Before, quart-trio cancelled hypercorn's close of the connection halfway (the
+    handler is cancelled once the request is over), and the connection stayed open
+    until the client closed it: a client that reads to the end waited forever."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, ' \
+           b'"stream": true}'
+    chat = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: forged\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body))
+    async with start_daemon(tiny_model) as d:
+        for request in (_get("/v1/models", b"Connection: close\r\n"), chat):
+            async with await _connect(d) as stream:
+                await stream.send_all(request)
+                answer = b""
+                with trio.fail_after(10):
+                    while data := await stream.receive_some(65536):
+                        answer += data
+                assert answer.startswith(b"HTTP/1.1 200 ")
+                assert answer.endswith((b"]}", b"data: [DONE]\n\n\r\n0\r\n\r\n"))

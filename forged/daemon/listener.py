@@ -24,7 +24,13 @@ from hypercorn.config import Config as HyperConfig
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
+from hypercorn.typing import (
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    ASGISendEvent,
+    ConnectionState,
+    Scope,
+)
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections
@@ -55,7 +61,7 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` as ``hypercorn.trio.serve`` does; with ``state``, through the hot
     door on plain-TCP sockets."""
-    wrapped = wrap_app(app, hc.wsgi_max_body_size, None)
+    wrapped = wrap_app(partial(_shielded_close, app), hc.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, hc, lifespan_state)
     context = WorkerContext(None)
@@ -86,6 +92,24 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
                 server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+async def _shielded_close(app: Any, scope: Scope, receive: ASGIReceiveCallable,
+                          send: ASGISendCallable) -> None:
+    """``app``, with each response's last body message sent shielded. When a request
+    asks for ``Connection: close``, hypercorn closes the connection inside that send,
+    after telling the app the request is over; quart-trio's watcher hears that and
+    cancels the handler, which cut the close short: the connection stayed open until
+    the client closed it. hypercorn shields its socket writes already; this shields
+    the close behind the last one."""
+    async def send_last_shielded(message: ASGISendEvent) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+        else:
+            await send(message)
+
+    await app(scope, receive, send_last_shielded)
 
 
 Handler = Callable[[Any], Awaitable[None]]
