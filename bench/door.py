@@ -14,10 +14,13 @@ threads. Three parts:
    (bench/tinymodel.py) whose decode step costs about a millisecond, so what is left is
    the serving stack's own cost. 16 and 64 closed-loop callers stream 256 tokens each:
    output tok/s, inter-token latency p50/p99 as the callers see it, and the door's CPU
-   per streamed token, for forged with ``server.stream_coalesce_ms`` 5 (the default)
-   and 0, and llama-server.
-3. **Door traffic during decoding.** 16 SmolLM2 streams alone, then beside 64 ``wrk``
-   connections on ``/v1/models``: ITL p99 with the traffic over ITL p99 without.
+   per streamed token (forged's daemon process alone, and with its workers), for forged
+   with ``server.stream_coalesce_ms`` 5 (the default) and 0, and llama-server.
+3. **Door traffic during decoding.** 16 SmolLM2 streams of 64 tokens alone, then
+   beside 64 ``wrk`` connections on ``/v1/models``: ITL p99 with the traffic over
+   ITL p99 without (tok/s counts whole streams only: read text events/s); for
+   forged as configured by default and placed (``server.door_cpus = [0]``, the
+   worker's one thread on the other core), and llama-server.
 
 The stream callers are a lean client (raw sockets, no JSON parsing) in this process;
 its CPU is reported apart. Results: bench/results/door.json and door.md (the table for
@@ -46,7 +49,8 @@ from bench.tinymodel import write_tiny_llama
 from forged.observe.stats import percentile
 
 CONNECTIONS = 256
-STREAM_TOKENS = 256
+STREAM_TOKENS = 256  # the stand-in's; SmolLM2's streams (part 3) are shorter
+TRAFFIC_TOKENS = 64
 WORDS = ["value", "items", "index", "buffer", "parse", "route", "token", "stream", "cache",
          "query"]
 
@@ -94,7 +98,8 @@ def trivial(server: Server, path: str, seconds: float) -> dict[str, Any]:
 
 @dataclass
 class Streams:
-    completed: int = 0  # streams that reached [DONE]: STREAM_TOKENS tokens each
+    completed: int = 0  # streams that reached [DONE]: max_tokens each (ignore_eos)
+    pieces: int = 0  # SSE events with text (about a token each for a real model)
     itl: list[float] = field(default_factory=list)
     errors: int = 0
 
@@ -103,7 +108,7 @@ async def _stream_once(host: str, port: int, body: bytes, m: Streams) -> None:
     """One streamed chat. Each SSE event with text is timed when the read that
     completed it returned (tokens in one write arrive together). The tiny model's
     random bytes are often partial UTF-8, held back until whole, so tokens are counted
-    by completed streams (``ignore_eos``: exactly STREAM_TOKENS each)."""
+    by completed streams (``ignore_eos``: exactly max_tokens each)."""
     stream = await trio.open_tcp_stream(host, port)
     async with stream:
         await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
@@ -118,19 +123,20 @@ async def _stream_once(host: str, port: int, body: bytes, m: Streams) -> None:
                 if b"[DONE]" in ev:
                     m.completed += 1
                 elif b'"content":"' in ev and b'"content":""' not in ev:
+                    m.pieces += 1
                     if last is not None:
                         m.itl.append(now - last)
                     last = now
         m.errors += last is None
 
 
-async def _caller(url: str, seed: int, stop: trio.Event, m: Streams) -> None:
+async def _caller(url: str, seed: int, stop: trio.Event, m: Streams, tokens: int) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     rng = random.Random(seed)
     while not stop.is_set():
         question = " ".join(rng.choice(WORDS) for _ in range(30))
         body = (b'{"messages":[{"role":"user","content":"Explain: %s"}],"max_tokens":%d,'
-                b'"ignore_eos":true,"stream":true}' % (question.encode(), STREAM_TOKENS))
+                b'"ignore_eos":true,"stream":true}' % (question.encode(), tokens))
         try:
             await _stream_once(host, int(port), body, m)
         except OSError:
@@ -138,21 +144,21 @@ async def _caller(url: str, seed: int, stop: trio.Event, m: Streams) -> None:
             await trio.sleep(0.5)
 
 
-async def _streams(url: str, callers: int, seconds: float) -> Streams:
+async def _streams(url: str, callers: int, seconds: float, tokens: int) -> Streams:
     m, stop = Streams(), trio.Event()
     async with trio.open_nursery() as nursery:
         for i in range(callers):
-            nursery.start_soon(_caller, url, 1000 + i, stop, m)
+            nursery.start_soon(_caller, url, 1000 + i, stop, m, tokens)
         await trio.sleep(seconds)
         nursery.cancel_scope.cancel()  # a bounded run: every stream ends now
     return m
 
 
-def streams(server: Server, callers: int, seconds: float,
-            traffic: str | None = None) -> dict[str, Any]:
+def streams(server: Server, callers: int, seconds: float, traffic: str | None = None,
+            tokens: int = STREAM_TOKENS) -> dict[str, Any]:
     """``callers`` closed-loop streams for ``seconds``; with ``traffic``, beside wrk's
     64 connections on that path."""
-    trio.run(_streams, server.url, callers, 2.0)  # warm: caches, the cost model
+    trio.run(_streams, server.url, callers, 2.0, tokens)  # warm: caches, the cost model
     workers = children(server.pid)  # forged's worker processes; none for llama-server
     cpu0, client0 = cpu_seconds(server.pid), time.process_time()
     workers0 = sum(cpu_seconds(w) for w in workers)
@@ -161,17 +167,20 @@ def streams(server: Server, callers: int, seconds: float,
         wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{seconds + 2:g}s",
                                 server.url + traffic], stdout=subprocess.DEVNULL)
     try:
-        m = trio.run(_streams, server.url, callers, seconds)
+        m = trio.run(_streams, server.url, callers, seconds, tokens)
     finally:
         if wrk is not None:
             wrk.wait(timeout=seconds + 60)
     cpu = cpu_seconds(server.pid) - cpu0
-    tokens = m.completed * STREAM_TOKENS
+    worker_cpu = sum(cpu_seconds(w) for w in workers) - workers0
+    made = max(1, m.completed * tokens)
     return {"server": server.name, "callers": callers, "traffic": traffic,
-            "tok_s": round(tokens / seconds), "errors": m.errors,
+            "tok_s": round(m.completed * tokens / seconds), "errors": m.errors,
+            "pieces_s": round(m.pieces / seconds),
             "itl_p50_ms": _pct_ms(m.itl, 50), "itl_p99_ms": _pct_ms(m.itl, 99),
-            "server_cpu_us_per_token": round(cpu / max(1, tokens) * 1e6, 1),
-            "worker_cpu_s": round(sum(cpu_seconds(w) for w in workers) - workers0, 2),
+            # forged: its door alone (the daemon process); llama-server: all of it.
+            "server_cpu_us_per_token": round(cpu / made * 1e6, 1),
+            "total_cpu_us_per_token": round((cpu + worker_cpu) / made * 1e6, 1),
             "client_cpu_s": round(time.process_time() - client0, 2)}
 
 
@@ -180,12 +189,14 @@ def _pct_ms(values: list[float], pct: float) -> float | None:
     return None if p is None else round(p * 1000, 2)
 
 
-def start_forged(tmp: Path, model: Path, name: str, **server: Any) -> Server:
+def start_forged(tmp: Path, model: Path, name: str, threads: int = THREADS,
+                 **server: Any) -> Server:
     port = free_port()
     d = tmp / name
     d.mkdir()
-    engine = {"threads": THREADS, "kv_cells": 32768, "slots": 64, "max_running": 64,
-              "max_context": 2048}
+    # llama-server's layout: 64 slots of 512 cells each (-np 64 -c 32768).
+    engine = {"threads": threads, "kv_cells": 32768, "slots": 64, "max_running": 64,
+              "max_context": 512}
     proc = DaemonProcess(write_config(d / "forged.toml", model, port, engine=engine,
                                       server=server), port)
     proc.wait_ready(120)
@@ -215,18 +226,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0, help="each wrk run")
     ap.add_argument("--stream-seconds", type=float, default=20.0, help="each stream run")
+    ap.add_argument("--parts", default="trivial,standin,traffic",
+                    help="which parts to run (comma-separated)")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     tmp = Path(tempfile.mkdtemp())
     tiny = write_tiny_llama(tmp / "tiny.gguf")
     result: dict[str, Any] = {"threads": THREADS, "connections": CONNECTIONS,
-                              "stream_tokens": STREAM_TOKENS}
+                              "stream_tokens": STREAM_TOKENS,
+                              "traffic_tokens": TRAFFIC_TOKENS}
 
     def trivial_runs(server: Server) -> list[dict[str, Any]]:
         return [trivial(server, path, args.seconds) for path in ("/health", "/v1/models")]
 
-    result["trivial"] = _in_turn([
+    result["trivial"] = [] if "trivial" not in parts else _in_turn([
         lambda: start_forged(tmp, MODEL, "forged"),
         lambda: start_forged(tmp, MODEL, "forged-general", hot_door=False),
         lambda: start_llama(binary, tmp, MODEL, "llama-server")], trivial_runs)
@@ -234,19 +249,22 @@ def main() -> None:
     def stream_runs(server: Server) -> list[dict[str, Any]]:
         return [streams(server, c, args.stream_seconds) for c in (16, 64)]
 
-    result["standin"] = _in_turn([
+    result["standin"] = [] if "standin" not in parts else _in_turn([
         lambda: start_forged(tmp, tiny, "forged-tiny"),
         lambda: start_forged(tmp, tiny, "forged-tiny-nocoalesce", stream_coalesce_ms=0),
         lambda: start_llama(binary, tmp, tiny, "llama-server-tiny")], stream_runs)
 
     def traffic_runs(server: Server) -> list[dict[str, Any]]:
-        return [streams(server, 16, args.stream_seconds),
-                streams(server, 16, args.stream_seconds, traffic="/v1/models")]
+        return [streams(server, 16, args.stream_seconds, tokens=TRAFFIC_TOKENS),
+                streams(server, 16, args.stream_seconds, "/v1/models", TRAFFIC_TOKENS)]
 
-    result["traffic"] = _in_turn([
+    result["traffic"] = [] if "traffic" not in parts else _in_turn([
         lambda: start_forged(tmp, MODEL, "forged-traffic"),
+        # The door on CPU 0, the worker's one thread on the other (server.door_cpus).
+        lambda: start_forged(tmp, MODEL, "forged-traffic-placed", threads=1, door_cpus=[0]),
         lambda: start_llama(binary, tmp, MODEL, "llama-server-traffic")], traffic_runs)
-    write_results("door", result, tables(result))
+    write_results("door" if len(parts) == 3 else "door-" + "-".join(parts), result,
+                  tables(result))
 
 
 def tables(result: dict[str, Any]) -> str:
@@ -255,11 +273,14 @@ def tables(result: dict[str, Any]) -> str:
     lines += [f"| {r['server']} | `{r['path']}` | {r['rps']} | {r['p50_ms']} | {r['p99_ms']} "
               f"| {r['errors']} | {r['server_cpu_us_per_request']} | {r['wrk_cpu_s']} |"
               for r in result["trivial"]]
-    lines += ["", "| server | callers | traffic | tok/s | ITL p50 ms | ITL p99 ms | errors "
-              "| server CPU µs/token | client CPU s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| server | callers | traffic | tok/s | text events/s | ITL p50 ms | ITL p99 ms "
+              "| errors | door CPU µs/token | all CPU µs/token | client CPU s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['server']} | {r['callers']} | {r['traffic'] or '-'} | {r['tok_s']} "
+              f"| {r['pieces_s']} "
               f"| {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['errors']} "
-              f"| {r['server_cpu_us_per_token']} | {r['client_cpu_s']} |"
+              f"| {r['server_cpu_us_per_token']} | {r['total_cpu_us_per_token']} "
+              f"| {r['client_cpu_s']} |"
               for r in result["standin"] + result["traffic"]]
     return "\n".join(lines) + "\n"
 

@@ -235,9 +235,10 @@ async def test_fast_tokens_share_writes_within_the_budget_and_slow_ones_go_at_on
     delays = [written - pushed for write in fast for pushed, written in write]
     assert max(delays) <= 0.005 + 1e-9  # never past the budget
     assert len(fast) <= 200 / 4  # about 5 tokens a write at 1 ms a token
-    slow = await _paced([0.020] * 50, budget_s=0.005)
-    assert [len(w) for w in slow] == [1] * 50
-    assert all(written == pushed for write in slow for pushed, written in write)
+    for gap in (0.020, 0.004):  # slower than half the budget: each token at once
+        slow = await _paced([gap] * 50, budget_s=0.005)
+        assert [len(w) for w in slow] == [1] * 50
+        assert all(written == pushed for write in slow for pushed, written in write)
     off = await _paced([0.001] * 50, budget_s=0.0)  # stream_coalesce_ms = 0
     assert all(written == pushed for write in off for pushed, written in write)
 
