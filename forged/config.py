@@ -16,8 +16,6 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from forged.placement import STARTED_ON, unknown_cpus
-
 DEFAULT_CONFIG_PATH = Path("/etc/forged/forged.toml")
 EX_CONFIG = 78
 EX_CANTCREAT = 73
@@ -366,8 +364,15 @@ def check_model_engine(path: Path, key: str, cfg: Config, model: ModelConfig) ->
     _check_engine(path, f"{key}.engine", engine)
 
 
+# The CPUs forged was started on (systemd's CPUAffinity=, taskset), read when the
+# config is first imported: before the daemon keeps to server.door_cpus, so that a
+# reload still checks against them, and its workers can be given the others
+# (forged.placement).
+STARTED_ON = frozenset(os.sched_getaffinity(0))
+
+
 def _check_cpus(path: Path, key: str, cpus: list[int]) -> None:
-    if unknown := unknown_cpus(cpus):
+    if unknown := sorted(set(cpus) - STARTED_ON):
         raise ConfigError(f"{path}: {key}: CPU {unknown[0]} is not one forged may run on "
                           f"(this machine, or the service's CPUAffinity=, allows "
                           f"{sorted(STARTED_ON)})")

@@ -17,10 +17,7 @@ import contextlib
 import os
 from pathlib import Path
 
-# The CPUs forged was started on (systemd's CPUAffinity=, taskset), read when this
-# module is imported: before the daemon keeps to server.door_cpus, which its workers,
-# forked from it, would otherwise inherit.
-STARTED_ON = frozenset(os.sched_getaffinity(0))
+from forged.config import STARTED_ON
 
 
 def worker_cpus(engine_cpus: list[int], door_cpus: list[int]) -> list[int]:
@@ -41,8 +38,3 @@ def keep_to(cpus: list[int]) -> None:
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task.name), cpus)
-
-
-def unknown_cpus(cpus: list[int]) -> list[int]:
-    """Those of ``cpus`` that this process may not run on."""
-    return sorted(set(cpus) - STARTED_ON)
