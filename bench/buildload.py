@@ -35,7 +35,7 @@ from bench.run import MAX_TOKENS, ROOT, THREADS, write_results
 from forged.observe.loadtest import make_prompts, run_load
 
 PHASES = ("quiet", "building", "quiet again")
-KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_per_s")
+KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_p99_9", "itl_max", "out_tok_per_s")
 
 
 def _daemon(tmp: Path) -> DaemonProcess:

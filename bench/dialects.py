@@ -150,7 +150,7 @@ async def bench(base: str, rounds: int, n: int) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     ref = result["dialects"]["openai"]
-    keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+    keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_p99_9", "itl_max")
     lines = ["| route | requests (errors) | " + " | ".join(keys) + " | ratios to OpenAI's |",
              "|---|---|" + "---|" * len(keys) + "---|"]
     for name, s in result["dialects"].items():

@@ -358,8 +358,9 @@ def _s(v: float | None) -> str:
 
 def tables(result: dict[str, Any]) -> str:
     lines = ["| workload | C | vs | req/s | out tok/s | TTFT p50 | TTFT p95 | TTFT p99 | "
-             "short TTFT p95 | ITL p50 | ITL p99 | forged ITL p99 | llama-server ITL p99 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "short TTFT p95 | ITL p50 | ITL p99 | ITL p99.9 | ITL max | forged ITL p99 | "
+             "llama-server ITL p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
         r = run["ratio"]
         vs = "best" if "-b 256" in run["against"] else "default"
@@ -367,7 +368,8 @@ def tables(result: dict[str, Any]) -> str:
             f"| {run['mix']} | {run['concurrency']} | {vs} | {_r(r['req_per_s'])} | "
             f"{_r(r['out_tok_per_s'])} | {_r(r['ttft_p50'])} | {_r(r['ttft_p95'])} | "
             f"{_r(r['ttft_p99'])} | {_r(r['short_ttft_p95'])} | {_r(r['itl_p50'])} | "
-            f"{_r(r['itl_p99'])} | {_s(run['forged']['itl_p99'])} | "
+            f"{_r(r['itl_p99'])} | {_r(r['itl_p99_9'])} | {_r(r['itl_max'])} | "
+            f"{_s(run['forged']['itl_p99'])} | "
             f"{_s(run['llama_server']['itl_p99'])} |")
     ov = result.get("overload")
     if ov:

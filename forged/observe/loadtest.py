@@ -301,7 +301,7 @@ async def model_id(base: str, headers: dict[str, str] | None = None) -> str | No
 
 RATIO_KEYS = ("req_per_s", "out_tok_per_s", "ttft_p50", "ttft_p95", "ttft_p99",
               "short_ttft_p50", "short_ttft_p95", "short_ttft_p99", "itl_p50", "itl_p99",
-              "e2e_p50", "decode_tok_per_s")
+              "itl_p99_9", "itl_max", "e2e_p50", "decode_tok_per_s")
 
 
 def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
