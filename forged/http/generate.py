@@ -228,20 +228,99 @@ async def _next_events(state: AppState, rs: RequestStream, pace: Pace | None = N
         state.drain.end_wait(scope)
 
 
-def _done(state: AppState, outcome: Outcome, ev: Done, dones: dict[int, Done],
-          n: int) -> bool:
-    """Count one choice's end (into ``dones``); whether it was the last of ``n``, which
-    makes the completion whole."""
-    dones[ev.index] = ev
-    outcome.completion_tokens += ev.completion_tokens
-    outcome.cached_tokens = ev.cached_tokens
-    # Every choice's first token comes from the one prompt, in the same step.
-    outcome.prefill = (ev.prefill_s, ev.prefill_steps)
-    outcome.text(ev.text, ev.index)
-    if len(dones) < n:
+class _Reader:
+    """The one match over a request's events. What every answer needs is done here
+    (the outcome's text, each choice's end); what an answer makes of each event (a
+    stream's frames, a whole completion's parts) is its subclass's."""
+
+    def __init__(self, state: AppState, outcome: Outcome, n: int) -> None:
+        self.state, self.outcome, self.n = state, outcome, n
+        self.dones: dict[int, Done] = {}
+
+    def read(self, events: list[Event]) -> bool:
+        """Read ``events`` in order; whether the last choice ended among them."""
+        for ev in events:
+            match ev:
+                case Delta(text=text, index=index):
+                    self.outcome.text(text, index)
+                    self.delta(ev)
+                case Scored():
+                    self.scored(ev)
+                case Done():
+                    last = self._done(ev)
+                    self.done(ev, last)
+                    if last:
+                        return True
         return False
-    outcome.whole(state)
-    return True
+
+    def _done(self, ev: Done) -> bool:
+        """Count one choice's end; whether it was the last, which makes the answer
+        whole."""
+        self.dones[ev.index] = ev
+        outcome = self.outcome
+        outcome.completion_tokens += ev.completion_tokens
+        outcome.cached_tokens = ev.cached_tokens
+        # Every choice's first token comes from the one prompt, in the same step.
+        outcome.prefill = (ev.prefill_s, ev.prefill_steps)
+        outcome.text(ev.text, ev.index)
+        if len(self.dones) < self.n:
+            return False
+        outcome.whole(self.state)
+        return True
+
+    def delta(self, ev: Delta) -> None:
+        raise NotImplementedError
+
+    def scored(self, ev: Scored) -> None:
+        raise NotImplementedError
+
+    def done(self, ev: Done, last: bool) -> None:
+        raise NotImplementedError
+
+
+class _Whole(_Reader):
+    """A whole completion's text and scores, per choice."""
+
+    def __init__(self, state: AppState, outcome: Outcome, n: int) -> None:
+        super().__init__(state, outcome, n)
+        self.parts: list[list[str]] = [[] for _ in range(n)]
+        self.scores = [sse.Scores() for _ in range(n)]
+
+    def delta(self, ev: Delta) -> None:
+        self.parts[ev.index].append(ev.text)
+        self.scores[ev.index].tokens += ev.logprobs or []
+
+    def scored(self, ev: Scored) -> None:
+        for score in self.scores:  # every choice echoes the prompt
+            score.prompt = ev.logprobs
+
+    def done(self, ev: Done, last: bool) -> None:
+        self.parts[ev.index].append(ev.text)
+        self.scores[ev.index].tokens += ev.logprobs or []
+
+
+class _Frames(_Reader):
+    """A stream's SSE frames, taken after each read to go out in one write."""
+
+    def __init__(self, state: AppState, outcome: Outcome, out: sse.Format,
+                 include_usage: bool) -> None:
+        super().__init__(state, outcome, out.n)
+        self.out, self.include_usage = out, include_usage
+        self.frames: list[bytes] = []
+
+    def take(self) -> bytes:
+        frames, self.frames = self.frames, []
+        return b"".join(frames)
+
+    def delta(self, ev: Delta) -> None:
+        self.frames.append(self.out.delta(ev.text, ev.index, ev.logprobs))
+
+    def scored(self, ev: Scored) -> None:
+        self.frames.append(self.out.scored(ev.logprobs))
+
+    def done(self, ev: Done, last: bool) -> None:
+        self.frames.append(_finish(self.out, ev, self.dones if last else None,
+                                   self.include_usage))
 
 
 async def _collect(state: AppState, rs: RequestStream, events: list[Event] | None,
@@ -249,26 +328,12 @@ async def _collect(state: AppState, rs: RequestStream, events: list[Event] | Non
     """The whole completion, its best ``keep`` choices (all but with ``best_of``).
     Counted among the open generations like a stream, it may finish until the drain's
     deadline; past it the caller gets a 503 to retry."""
-    parts: list[list[str]] = [[] for _ in range(out.n)]
-    scores = [sse.Scores() for _ in range(out.n)]
-    dones: dict[int, Done] = {}
+    whole = _Whole(state, outcome, out.n)
     while events is not None:
-        for ev in events:
-            match ev:
-                case Delta(text=text, index=index):
-                    parts[index].append(text)
-                    scores[index].tokens += ev.logprobs or []
-                    outcome.text(text, index)
-                case Scored(logprobs=prompt):
-                    for score in scores:  # every choice echoes the prompt
-                        score.prompt = prompt
-                case Done():
-                    parts[ev.index].append(ev.text)
-                    scores[ev.index].tokens += ev.logprobs or []
-                    if _done(state, outcome, ev, dones, out.n):
-                        outcome.end = "ok"
-                        return _whole(out, ["".join(p) for p in parts],
-                                      [dones[i] for i in range(out.n)], scores, keep)
+        if whole.read(events):
+            outcome.end = "ok"
+            return _whole(out, ["".join(p) for p in whole.parts],
+                          [whole.dones[i] for i in range(out.n)], whole.scores, keep)
         events = await _next_events(state, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
@@ -313,14 +378,14 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
     before this body has started."""
     if state.holds is not None:
         await state.holds.at("streaming")
-    dones: dict[int, Done] = {}
+    frames = _Frames(state, outcome, out, include_usage)
     pace = Pace(state.cfg.server.stream_coalesce_ms / 1000)
     try:
         if head := out.start():
             yield head
         while events is not None:
-            frames, last = _frames(state, out, events, dones, include_usage, outcome)
-            yield b"".join(frames)
+            last = frames.read(events)
+            yield frames.take()
             if last:
                 outcome.end = "ok"  # the last frame went out
                 return
@@ -332,25 +397,6 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
     except e.ForgedError as exc:
         outcome.end = "error"
         yield out.error(from_exception(exc))
-
-
-def _frames(state: AppState, out: sse.Format, events: list[Event], dones: dict[int, Done],
-            include_usage: bool, outcome: Outcome) -> tuple[list[bytes], bool]:
-    """The SSE frames of ``events``, and whether the last choice ended among them."""
-    frames: list[bytes] = []
-    for ev in events:
-        match ev:
-            case Delta(text=text, index=index):
-                outcome.text(text, index)
-                frames.append(out.delta(text, index, ev.logprobs))
-            case Scored(logprobs=prompt):
-                frames.append(out.scored(prompt))
-            case Done():
-                last = _done(state, outcome, ev, dones, out.n)
-                frames.append(_finish(out, ev, dones if last else None, include_usage))
-                if last:
-                    return frames, True
-    return frames, False
 
 
 class Pace:
