@@ -12,6 +12,12 @@ cache=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/forged-bench}
 bin="$cache/llama.cpp-$version/build-noamx/bin/llama-server"
 if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
 mkdir -p "$cache"
+# One build at a time per cache: two at once (a benchmark beside the test that needs
+# llama-server) overwrote each other's objects ("Text file busy"). The second waits,
+# then finds the first's binary.
+exec 9>"$cache/.build.lock"
+flock 9
+if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
 cd "$cache"
 if [ ! -d "llama.cpp-$version" ]; then
     python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d sdist >&2

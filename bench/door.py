@@ -33,6 +33,7 @@ import argparse
 import random
 import re
 import resource
+import shutil
 import subprocess
 import tempfile
 import time
@@ -231,6 +232,8 @@ def main() -> None:
                     help="which parts to run (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")
+    if shutil.which("wrk") is None:
+        raise SystemExit("bench.door needs Debian's wrk: apt-get install wrk")
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     tmp = Path(tempfile.mkdtemp())
