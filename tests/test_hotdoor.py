@@ -32,9 +32,11 @@ def _get(path: str, extra: bytes = b"") -> bytes:
 
 
 def test_only_the_plainest_get_is_hot() -> None:
-    head = parse_head(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k")
+    head = parse_head(b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization:  Bearer k \t"
+                      b"\r\nX-Empty:\r\nUser-Agent: caf\xc3\xa9/1 (x; y)")
     assert head is not None and head.path == "/health"
-    assert head.headers[b"authorization"] == b"Bearer k"
+    assert head.headers == {b"host": b"x", b"authorization": b"Bearer k", b"x-empty": b"",
+                            b"user-agent": b"caf\xc3\xa9/1 (x; y)"}
     for raw in [b"POST /health HTTP/1.1\r\nHost: x",  # another method
                 b"GET /health HTTP/1.0\r\nHost: x",  # another version
                 b"GET /health HTTP/1.1",  # no Host (h11 answers 400)
@@ -46,6 +48,9 @@ def test_only_the_plainest_get_is_hot() -> None:
                 b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: y",  # not a token
+                b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: y\x00z",  # a control byte
+                b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: y\rz",
                 b"GET /h\xc3\xa9 HTTP/1.1\r\nHost: x"]:  # not ASCII
         assert parse_head(raw) is None, raw
 

@@ -18,6 +18,7 @@ HTTP is the general path's, by construction: this module never answers an error.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -36,6 +37,13 @@ _READ = 65536
 # anthropic-version on /v1/models).
 _HANDED = frozenset((b"content-length", b"transfer-encoding", b"connection", b"upgrade",
                      b"expect", b"te", b"trailer", b"anthropic-version"))
+
+
+# A header line as h11 accepts it: a token, a colon, and a value of visible characters,
+# spaces and tabs (leading and trailing ones not part of it). Anything else is the
+# general path's, whose h11 answers it with its 400.
+_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e\x80-\xff]"
+                    rb"(?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?)[ \t]*")
 
 
 class IdleConnections:
@@ -104,12 +112,13 @@ def parse_head(raw: bytes) -> Head | None:
         return None
     headers: dict[bytes, bytes] = {}
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        name = name.lower()
-        if not colon or not name or name != name.strip() or name in headers \
-                or name in _HANDED:
+        field = _FIELD.fullmatch(line)
+        if field is None:
             return None
-        headers[name] = value.strip(b" \t")
+        name = field[1].lower()
+        if name in headers or name in _HANDED:
+            return None
+        headers[name] = field[2]
     if b"host" not in headers:
         return None  # h11 refuses an HTTP/1.1 request without Host: so must we
     try:
