@@ -148,11 +148,16 @@ async def test_pipelined_requests_are_answered_in_order_across_the_handoff(
     tokenize = (b"POST /tokenize HTTP/1.1\r\nHost: forged\r\nContent-Type: application/json"
                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     async with start_daemon(tiny_model) as d, await _connect(d) as stream:
-        answers = await _exchange(stream, _get("/health") + _get("/v1/models") + tokenize, 3)
-        assert answers[0].endswith(b'{"status":"ok"}')
-        assert b'"object":"list"' in answers[1]
-        assert b'"tokens":[' in answers[2]
-        assert answered == ["/health", "/v1/models"]
+        # About 90 KiB, more than one read, each answered from an offset in it; fewer
+        # than hypercorn's keep_alive_max_requests (1000), after which it closes.
+        many, agent = 900, b"User-Agent: %s\r\n" % (b"x" * 60)
+        answers = await _exchange(stream, _get("/health", agent) * many
+                                  + _get("/v1/models") + tokenize, many + 2)
+        assert all(a.endswith(b'{"status":"ok"}') for a in answers[:many])
+        assert b'"object":"list"' in answers[many]
+        assert b'"tokens":[' in answers[many + 1]
+        assert answered == ["/health"] * many + ["/v1/models"]
+        answers = answers[many - 1:]
         again, = await _exchange(stream, _get("/health"), 1)  # now hypercorn's connection
         assert _shape(again) == _shape(answers[0])
 
@@ -268,3 +273,16 @@ async def test_a_request_that_asks_connection_close_gets_its_answer_then_the_clo
                         answer += data
                 assert answer.startswith(b"HTTP/1.1 200 ")
                 assert answer.endswith((b"]}", b"data: [DONE]\n\n\r\n0\r\n\r\n"))
+
+
+async def test_the_last_request_a_connection_may_make_is_answered_then_closed(
+        tiny_model: Path, start_daemon: DaemonFactory, answered: list[str]) -> None:
+    """hypercorn's keep_alive_max_requests (1000), kept by the hot door as hypercorn
+    keeps it: the last answer says ``connection: close``, then the connection ends."""
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        answers = await _exchange(stream, _get("/health") * 1000, 1000)
+        assert b"connection: close" not in answers[-2]
+        assert b"server: hypercorn-h11\r\nconnection: close\r\n\r\n" in answers[-1]
+        with trio.fail_after(10):
+            assert await stream.receive_some(100) == b""
+        assert len(answered) == 1000
