@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,21 +100,19 @@ def test_the_page_shows_workers_and_moves_with_load(node: tuple[DaemonProcess, i
             # The pool: this node again under another name (another origin: the peer's
             # statistics are read across origins).
             page.goto(f"{base}/?peers=localhost:{metrics}")
-            page.wait_for_function(
-                "document.querySelectorAll('#workers tr').length === 3", timeout=20_000)
+            wait_until(page, "() => document.querySelectorAll('#workers tr').length === 3", 20)
             shown = page.inner_text("#workers")
             assert all(pid in shown for pid in pids), shown
             assert "demo" in page.inner_text("#indexes")
-            page.wait_for_function(
-                "document.querySelectorAll('#pool tr').length === 3", timeout=20_000)
+            wait_until(page, "() => document.querySelectorAll('#pool tr').length === 3", 20)
             assert page.inner_text("#pool").count("ready") == 2
             before = tile(page, "tokens/s (1 min)")
             worker = threading.Thread(target=load, args=(d.url, stop))
             worker.start()
             try:
-                page.wait_for_function(
-                    "t => document.querySelector(`[data-name='tokens/s (1 min)'] .value`)"
-                    ".textContent !== t", arg=before, timeout=30_000)
+                wait_until(page, "t => document.querySelector("
+                           "`[data-name='tokens/s (1 min)'] .value`).textContent !== t",
+                           30, before)
             finally:
                 stop.set()
                 worker.join(60)
@@ -122,6 +121,17 @@ def test_the_page_shows_workers_and_moves_with_load(node: tuple[DaemonProcess, i
         finally:
             browser.close()
     assert errors == [] and elsewhere == []
+
+
+def wait_until(page: Any, predicate: str, seconds: float, arg: object = None) -> None:
+    """Polls ``predicate`` from here rather than with ``page.wait_for_function``: that one
+    re-runs an ``eval`` of the predicate in the page once the first try is false, which
+    the page's own CSP (no 'unsafe-eval') refuses, so it failed whenever the page had not
+    drawn yet (seen in CI). ``evaluate`` is one DevTools evaluation, which CSP allows."""
+    deadline = time.monotonic() + seconds
+    while not page.evaluate(predicate, arg):
+        assert time.monotonic() < deadline, f"not true within {seconds} s: {predicate}"
+        time.sleep(0.1)
 
 
 def tile(page: Any, name: str) -> str:
