@@ -607,6 +607,37 @@ def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -
     assert any(c.rid == 1 and len(c.tokens) >= MIN_PREFILL_TOKENS for c in plan.chunks)
 
 
+def test_a_short_prompt_longer_than_half_the_room_still_overtakes_an_aged_long_one(
+        ) -> None:
+    """Seen in bench.trace at half of capacity on 2 cores: a 40-token question could
+    not finish within half of a step's room (30-odd tokens beside 10 decoders), so it
+    waited in aging order behind a 632-token prompt for 21 steps (6 s). It now takes
+    half of every step's room until it is done; the long one keeps the other half."""
+    s, cost = costed(overtake_window=1.0, max_context=1000)
+    decoding(s, 4)
+    s.submit(*req(1, n=900, max_tokens=5), 0.0)
+    run_step(s, 0.5)
+    s.submit(*req(2, n=60, max_tokens=5, start=5000), 10.0)
+    first = s.plan(10.0)
+    assert first is not None
+    room = 150 - cost.predict(decode_shape([c.pos for c in first.chunks if c.rid >= 100]))
+    assert cost.predict_extra(cost.chunk(0, 60)) > room / 2  # not a quick one
+    steps, long_done = 0, 0
+    while True:
+        plan = run_step(s, 10.0)
+        assert plan is not None
+        steps += 1
+        long_chunk = next(c for c in plan.chunks if c.rid == 1)
+        long_done += len(long_chunk.tokens)
+        assert cost.predict_extra(cost.chunk(long_chunk.pos, len(long_chunk.tokens))
+                                  ) >= room / 2 - 2 * cost.predict_extra(cost.chunk(0, 1))
+        if any(c.rid == 2 and c.sample for c in plan.chunks):
+            break
+        assert steps < 10, "the short prompt waited behind the long one"
+    # about 60 tokens at half a room each step: three or four steps, not the long one's 20
+    assert steps <= math.ceil(60 / (room / 2 / 3.0)) + 1
+
+
 def test_a_long_prefill_keeps_half_the_room_against_a_flood_of_short_prompts() -> None:
     s, cost = costed(overtake_window=1.0, max_context=1000)
     decoding(s, 2)

@@ -13,16 +13,18 @@ worker measures) stays within ``target_step_ms``, and its tokens within
 ``step_tokens``. A step with few decoders thus takes big prompt chunks, a step with
 many takes small ones, and a step with no prompt work is as fast as decoding alone.
 Prompt chunks go interactive before batch, then shortest remaining prompt first with
-aging (:func:`virtual_start`); a prompt that can finish within half of the step's
-prompt room goes before an aged long one (:func:`prefill_sequence`), so a one-line
-question arriving during a long prefill gets its first token in the next step, while
-the long prompt keeps at least half of every step.
+aging (:func:`virtual_start`); prompts shorter than an aged long one take up to half
+of the step's prompt room before it (:func:`prefill_sequence`), so a one-line
+question arriving during a long prefill gets its first token in the next step (or
+the next few, on a slow machine), while the long prompt keeps at least half of every
+step.
 
 Sans-IO: plain values in, plain values out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from forged.engine.costmodel import CostModel, StepShape, decode_shape
@@ -89,24 +91,25 @@ def lay_out(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
     # chunk length costs one more pass over the weights (~5 ms here, measured in
     # docs/engine.md). A few chunks per step fill the room when prompts are short.
     max_chunks = limits.max_prefill_chunks if limits.per_slot else running
-    first, scored = True, MAX_SCORED_TOKENS
-    for run in prefill_sequence(limits, cost, prefilling, room, max_chunks)[:max_chunks]:
+    floor, scored = True, MAX_SCORED_TOKENS
+    for run, share in prefill_sequence(limits, cost, prefilling, room, max_chunks)[:max_chunks]:
         most = min(cap, run.prompt_left)
         if run.req.prompt_logprobs:
             most = min(most, scored)
             if most <= 0:
                 continue  # the step's logits are spent; unscored prompts may go on
-        take = cost.max_prompt_tokens(run.next_prompt, room, most)
-        if first:
-            take = max(take, floor_tokens(cost, run.next_prompt, most))
+        take = cost.max_prompt_tokens(run.next_prompt, min(room, share), most)
+        if floor and share == math.inf:  # the aging order's head always progresses
+            take, floor = max(take, floor_tokens(cost, run.next_prompt, most)), False
         if take <= 0:
+            if share < math.inf:
+                continue  # its half of the room fits no token; the head's does
             break
         if run.req.prompt_logprobs:
             scored -= take
         chunks.append(_prompt_chunk(run, take))
         room -= cost.predict_extra(cost.chunk(run.next_prompt, take))
         cap -= take
-        first = False
     return chunks
 
 
@@ -162,29 +165,34 @@ def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Runn
 
 
 def prefill_sequence(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],
-                     room: float, max_chunks: int) -> list[Running]:
-    """The prompts in the order they get this step's room.
+                     room: float, max_chunks: int) -> list[tuple[Running, float]]:
+    """The prompts in the order they get this step's room, each with the most of it
+    (milliseconds) it may take.
 
-    The aging order (:func:`prefill_order`), except that prompts of the leading class
-    that can finish within half of the room go first: a short question arriving
-    during a long prefill gets its first token in the next step even when the long
-    prompt has aged past it, and the long one still gets at least half of every
-    step, so it is never starved.
+    The aging order (:func:`prefill_order`), except that the leading class's prompts
+    shorter than its head go first, shortest remaining first, within half of the
+    room: a short question arriving during a long prefill gets its first token in the
+    next step, or, where it cannot finish within half a step (a slow machine, many
+    decoders), in the next few, instead of waiting in aging order for the whole long
+    prompt (seen: 21 steps, 6 s, behind a 632-token file). The head takes the rest,
+    at least half of every step, so it is never starved.
     """
     order = sorted(prefilling, key=lambda run: prefill_order(limits, run))
     if not order:
-        return order
-    quick: list[Running] = []
+        return []
+    head = order[0]
+    shorter = sorted((r for r in order[1:] if r.req.rank == head.req.rank
+                      and r.prompt_left < head.prompt_left), key=lambda r: r.prompt_left)
+    first: list[tuple[Running, float]] = []
     half = room / 2
-    for run in order:
-        if run.req.rank != order[0].req.rank or len(quick) == max_chunks - 1:
-            break  # the last chunk of the step is the aging order's
+    for run in shorter[: max_chunks - 1]:  # the last chunk of the step is the head's
+        if half <= 0:
+            break
         work = cost.predict_extra(cost.chunk(run.next_prompt, run.prompt_left))
-        if work <= half:
-            quick.append(run)
-            half -= work
-    taken = {id(r) for r in quick}
-    return quick + [r for r in order if id(r) not in taken]
+        first.append((run, min(work, half)))
+        half -= work
+    taken = {id(r) for r, _ in first}
+    return first + [(r, math.inf) for r in order if id(r) not in taken]
 
 
 def step_shape(cost: CostModel, chunks: list[Chunk], running: Mapping[Key, Running]
