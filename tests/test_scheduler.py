@@ -685,10 +685,31 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     assert wait > 30
     assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
     assert s.early_rejections == 1 and s.n_queued == rid - 10
-    # each 600-token request ahead costs ~2.3 s of prefill beside two decoders and
-    # 1 s of slot turnover: the eleventh would have waited past 30 s
-    assert rid - 10 == 10
+    # each 600-token request ahead costs ~2.2 s of prefill beside two decoders, and
+    # slots turn over at 1 s each: the waits overlap, so the longer counts (not their
+    # sum, 3.2 s a request, which refused the eleventh): the fifteenth would have
+    # waited past 30 s
+    assert rid - 10 == 14
     assert s.statistics()["wait_estimate_s"] > 0
+
+
+def test_a_closed_loop_of_twice_the_slots_is_not_refused() -> None:
+    """bench.ceiling's closed loop of 32 callers on 16 slots: each caller waits for one
+    request to end (about 16 slot turnovers, 29 s here), well inside a 40 s timeout.
+    The slot wait and the prompt work of the 16 ahead were summed (42 s) and the last
+    callers refused, thousands of times a minute; the longer of the two counts."""
+    s, _ = costed()
+    for rid in range(16):  # every slot decodes a long answer
+        s.submit(*req(rid, n=8, max_tokens=1000, start=100 * rid), 0.0)
+    run_step(s, 0.0)
+    s.queue.finished_at.extend([1.8 * i for i in range(17)])  # a slot every 1.8 s
+    s.queue.waiting_clock = 1.8 * 16
+    now = s.queue.waiting_clock
+    for rid in range(100, 116):  # the other 16 callers' 200-token prompts
+        s.submit(*req(rid, n=200, max_tokens=64, start=1000 * rid, queue_timeout=40), now)
+    last = s.wait_estimate(0, virtual_start(s.limits, now, 200))
+    assert 25 < last < 40  # about the 16 slot turnovers ahead of it
+    assert s.early_rejections == 0 and s.n_queued == 16
 
 
 def test_a_lone_long_prompt_is_not_refused_for_its_own_prefill() -> None:

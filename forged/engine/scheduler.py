@@ -398,13 +398,19 @@ class Scheduler:
 
     def wait_estimate(self, rank: int, vstart: float, wanted: int = 1) -> float:
         """Seconds a request of this class and place in the order would wait before its
-        own prompt starts: for a slot, then for the prompt work ahead of it, at the pace
-        steps leave for prompts. Its own prefill is not waiting, so a lone long prompt is
-        never refused. An estimate, used only to refuse at once what would wait past its
-        queue timeout anyway. ``wanted``: the slots it needs (its choices).
+        own prompt starts: for a slot, or for the prompt work ahead of it at the pace
+        steps leave for prompts, whichever is longer. Its own prefill is not waiting, so
+        a lone long prompt is never refused. An estimate, used only to refuse at once
+        what would wait past its queue timeout anyway. ``wanted``: the slots it needs
+        (its choices).
 
         The slots: at the pace slots were freed lately while requests waited
-        (``WaitQueue.slot_wait``)."""
+        (``WaitQueue.slot_wait``). The two waits overlap, so the longer counts, not
+        their sum: the requests ahead compute their prompts while this one waits for
+        a slot, and that pace of slots already includes their prefills. Summed, a
+        closed loop of twice the slots (each caller waiting for one request to end,
+        about 30 s) was estimated at over 60 s and refused thousands of times a minute
+        (issue 34)."""
         ahead = self.queue.ahead(rank, vstart)
         # The model is linear: the work of many prompts is that of their summed shapes.
         work = StepShape()
@@ -415,8 +421,8 @@ class Scheduler:
                 work = work.plus(self.cost.chunk(r.next_prompt, r.prompt_left))
         short = sum(q.req.n for q in ahead) + wanted - (
             self.limits.max_running - len(self._running))
-        return self.queue.slot_wait(short) + self._prefill_seconds(
-            self.cost.predict_extra(work))
+        return max(self.queue.slot_wait(short),
+                   self._prefill_seconds(self.cost.predict_extra(work)))
 
     def _prefill_seconds(self, work_ms: float) -> float:
         """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
