@@ -1,7 +1,8 @@
 #!/bin/sh
-# Build llama.cpp's llama-server from the vendored sources of the llama-cpp-python sdist
-# that forged pins, into a cache folder outside the repo, for the comparison benchmark.
-# Usage: bench/build-llama-server.sh [CACHE_DIR]   (prints the binary's path)
+# Build llama.cpp's llama-server (and llama-batched-bench, the engine's own ceiling, in
+# the same folder) from the vendored sources of the llama-cpp-python sdist that forged
+# pins, into a cache folder outside the repo, for the comparison benchmarks.
+# Usage: bench/build-llama-server.sh [CACHE_DIR]   (prints llama-server's path)
 set -eu
 version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 cache=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/forged-bench}
@@ -10,14 +11,15 @@ cache=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/forged-bench}
 # warm-up (SIGILL on tilezero, or a general protection fault). The older "build"
 # folder, native with AMX, is left alone.
 bin="$cache/llama.cpp-$version/build-noamx/bin/llama-server"
-if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+built() { [ -x "$bin" ] && [ -x "${bin%/*}/llama-batched-bench" ]; }
+if built; then echo "$bin"; exit 0; fi
 mkdir -p "$cache"
 # One build at a time per cache: two at once (a benchmark beside the test that needs
 # llama-server) overwrote each other's objects ("Text file busy"). The second waits,
 # then finds the first's binary.
 exec 9>"$cache/.build.lock"
 flock 9
-if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+if built; then echo "$bin"; exit 0; fi
 cd "$cache"
 if [ ! -d "llama.cpp-$version" ]; then
     python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d sdist >&2
@@ -32,5 +34,5 @@ export CXXFLAGS="$CFLAGS"
 # The UI flags stop the build from downloading its web UI (no network here).
 cmake -B build-noamx -DCMAKE_BUILD_TYPE=Release -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
       -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >&2
-cmake --build build-noamx --target llama-server -j "$(nproc)" >&2
+cmake --build build-noamx --target llama-server llama-batched-bench -j "$(nproc)" >&2
 echo "$bin"
