@@ -144,10 +144,12 @@ class EngineConfig(_Section, frozen=True):
     # to target_step_ms; as prompts pile up, their shares add up to the target. 1: each
     # step takes as much prompt work as the target leaves.
     prompt_spread: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
-    # Off: on CPUs llama.cpp's flash attention takes one query at a time for decoding
-    # streams and short chunks, which made a step of 15 streams 1,000 tokens deep twice
-    # as long (237 against 120 ms, docs/engine.md). It wins only on long prompt chunks.
-    flash_attn: bool = False
+    # "auto": each worker times a few steps both ways when it starts and takes flash
+    # attention only where it is 10% faster (forged status says what it measured).
+    # Its worth depends on the CPU: on one machine it made a step of 15 streams 1,000
+    # tokens deep twice as long (237 against 120 ms, docs/engine.md); on another,
+    # llama-server was faster with it at every load. true/false: fixed.
+    flash_attn: bool | Literal["auto"] = "auto"
     # CPUs this model's workers (and llama.cpp's threads) run on; []: every CPU but
     # server.door_cpus.
     cpus: list[Annotated[int, msgspec.Meta(ge=0)]] = []

@@ -91,6 +91,10 @@ async def test_a_session_survives_a_restart_with_the_same_answer(
         async with start_daemon(tiny_model, engine=ENGINE) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             assert d.stats()["kv_disk_entries"] == 1
+            # flash_attn "auto": measured at the first start, kept beside the states,
+            # so this start cannot choose the other way and drop them
+            worker = d.daemon.pool.statistics()["workers"][0]
+            assert worker["flash_attn_why"].endswith("at an earlier start")
             again = await chat(c, messages, "s")
             assert d.stats()["kv_disk_restores"] == 1 and d.stats()["session_resumes"] == 1
     assert cached(again) == cached(ref) > 32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -150,6 +151,9 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     assert "model tiny" in out and "ready" in out
     assert "(4 requests)" in out
     assert "TTFT        p50" in out and "worker 0" in out
+    # flash_attn = "auto" (the default): the worker timed both and says what it found
+    assert re.search(r"attention flash attention (on|off): measured [\d.]+ ms with flash "
+                     r"attention, [\d.]+ ms without", out), out
     assert "in 4 requests" in out and "sessions 2 pinned" in out  # s0 and s1
     assert "KV RAM      0 of 4096 MiB, 0 states, 0 restores" in out
     assert "KV disk     0 of 8192 MiB" in out and "KV moves    0 saved" in out

@@ -655,8 +655,9 @@ class Llama(_Closing):
     """A model and its context as :class:`forged.engine.decoding.Backend`: all the worker's
     core asks of llama.cpp."""
 
-    def __init__(self, model_path: str, params: ContextParams) -> None:
-        self.model = Model(model_path)
+    def __init__(self, model: str | Model, params: ContextParams) -> None:
+        """``model``: a path, or a model loaded already (this object closes it)."""
+        self.model = Model(model) if isinstance(model, str) else model
         try:
             self.ctx = Context(self.model, params)
         except BaseException:

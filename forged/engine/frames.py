@@ -36,7 +36,7 @@ class Init(_Frame, tag="init"):
 
     model_path: str
     threads: int
-    flash_attn: bool
+    flash_attn: bool | None  # None: chosen by measurement (forged.engine.attention)
     heartbeat_interval: float
     limits: SchedulerLimits
     test_hooks: bool = False
@@ -109,6 +109,8 @@ ToWorker = (Init | Submit | Cancel | SetLimits | Renice | Shutdown | Hang | Slow
 
 class Ready(_Frame, tag="ready"):
     pid: int
+    flash_attn: bool = False  # what the worker runs with
+    flash_attn_why: str = ""  # "set in the config", or what it measured
 
 
 class Step(_Frame, tag="step"):

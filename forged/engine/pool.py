@@ -228,7 +228,8 @@ class EnginePool:
         cache_dir = str(self.cache_dir / f"worker-{index}") if e.cache_disk_mib else ""
         path = f"/proc/self/fd/{self.model_fd}" if self.model_fd >= 0 else self.model.path
         return fr.Init(model_path=path, threads=e.threads,
-                       flash_attn=e.flash_attn, heartbeat_interval=e.heartbeat_interval,
+                       flash_attn=None if e.flash_attn == "auto" else e.flash_attn,
+                       heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
                        nice=self.nice, embedding=self.embedding,
                        cpus=worker_cpus(e.cpus, self.cfg.server.door_cpus))
@@ -487,7 +488,8 @@ class EnginePool:
             "workers": [
                 {"index": w.index, "pid": w.pid, "ready": w.ready, "restarts": w.restarts,
                  "pending": len(self.pending[w.index]), "digests": self.router.held(w.index),
-                 "heard_ago": now - w.last_heard if w.ready else None, "stats": w.stats}
+                 "heard_ago": now - w.last_heard if w.ready else None, "stats": w.stats,
+                 "flash_attn": w.attention[0], "flash_attn_why": w.attention[1]}
                 for w in self.workers
             ],
             "totals": self.totals(),

@@ -72,6 +72,8 @@ class WorkerSupervisor:
         self._on_ready = on_ready
         self._pass_fds = pass_fds  # the model file, open, for Init.model_path
         self.pid: int | None = None
+        # Flash attention as the running process reported it, and why (Ready).
+        self.attention: tuple[bool, str] = (False, "")
         self.ready = False
         self.restarts = 0
         self.failures = 0  # restarts in a row, for the backoff
@@ -161,7 +163,7 @@ class WorkerSupervisor:
     async def _start(self, stream: trio.SocketStream) -> fr.FrameBuffer:
         with trio.fail_after(self.engine.startup_timeout):
             ready, steps, buf = await channel.handshake(stream, self._make_init())
-        self.pid = ready.pid
+        self.pid, self.attention = ready.pid, (ready.flash_attn, ready.flash_attn_why)
         for step in steps:
             self._heard(step)
         self.ready = True

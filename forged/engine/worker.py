@@ -19,12 +19,14 @@ import signal
 import socket
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import msgspec
 
 from forged.engine import frames as fr
-from forged.engine.backend import ContextParams, Embedder, Llama, llama_version
+from forged.engine.attention import Choice, Probe, choose, recall, remember
+from forged.engine.backend import ContextParams, Embedder, Llama, Model, llama_version
 from forged.engine.core import WorkerCore, calibrate
 from forged.engine.decoding import Backend
 from forged.engine.embedcore import EmbedCore
@@ -40,11 +42,19 @@ class WorkerShell:
         self.hooks: HookedBackend | None = None
         self.core: WorkerCore | EmbedCore
         self.llama: Llama | Embedder
+        self.attention = Choice(bool(init.flash_attn), "set in the config")
         if init.embedding:
-            self.llama = Embedder(init.model_path, _context_params(init))
+            self.llama = Embedder(init.model_path, _context_params(init, False))
             self.core = EmbedCore(self.llama, init.limits)
         else:
-            self.llama = Llama(init.model_path, _context_params(init))
+            model = Model(init.model_path)
+            try:
+                if init.flash_attn is None:
+                    self.attention = _measured_attention(init, model)
+                self.llama = Llama(model, _context_params(init, self.attention.flash_attn))
+            except BaseException:
+                model.close()
+                raise
             self.core = self._generation_core(self.llama)
         self.inbuf = fr.FrameBuffer()
         self.running = True
@@ -54,8 +64,9 @@ class WorkerShell:
         init, lim = self.init, self.init.limits
         self.hooks = HookedBackend(llama) if init.test_hooks else None
         backend: Backend = self.hooks or llama
-        disk = _disk_tier(init)
-        cost = calibrate(backend, lim.slots, flash_attn=init.flash_attn, per_slot=lim.per_slot)
+        disk = _disk_tier(init, self.attention.flash_attn)
+        cost = calibrate(backend, lim.slots, flash_attn=self.attention.flash_attn,
+                         per_slot=lim.per_slot)
         return WorkerCore(backend, lim, cost, disk=disk,
                           saved=disk.scan() if disk is not None else ())
 
@@ -115,7 +126,7 @@ class WorkerShell:
             self.llama.close()
 
 
-def _context_params(init: fr.Init) -> ContextParams:
+def _context_params(init: fr.Init, flash_attn: bool) -> ContextParams:
     lim = init.limits
     if init.embedding:
         return ContextParams(n_ctx=lim.embed_batch, n_seq_max=lim.slots,
@@ -123,14 +134,40 @@ def _context_params(init: fr.Init) -> ContextParams:
     return ContextParams(
         n_ctx=lim.kv_cells, n_seq_max=lim.slots,
         n_batch=max(lim.step_tokens, lim.prefill_step_tokens), threads=init.threads,
-        flash_attn=init.flash_attn, kv_unified=not lim.per_slot)
+        flash_attn=flash_attn, kv_unified=not lim.per_slot)
 
 
-def _disk_tier(init: fr.Init) -> DiskStore | None:
+def _measured_attention(init: fr.Init, model: Model) -> Choice:
+    """engine.flash_attn = "auto": what an earlier start measured for this model file,
+    llama.cpp, CPU and threads (kept beside the saved states), or a measurement now."""
+    kept = Path(init.cache_dir) / "attention.json" if init.cache_dir else None
+    identity = model_identity(init.model_path, llama_version(), _cpu_name(),
+                              f"threads={init.threads}")
+    if kept is not None and (known := recall(kept, identity)) is not None:
+        return known
+    with closing(Probe(model, init.threads)) as probe:
+        choice = choose(probe.measure)
+    if kept is not None:
+        remember(kept, identity, choice)
+    return choice
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def _disk_tier(init: fr.Init, flash_attn: bool) -> DiskStore | None:
     if not init.cache_dir or not init.limits.cache_disk_bytes:
         return None
     identity = model_identity(init.model_path, llama_version(),
-                              f"flash_attn={init.flash_attn}")
+                              f"flash_attn={flash_attn}")
     try:
         return DiskStore(Path(init.cache_dir), identity)
     except OSError as exc:  # the daemon checked state_dir; a sub-folder may still fail
@@ -176,7 +213,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:
         print(f"forged worker: cannot start: {exc}", file=sys.stderr)
         return 1
-    sock.sendall(fr.encode(fr.Ready(pid=os.getpid())))
+    sock.sendall(fr.encode(fr.Ready(pid=os.getpid(), flash_attn=shell.attention.flash_attn,
+                                    flash_attn_why=shell.attention.why)))
     shell.send(force=True)  # statistics before the first request
     try:
         shell.run()

@@ -114,7 +114,15 @@ def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
     model = f" ({w['model']})" if several_models else ""
     return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
             f"{w['pending']} requests, {w['restarts']} restarts, "
-            f"{w.get('digests', 0)} prefix digests", *_steps(w["stats"])]
+            f"{w.get('digests', 0)} prefix digests", *_attention(w), *_steps(w["stats"])]
+
+
+def _attention(w: dict[str, Any]) -> list[str]:
+    """Flash attention as the worker runs it, and why (absent from older daemons)."""
+    if not w.get("flash_attn_why"):
+        return []
+    return [f"  attention flash attention {'on' if w['flash_attn'] else 'off'}: "
+            f"{w['flash_attn_why']}"]
 
 
 def _models(stats: dict[str, Any]) -> list[str]:
