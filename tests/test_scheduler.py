@@ -685,11 +685,10 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     assert wait > 30
     assert refused.value.retry_after == pytest.approx(wait - 30, abs=1.0)
     assert s.early_rejections == 1 and s.n_queued == rid - 10
-    # each 600-token request ahead costs ~2.2 s of prefill beside two decoders, and
-    # slots turn over at 1 s each: the waits overlap, so the longer counts (not their
-    # sum, 3.2 s a request, which refused the eleventh): the fifteenth would have
-    # waited past 30 s
-    assert rid - 10 == 14
+    # slots turn over at 1 s each: the thirty-first would have waited 31 s for one (the
+    # prompt work ahead, ~2.2 s a request, is done meanwhile and counts no more: added
+    # to the slots it refused the eleventh, as the longer of the two the fifteenth)
+    assert rid - 10 == 30
     assert s.statistics()["wait_estimate_s"] > 0
 
 
@@ -710,6 +709,23 @@ def test_a_closed_loop_of_twice_the_slots_is_not_refused() -> None:
     last = s.wait_estimate(0, virtual_start(s.limits, now, 200))
     assert 25 < last < 40  # about the 16 slot turnovers ahead of it
     assert s.early_rejections == 0 and s.n_queued == 16
+
+
+def test_the_door_does_not_refuse_a_question_for_long_prompts_prefilling() -> None:
+    """The door refuses when even a one-token question would wait past the timeout
+    (the published ``wait_estimate_s``). Long prompts prefilling with a slot free are
+    no such wait: the question is admitted at once and passes them (a short prompt
+    takes half of each step's room). Taken as a bound (max with the slot wait), their
+    ~8 s of work refused every request at the door of a closed loop whose callers
+    waited 30 s at most."""
+    s, _ = costed()
+    decoding(s, 4)
+    for rid in range(1, 4):
+        s.submit(*req(rid, n=900, max_tokens=5, start=1000 * rid), 0.0)
+    run_step(s, 0.0)
+    run_step(s, 60.0)  # they aged past any new arrival: ahead of it in aging order
+    assert s.statistics()["prefilling"] == 3 and s.n_queued == 0
+    assert s.statistics()["wait_estimate_s"] == 0.0
 
 
 def test_a_lone_long_prompt_is_not_refused_for_its_own_prefill() -> None:
@@ -994,11 +1010,12 @@ def admissions(s: Scheduler) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("where", ["slot", "ram"])
-def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str) -> None:
+def test_questions_about_a_cached_context_are_not_refused_and_served_from_it(where: str
+                                                                           ) -> None:
     """Twenty questions about one cached 1,000-token context queue behind each other.
-    Each costs the door a question's prefill, not the context's again: before the fix
-    the fifth was refused (four 1,001-token prefills ahead, ~4.9 s each at the seed's
-    pace, against a 20 s queue timeout)."""
+    When the estimate counted the prompt work ahead, counting whole prompts refused
+    the fifth (four 1,001-token prefills ahead, ~4.9 s each at the seed's pace, against
+    a 20 s queue timeout); it now counts slots only (issue 34)."""
     s = Scheduler(limits(kv_cells=8192, slots=1, max_running=1, step_tokens=256,
                          cache_ram_bytes=1 << 30))
     s.submit(*seq(1, HEAD, 1), 0.0)
@@ -1017,10 +1034,12 @@ def test_the_wait_estimate_counts_only_what_the_caches_will_not_serve(where: str
     assert admissions(s) == {rid: len(HEAD) for rid in range(10, 30)}
 
 
-def test_the_wait_estimate_counts_a_cold_prefix_shared_by_queued_requests_once() -> None:
+def test_questions_about_a_cold_shared_prefix_are_not_refused_and_it_is_computed_once(
+        ) -> None:
     """Four questions about one cold context, queued together: the first computes the
-    context and the others copy it (``_hold``), so the door counts it once. Before the
-    fix the fourth was refused (three 1,001-token prefills ahead, ~14.6 s > 10 s)."""
+    context and the others copy it (held in the queue). When the estimate counted
+    the prompt work ahead, counting the context each time refused the fourth (three
+    1,001-token prefills ahead, ~14.6 s > 10 s)."""
     s = Scheduler(limits(kv_cells=8192, step_tokens=256))
     for rid in range(1, 5):
         s.submit(*seq(rid, [*HEAD, rid], 1, queue_timeout=10.0), 0.0)

@@ -137,22 +137,21 @@ def floor_tokens(cost: CostModel, pos: int, most: int) -> int:
 
 
 def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, positions: list[int],
-                   prefilling: list[Running], waiting_ms: float = 0.0) -> float:
+                   prefilling: list[Running]) -> float:
     """Milliseconds of prompt work a step may take beside decoders at ``positions``:
     what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
     ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
-    allowances (:func:`allowance_ms`; ``waiting_ms`` of queued work counted too), nor
-    less than decoding alone takes."""
+    allowances (:func:`allowance_ms`), nor less than decoding alone takes."""
     decode = cost.predict(decode_shape(positions))
     room = max(limits.target_step_ms - decode,
                decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
     if positions and limits.prompt_spread > 1:
-        room = min(room, max(allowance_ms(limits, cost, prefilling, waiting_ms), decode))
+        room = min(room, max(allowance_ms(limits, cost, prefilling), decode))
     return room
 
 
-def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],
-                 waiting_ms: float) -> float:
+def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running]
+                 ) -> float:
     """Each prefilling prompt's whole work divided by ``prompt_spread``, summed: a
     prompt is computed in about that many steps. At light load a long prompt then
     lengthens a few gaps a little, instead of one or two gaps by up to the target;
@@ -161,7 +160,7 @@ def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Runn
     question) still finishes in one step."""
     work = sum(cost.predict_extra(cost.chunk(r.cached, len(r.req.prompt) - r.cached))
                for r in prefilling)
-    return (work + waiting_ms) / limits.prompt_spread
+    return work / limits.prompt_spread
 
 
 def prefill_sequence(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],

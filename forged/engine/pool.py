@@ -362,7 +362,7 @@ class EnginePool:
         wait = min((w.stats.get("wait_estimate_s", 0.0) for w in routable), default=0.0)
         if wait > lim.queue_timeout:
             raise Overloaded(f"the server is at capacity: a request would wait about "
-                             f"{wait:.0f} s for a slot and the prompts ahead",
+                             f"{wait:.0f} s for a slot",
                              retry_after_seconds(wait - lim.queue_timeout))
         return routable  # empty: every ready worker is late (open_request waits)
 

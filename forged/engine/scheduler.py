@@ -60,10 +60,9 @@ from __future__ import annotations
 import msgspec
 
 from forged.config import PRIORITIES
-from forged.engine.costmodel import CostModel, StepShape, decode_shape
+from forged.engine.costmodel import CostModel
 from forged.engine.kvtiers import Entry
 from forged.engine.layout import (
-    MIN_PREFILL_TOKENS,
     decode_chunks,
     lay_out,
     prompt_room_ms,
@@ -397,45 +396,23 @@ class Scheduler:
     # --- capacity ---------------------------------------------------------------------
 
     def wait_estimate(self, rank: int, vstart: float, wanted: int = 1) -> float:
-        """Seconds a request of this class and place in the order would wait before its
-        own prompt starts: for a slot, or for the prompt work ahead of it at the pace
-        steps leave for prompts, whichever is longer. Its own prefill is not waiting, so
-        a lone long prompt is never refused. An estimate, used only to refuse at once
-        what would wait past its queue timeout anyway. ``wanted``: the slots it needs
-        (its choices).
+        """Seconds a request of this class and place in the order would wait in the
+        queue, which is all its queue timeout bounds: until ``wanted`` slots (its
+        choices) are free for it, at the pace slots were freed lately while requests
+        waited (``WaitQueue.slot_wait``). An estimate, used only to refuse at once what
+        would wait past its queue timeout anyway.
 
-        The slots: at the pace slots were freed lately while requests waited
-        (``WaitQueue.slot_wait``). The two waits overlap, so the longer counts, not
-        their sum: the requests ahead compute their prompts while this one waits for
-        a slot, and that pace of slots already includes their prefills. Summed, a
-        closed loop of twice the slots (each caller waiting for one request to end,
-        about 30 s) was estimated at over 60 s and refused thousands of times a minute
-        (issue 34)."""
-        ahead = self.queue.ahead(rank, vstart)
-        # The model is linear: the work of many prompts is that of their summed shapes.
-        work = StepShape()
-        for q in ahead:  # only what the caches will not serve
-            work = work.plus(self.cost.chunk(q.cached, q.to_compute))
-        for r in self._prefilling():
-            if (r.req.rank, r.vstart) <= (rank, vstart):
-                work = work.plus(self.cost.chunk(r.next_prompt, r.prompt_left))
-        short = sum(q.req.n for q in ahead) + wanted - (
+        The prompt work ahead of it is not added, nor taken as a second bound: once
+        admitted a request never times out, and the pace of slots already includes
+        the prefills of those ahead. Added (until issue 34), a closed loop of twice
+        the slots (each caller waiting ~30 s for one request to end) was estimated
+        past 60 s and refused thousands of times a minute; as a bound, the door's
+        estimate for a short question counted the long prompts prefilling, which a
+        short prompt passes (``layout.prefill_sequence``), and refused half of a
+        closed loop of 64 requests."""
+        short = sum(q.req.n for q in self.queue.ahead(rank, vstart)) + wanted - (
             self.limits.max_running - len(self._running))
-        return max(self.queue.slot_wait(short),
-                   self._prefill_seconds(self.cost.predict_extra(work)))
-
-    def _prefill_seconds(self, work_ms: float) -> float:
-        """Wall time to compute ``work_ms`` of prompt work beside today's decoders: each
-        step fills the room its decoders leave, up to ``step_tokens``."""
-        positions = [self.cache.ledger.length(r.slot) for r in self._running.values()
-                     if r.phase is Phase.DECODE]
-        full = self.cost.predict_extra(self.cost.chunk(0, self.limits.step_tokens - len(positions)))
-        floor = self.cost.predict_extra(self.cost.chunk(0, MIN_PREFILL_TOKENS))
-        room = max(floor, min(prompt_room_ms(self.limits, self.cost, positions,
-                                             self._prefilling(), work_ms), full))
-        if room <= 0:  # the fit found prompt work free (tiny models' steps): no wait
-            return 0.0
-        return work_ms / room * (self.cost.predict(decode_shape(positions)) + room) / 1000
+        return self.queue.slot_wait(short)
 
     # --- step layout ---------------------------------------------------------------------
 
