@@ -139,12 +139,18 @@ def _context_params(init: fr.Init, flash_attn: bool) -> ContextParams:
 
 def _measured_attention(init: fr.Init, model: Model) -> Choice:
     """engine.flash_attn = "auto": what an earlier start measured for this model file,
-    llama.cpp, CPU and threads (kept beside the saved states), or a measurement now."""
+    llama.cpp, CPU and threads (kept beside the saved states), or a measurement now.
+    Not while loading beside serving models (a swap, a drop-in: ``init.nice``): their
+    streams take the cores, which skews the timing (and slowed the load from 0.1 to
+    4.7 s in a test); off until a start that can measure."""
     kept = Path(init.cache_dir) / "attention.json" if init.cache_dir else None
     identity = model_identity(init.model_path, llama_version(), _cpu_name(),
                               f"threads={init.threads}")
     if kept is not None and (known := recall(kept, identity)) is not None:
         return known
+    if init.nice:
+        return Choice(False, "not measured: loaded beside a serving model, whose streams "
+                             "would skew the timing; off until the next start")
     with closing(Probe(model, init.threads)) as probe:
         choice = choose(probe.measure)
     if kept is not None:
