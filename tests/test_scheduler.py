@@ -592,13 +592,20 @@ def test_the_fit_follows_a_machine_that_slows_down() -> None:
     assert model.predict(StepShape(decoders=8)) == pytest.approx(2 * (5 + 16), rel=0.1)
 
 
-def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -> None:
-    s, _ = costed(overtake_window=1.0, max_context=1000)
+def short_beside_an_aged_long_prefill(short: int) -> tuple[Scheduler, CostModel]:
+    """Four streams decode and a 900-token prompt prefills; 10 s later, when it has
+    aged past any new arrival, a ``short``-token prompt (rid 2) arrives."""
+    s, cost = costed(overtake_window=1.0, max_context=1000)
     decoding(s, 4)
     s.submit(*req(1, n=900, max_tokens=5), 0.0)
     run_step(s, 0.5)
+    s.submit(*req(2, n=short, max_tokens=5, start=5000), 10.0)
+    return s, cost
+
+
+def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step() -> None:
     # the long prompt aged past any new arrival long ago: a short one still goes first
-    s.submit(*req(2, n=20, max_tokens=5, start=5000), 10.0)
+    s, _ = short_beside_an_aged_long_prefill(20)
     plan = s.plan(10.0)
     assert plan is not None
     short = next(c for c in plan.chunks if c.rid == 2)
@@ -613,11 +620,7 @@ def test_a_short_prompt_longer_than_half_the_room_still_overtakes_an_aged_long_o
     not finish within half of a step's room (30-odd tokens beside 10 decoders), so it
     waited in aging order behind a 632-token prompt for 21 steps (6 s). It now takes
     half of every step's room until it is done; the long one keeps the other half."""
-    s, cost = costed(overtake_window=1.0, max_context=1000)
-    decoding(s, 4)
-    s.submit(*req(1, n=900, max_tokens=5), 0.0)
-    run_step(s, 0.5)
-    s.submit(*req(2, n=60, max_tokens=5, start=5000), 10.0)
+    s, cost = short_beside_an_aged_long_prefill(60)
     first = s.plan(10.0)
     assert first is not None
     room = 150 - cost.predict(decode_shape([c.pos for c in first.chunks if c.rid >= 100]))
