@@ -27,6 +27,7 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,31 +61,37 @@ CONFIGS = {  # llama-batched-bench's options beside the model, threads and conte
 _ROW = re.compile(r"^\|" + r"\s*(\d+)\s*\|" * 4 + r"\s*([\d.]+)\s*\|" * 6)
 
 
-def forged_saturated(seconds: float, engine_set: dict[str, Any]) -> dict[str, Any]:
-    """forged's computed tokens per second in a closed loop of 32 mixed callers."""
-    tmp = Path(tempfile.mkdtemp())
-    port = free_port()
-    engine = {"threads": THREADS, "kv_cells": CONTEXT, "slots": BATCH, "max_running": BATCH,
-              "max_context": CONTEXT // BATCH, **engine_set}
-    d = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine), port)
-    admin = f"unix:{tmp}/admin.sock"
-    try:
-        d.wait_ready()
-        # More than the loop can take, refusals included: it must not run dry
-        prompts = make_prompts("mixed", 8192, MAX_TOKENS, seed=34)
-        before, t0 = forged_counters(admin), time.monotonic()
-        s = trio.run(lambda: run_load(d.url, prompts, concurrency=32, rate=None,
-                                      duration=seconds, model=None, label="forged c=32"))
-        wall = time.monotonic() - t0
-        after = forged_counters(admin)
-    finally:
-        d.stop()
-    shape = step_shape(before, after, wall)
+def closed_loop(url: str, counters: Callable[[], dict[str, float]], label: str,
+                seconds: float) -> dict[str, Any]:
+    """A server's computed tokens per second in a closed loop of 32 mixed callers,
+    from its own ``counters`` (steps and tokens computed) before and after."""
+    # More than the loop can take, refusals included: it must not run dry
+    prompts = make_prompts("mixed", 8192, MAX_TOKENS, seed=34)
+    before, t0 = counters(), time.monotonic()
+    s = trio.run(lambda: run_load(url, prompts, concurrency=32, rate=None,
+                                  duration=seconds, model=None, label=label))
+    wall = time.monotonic() - t0
+    shape = step_shape(before, counters(), wall)
     return {"requests": s["ok"], "errors": s["errors"], "wall_s": wall, **shape,
             "computed_tok_per_s": shape["tokens_computed"] / wall,
             # what it computed a request: the caches serve the mix's few shared lines
             "prompt_per_request": (s["prompt_tokens"] - (s["cached_tokens"] or 0))
             / max(1, s["ok"])}
+
+
+def forged_saturated(seconds: float, engine_set: dict[str, Any]) -> dict[str, Any]:
+    """forged (16 running) in the closed loop."""
+    tmp = Path(tempfile.mkdtemp())
+    port = free_port()
+    engine = {"threads": THREADS, "kv_cells": CONTEXT, "slots": BATCH, "max_running": BATCH,
+              "max_context": CONTEXT // BATCH, **engine_set}
+    d = DaemonProcess(write_config(tmp / "forged.toml", MODEL, port, engine=engine), port)
+    try:
+        d.wait_ready()
+        return closed_loop(d.url, lambda: forged_counters(f"unix:{tmp}/admin.sock"),
+                           "forged c=32", seconds)
+    finally:
+        d.stop()
 
 
 def llama_server_saturated(server: str, seconds: float) -> dict[str, Any]:
@@ -93,17 +100,10 @@ def llama_server_saturated(server: str, seconds: float) -> dict[str, Any]:
     ls = LlamaServer(server, [*BEST, "--metrics"], tmp / "llama-server.log")
     try:
         ls.wait_ready()
-        prompts = make_prompts("mixed", 8192, MAX_TOKENS, seed=34)
-        before, t0 = llama_counters(ls.url), time.monotonic()
-        s = trio.run(lambda: run_load(ls.url, prompts, concurrency=32, rate=None,
-                                      duration=seconds, model=None, label="llama-server c=32"))
-        wall = time.monotonic() - t0
-        after = llama_counters(ls.url)
+        return closed_loop(ls.url, lambda: llama_counters(ls.url), "llama-server c=32",
+                           seconds)
     finally:
         ls.stop()
-    shape = step_shape(before, after, wall)
-    return {"requests": s["ok"], "errors": s["errors"], "wall_s": wall, **shape,
-            "computed_tok_per_s": shape["tokens_computed"] / wall}
 
 
 def batched_bench(binary: Path, options: list[str], pp: int) -> dict[str, float]:

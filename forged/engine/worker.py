@@ -42,7 +42,9 @@ class WorkerShell:
         self.hooks: HookedBackend | None = None
         self.core: WorkerCore | EmbedCore
         self.llama: Llama | Embedder
-        self.attention = Choice(bool(init.flash_attn), "set in the config")
+        # An embedding worker's context takes no flash attention: nothing to show.
+        self.attention = Choice(bool(init.flash_attn),
+                                "" if init.embedding else "set in the config")
         if init.embedding:
             self.llama = Embedder(init.model_path, _context_params(init, False))
             self.core = EmbedCore(self.llama, init.limits)
