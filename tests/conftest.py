@@ -11,6 +11,7 @@ import trio
 
 from forged import config as fc
 from forged.daemon.lifespan import Daemon
+from forged.engine.stats import Totals
 from tests.tinymodel import write_tiny_bert, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,11 +68,9 @@ class RunningDaemon:
         self.url = url
         self.admin_sock = admin_sock
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Totals:
         assert self.daemon.state is not None
-        totals = self.daemon.pool.statistics()["totals"]
-        assert isinstance(totals, dict)
-        return totals
+        return self.daemon.pool.totals()
 
 
 DaemonFactory = Callable[..., AbstractAsyncContextManager[RunningDaemon]]

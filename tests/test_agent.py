@@ -17,6 +17,7 @@ import trio
 
 from forged import config as fc
 from forged.agent.weight import NodeLoad, agent_reply, node_load, weight_percent
+from forged.engine.stats import WorkerStats
 from forged.observe.status import render_pool
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, write_config
@@ -44,9 +45,9 @@ def test_weight_formula(node: NodeLoad, weight: int) -> None:
 
 
 def test_node_load_from_worker_statistics() -> None:
-    busy = {"kv_cells_total": 1000.0, "kv_cells_active": 300.0, "kv_cells_reserved": 100.0,
-            "kv_cells_cached": 500.0, "running": 4.0, "queued_tokens": 1500.0,
-            "cost_prompt_token_ms": 2.0}
+    busy = WorkerStats(kv_cells_total=1000.0, kv_cells_active=300.0, kv_cells_reserved=100.0,
+                       kv_cells_cached=500.0, running=4.0, queued_tokens=1500.0,
+                       cost_prompt_token_ms=2.0)
     one = node_load([busy], workers=1, kv_cells=1000, max_running=8)
     # Cached cells are free for the taking: only what running sequences hold counts.
     assert one == NodeLoad(kv_free=0.6, running_free=0.5, queue_seconds=3.0)

@@ -142,8 +142,8 @@ async def test_bad_input_gets_openai_4xx_and_loses_nothing(
                 "prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "logprobs": None})
             assert r.status_code == 200
             assert (await c.get("/health")).status_code == 200
-            await until(lambda: d.stats().get("running") == 0)
-            assert d.stats()["kv_cells_active"] == 0
+            await until(lambda: d.stats().running == 0)
+            assert d.stats().kv_cells_active == 0
 
 
 async def open_raw_stream(d: RunningDaemon, path: str, body: dict[str, Any], events: int,
@@ -173,16 +173,16 @@ async def assert_a_dropped_stream_is_freed_within_a_step(
     step = 0.5
     testhooks.slow_steps(d.daemon.pool, 0, step)
     sock = await open_raw_stream(d, path, body, events)
-    assert d.stats()["running"] == body.get("n", 1)
+    assert d.stats().running == body.get("n", 1)
     await trio.sleep(2 * step)  # statistics arrive with each (slow) step
-    steps_at_drop = d.stats()["steps"]
+    steps_at_drop = d.stats().steps
     await sock.aclose()
-    await until(lambda: d.stats()["running"] == 0)
+    await until(lambda: d.stats().running == 0)
     st = d.stats()
-    assert st["kv_cells_active"] == 0
+    assert st.kv_cells_active == 0
     # At most the step in flight when the cancel arrived (and one whose statistics
     # were still on the wire) ran after the drop.
-    assert st["steps"] - steps_at_drop <= 2
+    assert st.steps - steps_at_drop <= 2
     assert d.daemon.pool.in_flight() == 0
 
 
@@ -213,7 +213,7 @@ async def test_worker_crash_gives_clean_errors_and_restarts(
             async with trio.open_nursery() as n:
                 for _ in range(3):
                     n.start_soon(one)
-                await until(lambda: d.stats().get("running", 0) == 3)
+                await until(lambda: d.stats().running == 3)
                 assert old_pid is not None
                 os.kill(old_pid, signal.SIGKILL)
             for events in results:
@@ -245,7 +245,7 @@ async def test_32_concurrent_streams_all_finish(tiny_model: Path,
                     for i in range(32):
                         n.start_soon(one, i)
             assert counts == {i: 20 + i for i in range(32)}
-            await until(lambda: d.stats()["running"] == 0)
+            await until(lambda: d.stats().running == 0)
 
 
 @pytest.mark.parametrize(("overtake_window", "short_first"), [(30.0, True), (0.0, False)])
@@ -280,12 +280,12 @@ async def test_a_short_prompt_overtakes_queued_long_prompts(
                 finished.append(name)
 
             def queued() -> int:
-                return int(d.stats().get("queued_interactive", 0))
+                return int(d.stats().queued_interactive)
 
             async with trio.open_nursery() as n, trio.open_nursery() as hogs:
                 hogs.start_soon(hog)
                 hogs.start_soon(hog)
-                await until(lambda: d.stats().get("running", 0) == 2)
+                await until(lambda: d.stats().running == 2)
                 # ~800 tokens each, one after another; each its own (the scheduler holds
                 # a request whose prompt another is computing, and lets others pass).
                 for i in range(3):
@@ -293,7 +293,7 @@ async def test_a_short_prompt_overtakes_queued_long_prompts(
                     await until(lambda i=i: queued() == i + 1)
                 n.start_soon(gen, "short", "short", 4)
                 await until(lambda: queued() == 4)
-                assert d.stats()["running"] == 2
+                assert d.stats().running == 2
                 hogs.cancel_scope.cancel()  # both places free up
     assert len(finished) == 4
     if short_first:
@@ -340,8 +340,8 @@ async def test_per_slot_prefix_copy_gives_the_same_text(
 
             async with trio.open_nursery() as n:
                 n.start_soon(request_a)
-                await until(lambda: d.stats().get("running", 0) == 1
-                            and d.stats().get("prefilling", 1) == 0)
+                await until(lambda: d.stats().running == 1
+                            and d.stats().prefilling == 0)
                 copied = (await c.post("/v1/completions", json=body)).json()
                 n.cancel_scope.cancel()
     assert copied["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
@@ -384,7 +384,7 @@ async def test_a_session_resumes_its_conversation_under_cache_pressure(
             st = d.stats()
     assert cached_anonymous < 16  # at most the chat template's opening tokens
     assert cached_session >= first_prompt
-    assert st["session_resumes"] == 1 and st["sessions_pinned"] == 1
+    assert st.session_resumes == 1 and st.sessions_pinned == 1
 
 
 @pytest.mark.parametrize("point", ["submitted", "admitted", "responding", "streaming"])
@@ -456,7 +456,7 @@ async def test_drain_lets_whole_completions_finish_then_answers_503(
             async with trio.open_nursery() as n:
                 n.start_soon(one, "short", 4)
                 n.start_soon(one, "long", 1500)
-                await until(lambda: d.stats().get("running", 0) == 2)
+                await until(lambda: d.stats().running == 2)
                 assert len(state.drain) == 2
                 d.daemon.begin_drain()
     short, long = replies["short"], replies["long"]

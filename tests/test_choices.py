@@ -47,17 +47,17 @@ async def test_n_computes_the_prompt_once_and_frees_every_sequence(
             computed = []
             # token-id prompts of one length that share nothing, so nothing is cached
             for n, first in ((1, 10), (4, 60)):
-                before = d.stats()["prompt_tokens_computed"]
+                before = d.stats().prompt_tokens_computed
                 r = await c.post("/v1/completions", json={
                     "prompt": list(range(first, first + 30)), "max_tokens": 5, "n": n,
                     "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["prompt_tokens"] == 30
                 assert r.json()["usage"]["completion_tokens"] == 5 * n
-                await until(lambda: d.stats()["running"] == 0)
-                computed.append(d.stats()["prompt_tokens_computed"] - before)
+                await until(lambda: d.stats().running == 0)
+                computed.append(d.stats().prompt_tokens_computed - before)
             assert computed == [30, 30]
-            assert d.stats()["kv_cells_active"] == 0
+            assert d.stats().kv_cells_active == 0
 
 
 def test_latency_is_timed_on_the_first_choice() -> None:

@@ -391,7 +391,7 @@ def test_a_cancel_frees_every_choice(steps: int) -> None:
     core.handle(fr.Cancel(rid=1), 0.0)
     run(core)
     assert_nothing_left(core, backend)
-    assert core.statistics()["kv_cells_active"] == 0
+    assert core.statistics().kv_cells_active == 0
 
 
 def test_a_draw_with_no_token_fails_its_request_and_the_step_goes_on() -> None:

@@ -150,11 +150,11 @@ def test_the_batch_holds_one_whole_input_of_the_longest_kind() -> None:
 def test_statistics_count_what_it_embedded_and_estimate_the_wait() -> None:
     core = EmbedCore(FakeEmbedder(), limits())
     core.handle(fr.Submit(rid=1, request=request([1] * 4, [2] * 4)), 0.0)
-    assert core.statistics()["wait_estimate_s"] > 0
+    assert core.statistics().wait_estimate_s > 0
     run(core)
     stats = core.statistics()
-    assert (stats["embed_requests"], stats["embed_inputs"], stats["embed_tokens"]) == (1, 2, 8)
-    assert stats["wait_estimate_s"] == 0
+    assert (stats.embed_requests, stats.embed_inputs, stats.embed_tokens) == (1, 2, 8)
+    assert stats.wait_estimate_s == 0
 
 
 def test_a_reload_cannot_grow_the_batch_past_the_workers_context() -> None:

@@ -88,5 +88,5 @@ async def test_no_request_is_routed_to_a_worker_whose_heartbeat_is_late(
             r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
             assert r.status_code == 200
             # the new process runs only what it was given
-            await until(lambda: d.stats()["running"] == 0)
-            assert d.stats()["queued_interactive"] == 0
+            await until(lambda: d.stats().running == 0)
+            assert d.stats().queued_interactive == 0

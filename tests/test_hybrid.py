@@ -164,18 +164,18 @@ async def test_retrieve_fuses_meaning_when_the_daemon_serves_the_indexs_model(
             # but that chunks are found by meaning at all shows the fusion ran.
             assert len(r.json()["data"]) == 3
             pool = d.daemon.models.resolve("bert", embed=True).pool
-            assert pool.totals()["embed_inputs"] == 1
+            assert pool.totals().embed_inputs == 1
             # A chat's question is searched by meaning too; the code around a cursor
             # (a completion with repo) by BM25 alone: no query embedded for it.
             r = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": query}], "repo": "demo",
                 "max_tokens": 1})
             assert r.status_code == 200 and r.json()["retrieved"], r.text
-            assert pool.totals()["embed_inputs"] == 2
+            assert pool.totals().embed_inputs == 2
             r = await c.post("/v1/completions", json={"prompt": "x = combine(",
                                                       "repo": "demo", "max_tokens": 1})
             assert r.status_code == 200, r.text
-            assert pool.totals()["embed_inputs"] == 2
+            assert pool.totals().embed_inputs == 2
         async with start_daemon(tiny_model) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             r = await c.post("/v1/retrieve", json={"repo": "demo", "query": query, "k": 3})

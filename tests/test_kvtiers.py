@@ -54,15 +54,15 @@ def test_an_evicted_slot_is_saved_to_ram_and_restored_by_prefix() -> None:
     run(core)
     submit(core, 2, prompt(6))  # takes the only slot: the first prompt's state is saved
     run(core)
-    assert core.sched.cache.tiers.statistics()["kv_ram_entries"] == 1 and len(core.ram) == 1
+    assert core.statistics().kv_ram_entries == 1 and len(core.ram) == 1
     # A prompt that starts with the first one (and its answer) restores it.
     submit(core, 3, prompt(5, tail=(1, 2, 9)))
     events = run(core)
     admitted = of(events, 3)[0]
     assert isinstance(admitted, Admitted) and admitted.cached == LONG + 2
     assert done(events, 3).cached_tokens == LONG + 2
-    stats = core.sched.cache.tiers.statistics()
-    assert stats["kv_ram_restores"] == 1 and stats["kv_restored_tokens"] == LONG + 2
+    stats = core.statistics()
+    assert stats.kv_ram_restores == 1 and stats.kv_restored_tokens == LONG + 2
     # Only the new token was computed after the restore.
     assert backend.batches[-2] == [(0, 1)]
     assert_nothing_left(core, backend)
@@ -77,7 +77,7 @@ def test_a_saved_state_is_never_restored_for_another_tenant() -> None:
     submit(core, 3, prompt(5, tail=(1, 9)), tenant="b")
     events = run(core)
     assert done(events, 3).cached_tokens == 0
-    assert core.sched.cache.tiers.statistics()["kv_ram_restores"] == 0
+    assert core.statistics().kv_ram_restores == 0
 
 
 def test_a_short_state_and_cache_prompt_false_are_not_saved() -> None:
@@ -88,7 +88,7 @@ def test_a_short_state_and_cache_prompt_false_are_not_saved() -> None:
     run(core)
     submit(core, 3, prompt(5))
     run(core)  # evicts nothing worth saving, and the second left nothing behind
-    assert core.sched.cache.tiers.statistics()["kv_saves"] == 0
+    assert core.statistics().kv_saves == 0
 
 
 def test_ram_and_disk_budgets_hold_under_churn(tmp_path: Path) -> None:
@@ -115,8 +115,8 @@ def test_ram_and_disk_budgets_hold_under_churn(tmp_path: Path) -> None:
             assert files == {e.key for e in tiers.entries(Tier.DISK)}
         core.frame(0.0)
     run(core, 400)
-    stats = core.sched.cache.tiers.statistics()
-    assert stats["kv_saves"] > 10 and stats["kv_demotions"] > 0 and stats["kv_drops"] > 0
+    stats = core.statistics()
+    assert stats.kv_saves > 10 and stats.kv_demotions > 0 and stats.kv_drops > 0
     assert_nothing_left(core, backend)
 
 
@@ -138,11 +138,11 @@ def test_interactive_work_swaps_batch_work_out_and_it_resumes_the_same() -> None
     core.step(0.0)
     frame = core.frame(0.0)
     events += frame.events if frame is not None else []
-    assert core.sched.cache.tiers.statistics()["kv_swaps"] == 1
+    assert core.statistics().kv_swaps == 1
     assert core.sched.is_running(2) and not core.sched.is_running(1)
     events += run(core)
     assert text(events, 1) == expected and text(events, 2) == "i"
-    assert core.sched.cache.tiers.statistics()["kv_ram_restores"] == 1
+    assert core.statistics().kv_ram_restores == 1
     # Resumed: one token computed (the last one sampled), not the whole history again.
     assert core.sched.prompt_tokens_computed == 2 * LONG + 1
     assert_nothing_left(core, backend)
@@ -160,7 +160,7 @@ def test_no_swap_without_a_ram_tier_or_for_batch_work() -> None:
     core.step(0.0)
     submit(core, 2, prompt(6), priority="batch")
     core.step(0.0)
-    assert core.sched.is_running(1) and core.sched.cache.tiers.statistics()["kv_swaps"] == 0
+    assert core.sched.is_running(1) and core.statistics().kv_swaps == 0
 
 
 class RefusingBackend(FakeBackend):
@@ -182,7 +182,7 @@ def test_a_refused_restore_computes_the_prompt_and_reports_no_cache() -> None:
     admitted = of(events, 3)[0]
     assert isinstance(admitted, Admitted) and admitted.cached == 0
     assert done(events, 3).cached_tokens == 0 and text(events, 3) == "a"
-    assert core.sched.cache.tiers.statistics()["kv_restore_failures"] == 1
+    assert core.statistics().kv_restore_failures == 1
     assert_nothing_left(core, backend)
 
 
@@ -205,7 +205,7 @@ def test_sessions_persist_to_disk_and_a_new_core_restores_them(tmp_path: Path) -
     submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
     events = run(core)
     assert done(events, 3).cached_tokens == LONG + 2
-    assert core.sched.cache.tiers.statistics()["kv_disk_restores"] == 1
+    assert core.statistics().kv_disk_restores == 1
     assert core.sched.session_resumes == 1
     assert not list(tmp_path.glob("*.kv"))  # the slot holds it now
 
@@ -280,7 +280,7 @@ def test_a_restore_from_disk_is_read_beside_the_decode_loop(tmp_path: Path) -> N
     store.gate.set()
     events += run(core)
     assert done(events, 3).cached_tokens == LONG + 2
-    assert core.sched.cache.tiers.statistics()["kv_disk_restores"] == 1
+    assert core.statistics().kv_disk_restores == 1
     assert not core.staged and not list(tmp_path.glob("*.kv"))
     assert_nothing_left(core, backend)
 

@@ -47,9 +47,9 @@ async def test_an_evicted_prompt_is_restored_from_ram_with_the_same_answer(
             from_slot = await complete(c, prompt=prompt)  # the slot's cache
             for other in ("Beta", "Gamma"):  # two other contexts take both slots
                 await complete(c, prompt=f"{other}: " + f"{other} = 1\n" * 30)
-            assert d.stats()["kv_ram_entries"] >= 1
+            assert d.stats().kv_ram_entries >= 1
             from_ram = await complete(c, prompt=prompt)
-            assert d.stats()["kv_ram_restores"] == 1
+            assert d.stats().kv_ram_restores == 1
     assert cached(from_ram) == cached(from_slot) > 32
     assert from_ram["choices"][0]["text"] == from_slot["choices"][0]["text"]
 
@@ -90,13 +90,13 @@ async def test_a_session_survives_a_restart_with_the_same_answer(
         assert len(files) == 1
         async with start_daemon(tiny_model, engine=ENGINE) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
-            assert d.stats()["kv_disk_entries"] == 1
+            assert d.stats().kv_disk_entries == 1
             # flash_attn "auto": measured at the first start, kept beside the states,
             # so this start cannot choose the other way and drop them
             worker = d.daemon.pool.statistics()["workers"][0]
             assert worker["flash_attn_why"].endswith("at an earlier start")
             again = await chat(c, messages, "s")
-            assert d.stats()["kv_disk_restores"] == 1 and d.stats()["session_resumes"] == 1
+            assert d.stats().kv_disk_restores == 1 and d.stats().session_resumes == 1
     assert cached(again) == cached(ref) > 32
     assert again["choices"][0]["message"] == ref["choices"][0]["message"]
 
@@ -111,7 +111,7 @@ async def test_a_corrupt_cache_file_is_dropped_and_the_turn_recomputed(
         async with start_daemon(tiny_model, engine=ENGINE) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
             again = await chat(c, messages, "s")
-            assert d.stats()["kv_restore_failures"] == 1
+            assert d.stats().kv_restore_failures == 1
     assert cached(again) == 0 and again["choices"][0]["message"]["content"]
     assert not path.exists()
 
@@ -147,7 +147,7 @@ async def test_a_batch_request_swapped_out_for_interactive_work_ends_the_same(
                 n.start_soon(run_batch)
                 await started.wait()
                 quick = await complete(c, prompt="Another file: " + "y = 1\n" * 12)
-                assert d.stats()["kv_swaps"] == 1
-            assert d.stats()["kv_ram_restores"] >= 1
+                assert d.stats().kv_swaps == 1
+            assert d.stats().kv_ram_restores >= 1
     assert quick["choices"][0]["text"]
     assert result == [never_swapped]

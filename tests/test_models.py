@@ -223,7 +223,7 @@ async def test_a_swap_under_load_fails_nothing_and_mixes_no_models(
                 (worker,) = d.daemon.models.default.pool.workers
                 assert worker.pid is not None
                 await until(lambda: set(thread_nices(worker.pid)) == {0})
-                await until(lambda: worker.stats.get("nice") == 0.0)
+                await until(lambda: worker.stats.nice == 0.0)
                 n = len(results)
                 await until(lambda: len(results) >= n + 8, 60)
                 stop.set()

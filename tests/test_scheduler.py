@@ -137,11 +137,11 @@ def test_cancel_frees_the_slot_and_keeps_the_kv_as_cache() -> None:
     s.submit(*req(1, n=10, max_tokens=100), 0.0)
     run_step(s, 0.0)
     run_step(s, 1.0)
-    assert s.statistics()["kv_cells_active"] == 11
+    assert s.statistics().kv_cells_active == 11
     assert s.drop(1)
     st = s.statistics()
-    assert st["running"] == 0 and st["kv_cells_active"] == 0
-    assert st["kv_cells_cached"] == st["kv_cells_used"] == 11
+    assert st.running == 0 and st.kv_cells_active == 0
+    assert st.kv_cells_cached == st.kv_cells_used == 11
 
 
 def test_cancel_without_cache_removes_the_cells() -> None:
@@ -169,7 +169,7 @@ def test_prefix_hit_skips_prefill_of_the_shared_prefix() -> None:
     ev = s.drain_events()
     assert Admission(2, 50, 0.0) in ev
     st = s.statistics()
-    assert st["prefix_cache_hits"] == 1 and st["prefix_cache_tokens_saved"] == 50
+    assert st.prefix_cache_hits == 1 and st.prefix_cache_tokens_saved == 50
 
 
 def test_concurrent_requests_share_a_prefix_through_seq_cp() -> None:
@@ -392,7 +392,7 @@ def test_session_resumes_computing_only_the_new_tokens(layout: type) -> None:
     # the prompt and the one token fed back were kept: only the 3 new tokens ran
     assert s.prompt_tokens_computed - before == len(second) - 41
     st = s.statistics()
-    assert st["session_resumes"] == 1 and st["sessions_pinned"] == 1
+    assert st.session_resumes == 1 and st.sessions_pinned == 1
 
 
 def test_anonymous_requests_do_not_take_over_a_pinned_session_slot() -> None:
@@ -433,9 +433,9 @@ def test_a_session_unpins_after_its_ttl() -> None:
     finish_all(s, 0.0)
     s.submit(*seq(2, list(range(200, 220)), 2), 10.0)
     finish_all(s, 10.0)
-    assert s.statistics()["sessions_pinned"] == 1
+    assert s.statistics().sessions_pinned == 1
     s.plan(100.0)
-    assert s.statistics()["sessions_pinned"] == 0
+    assert s.statistics().sessions_pinned == 0
     # now the older session slot is an ordinary LRU victim
     s.submit(*seq(3, list(range(300, 320)), 2), 100.0)
     finish_all(s, 100.0)
@@ -497,7 +497,7 @@ def decoding(s: Scheduler, n: int, now: float = 0.0) -> None:
     """Start ``n`` short requests and run them to their decode phase."""
     for rid in range(100, 100 + n):
         s.submit(*req(rid, n=4, max_tokens=990, start=10 * rid), now)
-    while s.n_queued or s.statistics()["prefilling"]:
+    while s.n_queued or s.statistics().prefilling:
         run_step(s, now)
 
 
@@ -692,7 +692,7 @@ def test_an_overload_is_refused_at_once_with_the_estimated_wait() -> None:
     # prompt work ahead, ~2.2 s a request, is done meanwhile and counts no more: added
     # to the slots it refused the eleventh, as the longer of the two the fifteenth)
     assert rid - 10 == 30
-    assert s.statistics()["wait_estimate_s"] > 0
+    assert s.statistics().wait_estimate_s > 0
 
 
 def test_a_closed_loop_of_twice_the_slots_is_not_refused() -> None:
@@ -727,8 +727,8 @@ def test_the_door_does_not_refuse_a_question_for_long_prompts_prefilling() -> No
         s.submit(*req(rid, n=900, max_tokens=5, start=1000 * rid), 0.0)
     run_step(s, 0.0)
     run_step(s, 60.0)  # they aged past any new arrival: ahead of it in aging order
-    assert s.statistics()["prefilling"] == 3 and s.n_queued == 0
-    assert s.statistics()["wait_estimate_s"] == 0.0
+    assert s.statistics().prefilling == 3 and s.n_queued == 0
+    assert s.statistics().wait_estimate_s == 0.0
 
 
 def test_a_lone_long_prompt_is_not_refused_for_its_own_prefill() -> None:
@@ -801,7 +801,7 @@ def test_room_making_evicts_nothing_when_the_request_still_would_not_fit() -> No
         plan = s.plan(now)
         assert plan is not None and not [op for op in plan.ops if isinstance(op, SeqRm)]
         s.commit(plan, {c.key: 7 for c in plan.chunks if c.sample}, now)
-    assert s.statistics()["sessions_pinned"] == 2 and s.cache.ledger.used >= used
+    assert s.statistics().sessions_pinned == 2 and s.cache.ledger.used >= used
     assert not s.is_running(4)
 
 
@@ -912,7 +912,7 @@ def test_n_choices_each_free_their_sequence_as_they_finish() -> None:
     assert plan is not None and sorted(c.index for c in plan.chunks) == [0, 2]
     s.complete(1, 0)
     s.complete(1, 2)
-    assert s.n_running == 0 and s.statistics()["kv_cells_active"] == 0
+    assert s.n_running == 0 and s.statistics().kv_cells_active == 0
 
 
 @pytest.mark.parametrize("steps", [0, 1, 3], ids=["queued", "prefilling", "decoding"])
@@ -926,7 +926,7 @@ def test_dropping_a_request_frees_all_its_choices(steps: int) -> None:
     plan = s.plan(1.0)
     assert plan is None or not plan.chunks
     st = s.statistics()
-    assert st["kv_cells_active"] == 0 and st["kv_cells_reserved"] == 0
+    assert st.kv_cells_active == 0 and st.kv_cells_reserved == 0
 
 
 def test_admission_counts_all_n_sequences() -> None:
@@ -990,7 +990,7 @@ def test_a_prefilling_leader_is_preempted_with_the_choices_waiting_for_it() -> N
     (queued,) = s.queue.classes[0]
     assert (queued.index, queued.req.n) == (0, 3)
     finish_all(s, 2.0)
-    assert s.statistics()["kv_cells_active"] == 0
+    assert s.statistics().kv_cells_active == 0
 def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
     """On a tiny model the clamped fit can put every prompt coefficient at zero; the
     wait estimate (in every statistics frame) must not divide by that (it killed a
@@ -999,7 +999,7 @@ def test_a_fit_that_finds_prompt_work_free_estimates_no_wait() -> None:
     s.submit(1, Request(prompt=[1] * 40, max_tokens=4), 0.0)
     s.plan(0.0)
     s.submit(2, Request(prompt=[2] * 40, max_tokens=4), 0.0)
-    assert s.statistics()["wait_estimate_s"] == 0.0
+    assert s.statistics().wait_estimate_s == 0.0
 
 
 # --- caches in the wait estimate; a shared cold prefix computed once (issue 17) ----------
@@ -1073,7 +1073,7 @@ def test_a_cold_prefix_shared_by_two_requests_is_computed_once(lim: SchedulerLim
     # admitted once the first had computed the whole context, which it copied
     assert admitted == {1: 0, 2: len(HEAD)}
     assert s.prompt_tokens_computed == len(HEAD) + 3 + 3
-    assert s.statistics()["prefix_holds"] == 1
+    assert s.statistics().prefix_holds == 1
 
 
 def test_cancelling_the_request_computing_a_shared_prefix_releases_the_one_waiting() -> None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from forged.engine.stats import Totals
 from forged.observe import loadtest, status
 from forged.observe.metrics import Metrics
 from forged.observe.stats import percentile
@@ -44,7 +45,7 @@ def test_status_and_bench_agree_on_the_same_samples() -> None:
     ttfts = [0.4, 0.1, 0.3, 0.2]
     gaps = [[0.05, 0.01], [0.03], [0.02, 0.04, 0.06], [0.07]]
 
-    metrics = Metrics(lambda: [("m", {}, 0)])
+    metrics = Metrics(lambda: [("m", Totals(), 0)])
     for ttft, itl in zip(ttfts, gaps, strict=True):
         metrics.observe_ttft(ttft)
         metrics.observe_itl(itl)

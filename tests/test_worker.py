@@ -19,6 +19,7 @@ from forged.engine.limits import scheduler_limits
 from forged.engine.plan import Chunk
 from forged.engine.pool import EnginePool, retry_after_seconds
 from forged.engine.scheduler import Scheduler
+from forged.engine.stats import WorkerStats
 from forged.engine.supervisor import backoff_delay
 from forged.errors import Overloaded
 
@@ -86,12 +87,12 @@ def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() 
         fc.Config().engine, workers=2))
     pool = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
     for w, wait in zip(pool.workers, (100.0, 75.5), strict=True):
-        w.ready, w.last_heard, w.stats = True, time.monotonic(), {"wait_estimate_s": wait}
+        w.ready, w.last_heard, w.stats = True, time.monotonic(), WorkerStats(wait_estimate_s=wait)
     with pytest.raises(Overloaded) as refused:
         pool.check_capacity()
     # the least loaded worker's estimate, less the 60 s queue timeout, in whole seconds
     assert refused.value.retry_after == 16
-    pool.workers[1].stats = {"wait_estimate_s": 59.0}
+    pool.workers[1].stats = WorkerStats(wait_estimate_s=59.0)
     pool.check_capacity()  # one worker would take it in time
 
 

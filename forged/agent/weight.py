@@ -30,11 +30,30 @@ milliseconds per prompt token, so the same queue weighs it down more.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # Weights move in steps of this many percent.
 STEP = 10
+
+
+class WorkerLoad(Protocol):
+    """What the weight reads of a worker's statistics (forged.engine.stats.WorkerStats:
+    the agent does not reach into the engine)."""
+
+    @property
+    def kv_cells_active(self) -> float: ...
+    @property
+    def kv_cells_reserved(self) -> float: ...
+    @property
+    def kv_cells_total(self) -> float: ...
+    @property
+    def running(self) -> float: ...
+    @property
+    def queued_tokens(self) -> float: ...
+    @property
+    def cost_prompt_token_ms(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -46,19 +65,18 @@ class NodeLoad:
     queue_seconds: float  # queued prompt work, by the workers' cost model
 
 
-def node_load(ready: Sequence[Mapping[str, float]], *, workers: int, kv_cells: int,
+def node_load(ready: Sequence[WorkerLoad], *, workers: int, kv_cells: int,
               max_running: int) -> NodeLoad | None:
     """The load of a node from its ready workers' statistics (``EnginePool`` workers'
     ``stats``), out of ``workers`` configured; None when none is ready. A worker that is
     not ready adds capacity to the total but none to what is free."""
     if not ready:
         return None
-    busy_cells = sum(s.get("kv_cells_active", 0.0) + s.get("kv_cells_reserved", 0.0)
-                     for s in ready)
-    free_cells = sum(s.get("kv_cells_total", kv_cells) for s in ready) - busy_cells
-    free_places = len(ready) * max_running - sum(s.get("running", 0.0) for s in ready)
-    queue_ms = sum(s.get("queued_tokens", 0.0) * s.get("cost_prompt_token_ms", 0.0)
-                   for s in ready) / len(ready)
+    busy_cells = sum(s.kv_cells_active + s.kv_cells_reserved for s in ready)
+    # A worker ready but not yet heard from has reported no cells: all of them are free.
+    free_cells = sum(s.kv_cells_total or kv_cells for s in ready) - busy_cells
+    free_places = len(ready) * max_running - sum(s.running for s in ready)
+    queue_ms = sum(s.queued_tokens * s.cost_prompt_token_ms for s in ready) / len(ready)
     return NodeLoad(kv_free=_fraction(free_cells, workers * kv_cells),
                     running_free=_fraction(free_places, workers * max_running),
                     queue_seconds=max(0.0, queue_ms / 1000))

@@ -92,10 +92,10 @@ def prune_kv_caches(state_dir: str, keep: set[Path]) -> None:
 
 def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
     t = state.totals()
-    used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
-    return (f"{len(state.drain)} streams, {int(t.get('running', 0))} running, "
-            f"{int(t.get('queued_interactive', 0) + t.get('queued_batch', 0))} queued, "
-            f"KV {100 * used / total:.0f}%, {tokens_per_s:.0f} tok/s")
+    return (f"{len(state.drain)} streams, {int(t.running)} running, "
+            f"{int(t.queued_interactive + t.queued_batch)} queued, "
+            f"KV {100 * t.kv_cells_used / (t.kv_cells_total or 1):.0f}%, "
+            f"{tokens_per_s:.0f} tok/s")
 
 
 class Daemon:
@@ -400,7 +400,7 @@ class Daemon:
         while True:
             await trio.sleep(self.cfg.server.status_interval)
             totals = state.totals()
-            tokens, now = totals.get("tokens_generated", 0.0), time.monotonic()
+            tokens, now = totals.tokens_generated, time.monotonic()
             rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t = tokens, now
             self.notifier.status(_status_line(state, rate))

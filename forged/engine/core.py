@@ -62,6 +62,7 @@ from forged.engine.plan import (
 from forged.engine.request import Request, Sampling
 from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
 from forged.engine.scheduler import Scheduler
+from forged.engine.stats import WorkerStats
 from forged.engine.textstream import TextStream
 
 _NEVER = -float("inf")  # a logit bias that bans a token
@@ -519,9 +520,9 @@ class WorkerCore:
 
     # --- frames out -----------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, float]:
-        out: dict[str, float] = dict(self.sched.statistics())
-        out.update(step_ms=self._step_ms, steps=self._steps, tokens_generated=self._tokens_out)
+    def statistics(self) -> WorkerStats:
+        out = self.sched.statistics()
+        out.step_ms, out.steps, out.tokens_generated = self._step_ms, self._steps, self._tokens_out
         return out
 
     def frame(self, now: float, force: bool = False) -> fr.Step | None:
@@ -534,7 +535,7 @@ class WorkerCore:
                  or any(not isinstance(e, Delta) for e in self.events))
         if fresh:
             self._last_stats = now
-        step = fr.Step(events=self.events, stats=self.statistics() if fresh else {},
+        step = fr.Step(events=self.events, stats=self.statistics() if fresh else None,
                        digests=self._due_digests(now))
         self.events = []
         return step

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from forged.engine.stats import WorkerStats
+
 FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms",
             "tiled_kpair_ms")
 
@@ -154,7 +156,8 @@ class CostModel:
         """What adding ``shape`` to a step costs (no fixed part)."""
         return float(self.coef[1:] @ shape.features()[1:])
 
-    def statistics(self) -> dict[str, float]:
-        out = {f"cost_{name}": float(c) for name, c in zip(FEATURES, self.coef, strict=True)}
-        out["cost_steps_observed"] = float(self.observed)
-        return out
+    def report(self, out: WorkerStats) -> None:
+        """Its fields of the worker's statistics: the coefficients, in FEATURES' order."""
+        (out.cost_fixed_ms, out.cost_decoder_ms, out.cost_prompt_token_ms, out.cost_chunk_ms,
+         out.cost_kpair_ms, out.cost_tiled_kpair_ms) = (float(c) for c in self.coef)
+        out.cost_steps_observed = float(self.observed)

@@ -29,11 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from forged.engine import frames as fr
 from forged.engine.decoding import DecodeError
 from forged.engine.events import Admitted, Done, Event, Failed
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
+from forged.engine.stats import WorkerStats
 
 # Before the first batch is measured: seconds per token of a batch (a small BERT on
 # two cores computes some thousands of tokens a second).
@@ -73,8 +76,7 @@ class EmbedCore:
         self.events: list[Event] = []
         self._token_cost = _FIRST_TOKEN_COST_S
         self._step_ms = 0.0
-        self._counts = {"embed_requests": 0.0, "embed_inputs": 0.0, "embed_tokens": 0.0,
-                        "steps": 0.0}
+        self._counts = WorkerStats()  # what it embedded, and its steps
         self._last_stats = -float("inf")
 
     @property
@@ -174,9 +176,9 @@ class EmbedCore:
             if job.done < len(job.request.inputs):
                 continue
             del self.jobs[rid]
-            self._counts["embed_requests"] += 1
-            self._counts["embed_inputs"] += len(job.request.inputs)
-            self._counts["embed_tokens"] += len(job.request.prompt)
+            self._counts.embed_requests += 1
+            self._counts.embed_inputs += len(job.request.inputs)
+            self._counts.embed_tokens += len(job.request.prompt)
             self.events.append(Done(
                 rid=rid, text="", stop_type="eos", prompt_tokens=len(job.request.prompt),
                 completion_tokens=0, cached_tokens=0,
@@ -200,7 +202,7 @@ class EmbedCore:
         # A moving average of a batch's cost per token: what wait_estimate says.
         self._token_cost = 0.8 * self._token_cost + 0.2 * seconds / max(1, tokens)
         self._step_ms = seconds * 1000
-        self._counts["steps"] += 1
+        self._counts.steps += 1
 
     # --- frames out ---------------------------------------------------------------------
 
@@ -209,11 +211,12 @@ class EmbedCore:
         ahead = sum(sum(j.request.inputs[j.sent:]) for j in self.jobs.values())
         return ahead * self._token_cost
 
-    def statistics(self) -> dict[str, float]:
-        return {**self._counts, "step_ms": self._step_ms,
-                "queued": float(sum(1 for j in self.jobs.values() if j.admitted_at is None)),
-                "running": float(sum(1 for j in self.jobs.values() if j.admitted_at)),
-                "wait_estimate_s": self.wait_estimate()}
+    def statistics(self) -> WorkerStats:
+        return msgspec.structs.replace(
+            self._counts, step_ms=self._step_ms,
+            embed_queued=sum(1 for j in self.jobs.values() if j.admitted_at is None),
+            running=sum(1 for j in self.jobs.values() if j.admitted_at),
+            wait_estimate_s=self.wait_estimate())
 
     def frame(self, now: float, force: bool = False) -> fr.Step | None:
         """As WorkerCore's: the events since the last frame, with statistics when due."""
@@ -222,7 +225,7 @@ class EmbedCore:
         fresh = force or now - self._last_stats >= fr.STATS_INTERVAL or bool(self.events)
         if fresh:
             self._last_stats = now
-        step = fr.Step(events=self.events, stats=self.statistics() if fresh else {})
+        step = fr.Step(events=self.events, stats=self.statistics() if fresh else None)
         self.events = []
         return step
 

@@ -15,6 +15,7 @@ import msgspec
 from forged.engine.events import Event
 from forged.engine.limits import SchedulerLimits
 from forged.engine.request import Request
+from forged.engine.stats import WorkerStats
 
 # Statistics cost a walk over the KV ledger: a Step frame carries them at most this
 # often while only tokens flow.
@@ -117,7 +118,7 @@ class Step(_Frame, tag="step"):
     """Everything one scheduling step produced, plus the worker's statistics."""
 
     events: list[Event]
-    stats: dict[str, float]
+    stats: WorkerStats | None  # None: unchanged since the last report
     # What the worker's caches hold, as prefix digests (forged.engine.routing), when
     # that changed since its last report; None: unchanged.
     digests: list[int] | None = None

@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from forged.engine.stats import WorkerStats
+
 # A state shorter than this is not saved: recomputing it costs about as much as the
 # copy, and every entry is one more prefix to compare at admission.
 MIN_SAVED_TOKENS = 32
@@ -315,21 +317,20 @@ class Tiers:
             ops.append(Demote(e))
         return ops + self._fit(Tier.DISK)
 
-    def statistics(self) -> dict[str, float]:
+    def report(self, out: WorkerStats) -> None:
+        """Its fields of the worker's statistics: use against budget, and what moved."""
         s = self.stats
-        return {
-            "kv_ram_entries": len(self._lru[Tier.RAM]),
-            "kv_ram_bytes": self.used(Tier.RAM),
-            "kv_ram_budget_bytes": self.ram_bytes,
-            "kv_disk_entries": len(self._lru[Tier.DISK]),
-            "kv_disk_bytes": self.used(Tier.DISK),
-            "kv_disk_budget_bytes": self.disk_bytes,
-            "kv_saves": s.saves,
-            "kv_ram_restores": s.restores_ram,
-            "kv_disk_restores": s.restores_disk,
-            "kv_restored_tokens": s.restored_tokens,
-            "kv_restore_failures": s.restore_failures,
-            "kv_demotions": s.demotions,
-            "kv_drops": s.drops,
-            "kv_swaps": s.swaps,
-        }
+        out.kv_ram_entries = len(self._lru[Tier.RAM])
+        out.kv_ram_bytes = self.used(Tier.RAM)
+        out.kv_ram_budget_bytes = self.ram_bytes
+        out.kv_disk_entries = len(self._lru[Tier.DISK])
+        out.kv_disk_bytes = self.used(Tier.DISK)
+        out.kv_disk_budget_bytes = self.disk_bytes
+        out.kv_saves = s.saves
+        out.kv_ram_restores = s.restores_ram
+        out.kv_disk_restores = s.restores_disk
+        out.kv_restored_tokens = s.restored_tokens
+        out.kv_restore_failures = s.restore_failures
+        out.kv_demotions = s.demotions
+        out.kv_drops = s.drops
+        out.kv_swaps = s.swaps

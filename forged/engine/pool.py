@@ -43,6 +43,7 @@ from forged.engine.events import Admitted, Delta, Done, Event, Failed
 from forged.engine.limits import scheduler_limits
 from forged.engine.request import Request
 from forged.engine.routing import Policy, Router
+from forged.engine.stats import Totals, summed
 from forged.engine.supervisor import WorkerSupervisor
 from forged.errors import (
     BadRequest,
@@ -54,11 +55,6 @@ from forged.errors import (
     WorkerLost,
 )
 from forged.placement import worker_cpus
-
-# Statistics that describe one worker (a step's time, its cost model, its wait) and
-# would mean nothing summed over workers.
-_PER_WORKER = ("step_ms", "step_plan_ms", "step_prompt_room_ms", "wait_estimate_s",
-               "target_step_ms", "nice")
 
 # A prompt that was running in two worker crashes is refused from then on.
 CRASHES_TO_REFUSE = 2
@@ -359,7 +355,7 @@ class EnginePool:
             raise Overloaded("the server is at capacity; retry later", lim.retry_after)
         # Each worker estimates how long even the shortest new request would wait before
         # its prompt is computed; past the queue timeout everywhere, waiting is futile.
-        wait = min((w.stats.get("wait_estimate_s", 0.0) for w in routable), default=0.0)
+        wait = min((w.stats.wait_estimate_s for w in routable), default=0.0)
         if wait > lim.queue_timeout:
             raise Overloaded(f"the server is at capacity: a request would wait about "
                              f"{wait:.0f} s for a slot",
@@ -467,17 +463,13 @@ class EnginePool:
     def in_flight(self) -> int:
         return sum(len(p) for p in self.pending) + len(self._parked)
 
-    def totals(self) -> dict[str, float]:
-        """Worker statistics summed over the ready workers."""
-        keys: set[str] = set()
-        for w in self.workers:
-            keys.update(w.stats)
-        keys = {k for k in keys if k not in _PER_WORKER and not k.startswith("cost_")}
-        out = {k: sum(w.stats.get(k, 0.0) for w in self.workers if w.ready) for k in keys}
-        # The pool's own counters: how requests were routed, and saved from a crash.
-        out.update({f"routed_by_{why}": float(n) for why, n in self.router.routed.items()})
-        out["resubmitted"] = float(self.resubmitted)
-        return out
+    def totals(self) -> Totals:
+        """The ready workers' counts summed, and the pool's own: how requests were
+        routed, and saved from a crash."""
+        routed = self.router.routed
+        return summed(Totals(routed_by_cache=routed["cache"], routed_by_session=routed["session"],
+                             routed_by_load=routed["load"], resubmitted=self.resubmitted),
+                      (w.stats for w in self.workers if w.ready))
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)

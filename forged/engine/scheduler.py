@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import msgspec
 
-from forged.config import PRIORITIES
 from forged.engine.costmodel import CostModel
 from forged.engine.kvtiers import Entry
 from forged.engine.layout import (
@@ -83,6 +82,7 @@ from forged.engine.plan import (
 from forged.engine.request import Request
 from forged.engine.seqstate import Phase, Queued, Running
 from forged.engine.slotcache import SlotCache
+from forged.engine.stats import WorkerStats
 from forged.engine.waitqueue import WaitQueue
 
 
@@ -432,35 +432,27 @@ class Scheduler:
     def is_running(self, rid: int) -> bool:
         return any(key[0] == rid for key in self._running)
 
-    def statistics(self) -> dict[str, float]:
+    def statistics(self) -> WorkerStats:
         active = self._active_cells()
-        out: dict[str, float] = {
-            "running": len(self._running),
-            "prefilling": len(self._prefilling()),
-            **{f"queued_{name}": len(q) for name, q in zip(PRIORITIES, self.queue.classes,
-                                                            strict=True)},
-            "queued_tokens": self.queue.tokens,
-            "kv_cells_active": active,
-            "kv_cells_cached": self.cache.ledger.used - active,
-            "kv_cells_reserved": self._reserved(),
-            "session_resumes": self.session_resumes,
-            "prefix_cache_queries": self.cache_queries,
-            "prefix_cache_hits": self.cache_hits,
-            "prefix_cache_tokens_saved": self.cache_tokens_saved,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
-            "early_rejections": self.early_rejections,
-            "prefix_holds": self.queue.prefix_holds,
-            # What a one-token interactive request submitted now would wait: the daemon
-            # refuses at the door when even that exceeds the queue timeout.
-            "wait_estimate_s": self.wait_estimate(0, self._now),
-            "step_plan_ms": self.last_plan_ms,
-            "target_step_ms": min(self.limits.target_step_ms, 1e9),
-            "step_prompt_room_ms": min(prompt_room_ms(
+        interactive, batch = (len(q) for q in self.queue.classes)
+        out = WorkerStats(
+            running=len(self._running), prefilling=len(self._prefilling()),
+            queued_interactive=interactive, queued_batch=batch,
+            queued_tokens=self.queue.tokens, kv_cells_active=active,
+            kv_cells_cached=self.cache.ledger.used - active,
+            kv_cells_reserved=self._reserved(), session_resumes=self.session_resumes,
+            prefix_cache_queries=self.cache_queries, prefix_cache_hits=self.cache_hits,
+            prefix_cache_tokens_saved=self.cache_tokens_saved,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            early_rejections=self.early_rejections, prefix_holds=self.queue.prefix_holds,
+            wait_estimate_s=self.wait_estimate(0, self._now), step_plan_ms=self.last_plan_ms,
+            target_step_ms=min(self.limits.target_step_ms, 1e9),
+            step_prompt_room_ms=min(prompt_room_ms(
                 self.limits, self.cost, [c.pos for c in decode_chunks(
                     self._running.values(), self.cache.ledger)], self._prefilling()), 1e9),
-        }
-        out.update(self.cost.statistics())
-        out.update(self.cache.statistics())
+        )
+        self.cost.report(out)
+        self.cache.report(out)
         return out
 
     def _active_cells(self) -> int:

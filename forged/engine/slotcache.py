@@ -37,6 +37,7 @@ from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import Chunk, MemOp, SeqCp, SeqLoad, SeqRm, SeqSave
 from forged.engine.request import Request
 from forged.engine.seqstate import Reuse, Slot
+from forged.engine.stats import WorkerStats
 
 
 def shared_prefix(req: Request, tenant: str, tokens: list[int]) -> int:
@@ -355,11 +356,10 @@ class SlotCache:
         held = sorted((s for s in self.slots if s.tokens), key=lambda s: -s.last_used)
         return [(s.tenant, s.tokens) for s in held]
 
-    def statistics(self) -> dict[str, float]:
-        return {
-            "kv_cells_total": self.limits.kv_cells,
-            "kv_cells_used": self.ledger.used,
-            "slots_idle_cached": sum(1 for s in self.slots if s.rid is None and s.tokens),
-            "sessions_pinned": sum(1 for s in self.slots if s.rid is None and self.pinned(s)),
-            **self.tiers.statistics(),
-        }
+    def report(self, out: WorkerStats) -> None:
+        """Its fields of the worker's statistics, and its tiers'."""
+        out.kv_cells_total = self.limits.kv_cells
+        out.kv_cells_used = self.ledger.used
+        out.slots_idle_cached = sum(1 for s in self.slots if s.rid is None and s.tokens)
+        out.sessions_pinned = sum(1 for s in self.slots if s.rid is None and self.pinned(s))
+        self.tiers.report(out)

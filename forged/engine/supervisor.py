@@ -29,6 +29,7 @@ import trio
 from forged.config import EngineConfig
 from forged.engine import channel
 from forged.engine import frames as fr
+from forged.engine.stats import WorkerStats
 from forged.errors import Unavailable, sole_fault
 
 log = logging.getLogger("forged.engine")
@@ -79,7 +80,7 @@ class WorkerSupervisor:
         self.failures = 0  # restarts in a row, for the backoff
         # The running process's frames; a new one per process (None between them).
         self.outbox: channel.Outbox | None = None
-        self.stats: dict[str, float] = {}
+        self.stats = WorkerStats()
         self.last_heard = 0.0
         self.exit_note = ""  # how the last process ended by itself, for the log
 

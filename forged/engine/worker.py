@@ -102,7 +102,7 @@ class WorkerShell:
         frame = self.core.frame(now, force)
         if frame is not None:
             if frame.stats:  # a worker left nicer than asked (no RLIMIT_NICE) shows it
-                frame.stats["nice"] = float(os.getpriority(os.PRIO_PROCESS, 0))
+                frame.stats.nice = os.getpriority(os.PRIO_PROCESS, 0)
             self.sock.sendall(fr.encode(frame))
             self._last_send = now
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from forged.agent.weight import agent_reply, node_load
 from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.groups import Models
+from forged.engine.stats import Totals, added
 from forged.errors import ForgedError
 from forged.http.door import in_thread
 from forged.http.keylimits import KeyUsage
@@ -169,13 +171,9 @@ class AppState:
             return 503, {"status": "unavailable"}
         return 200, {"status": "ok"}
 
-    def totals(self) -> dict[str, float]:
-        """Worker statistics summed over every model's ready workers."""
-        out: dict[str, float] = {}
-        for group in self.models.all():
-            for k, v in group.pool.totals().items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+    def totals(self) -> Totals:
+        """Every model's totals added: the node's."""
+        return functools.reduce(added, (g.pool.totals() for g in self.models.all()), Totals())
 
     def check_capacity(self) -> None:
         """Before a body is read: refuse at once what no model could take now."""

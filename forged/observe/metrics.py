@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from forged import __version__
+from forged.engine.stats import Totals
 from forged.observe.stats import percentile
 
 # Interactive use: from 5 ms (a decode step) to a minute (a long queue wait).
@@ -29,7 +30,7 @@ _WINDOW_SAMPLES = 50_000  # bound on the rolling window, whatever the load
 
 # Each model's engine, when Prometheus scrapes: its id (as /v1/models lists it), its
 # workers' statistics summed, and its worker restarts.
-GroupStats = tuple[str, dict[str, float], int]
+GroupStats = tuple[str, Totals, int]
 
 
 class _EngineCollector(Collector):
@@ -53,96 +54,86 @@ class _EngineCollector(Collector):
         yield from merged.values()
 
 
-def _engine_metrics(t: dict[str, float], restarts: int) -> Iterator[Metric]:
+def _labelled(cls: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str,
+              label: str, values: dict[str, float]) -> Metric:
+    family = cls(name, doc, labels=[label])
+    for value, v in values.items():
+        family.add_metric([value], v)
+    return family
+
+
+def _engine_metrics(t: Totals, restarts: int) -> Iterator[Metric]:
     """One model's engine metrics."""
-    def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, value=t.get(key, 0.0))
-
-    def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
-        return CounterMetricFamily(name, doc, value=t.get(key, 0.0))
-
-    yield gauge("forged_running_sequences", "Sequences decoding or prefilling.", "running")
-    queued = GaugeMetricFamily("forged_queued_requests", "Requests waiting for a slot.",
-                               labels=["priority"])
-    queued.add_metric(["interactive"], t.get("queued_interactive", 0.0))
-    queued.add_metric(["batch"], t.get("queued_batch", 0.0))
-    yield queued
-    yield gauge("forged_queued_prompt_tokens", "Prompt tokens waiting.", "queued_tokens")
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield gauge("forged_running_sequences", "Sequences decoding or prefilling.", value=t.running)
+    yield _labelled(gauge, "forged_queued_requests", "Requests waiting for a slot.",
+                    "priority", {"interactive": t.queued_interactive, "batch": t.queued_batch})
+    yield gauge("forged_queued_prompt_tokens", "Prompt tokens waiting.", value=t.queued_tokens)
     yield gauge("forged_kv_cells_used", "KV cells in use (running and cached).",
-                "kv_cells_used")
+                value=t.kv_cells_used)
     yield gauge("forged_kv_cells_cached", "KV cells only the prefix cache holds.",
-                "kv_cells_cached")
-    yield gauge("forged_kv_cells_total", "KV cells of all workers.", "kv_cells_total")
+                value=t.kv_cells_cached)
+    yield gauge("forged_kv_cells_total", "KV cells of all workers.", value=t.kv_cells_total)
     yield counter("forged_prefix_cache_queries", "Admissions that looked up the cache.",
-                  "prefix_cache_queries")
+                  value=t.prefix_cache_queries)
     yield counter("forged_prefix_cache_hits", "Admissions that reused a cached prefix.",
-                  "prefix_cache_hits")
+                  value=t.prefix_cache_hits)
     yield counter("forged_prefix_cache_tokens_saved",
-                  "Prompt tokens served from the prefix cache.", "prefix_cache_tokens_saved")
+                  "Prompt tokens served from the prefix cache.", value=t.prefix_cache_tokens_saved)
     yield counter("forged_prefix_holds", "Queued requests held while another computed the "
                   "long prefix they share (then copied instead of computed).",
-                  "prefix_holds")
+                  value=t.prefix_holds)
     yield gauge("forged_sessions_pinned", "Idle conversations whose KV is pinned.",
-                "sessions_pinned")
+                value=t.sessions_pinned)
     yield counter("forged_session_resumes",
-                  "Turns that resumed their session's cached KV.", "session_resumes")
+                  "Turns that resumed their session's cached KV.", value=t.session_resumes)
     yield from _tier_metrics(t)
     yield counter("forged_early_rejections",
                   "Requests refused at once because the estimated wait passed "
-                  "limits.queue_timeout.", "early_rejections")
-    yield CounterMetricFamily("forged_worker_restarts", "Worker processes restarted.",
-                              value=restarts)
+                  "limits.queue_timeout.", value=t.early_rejections)
+    yield counter("forged_worker_restarts", "Worker processes restarted.", value=restarts)
     yield from _routing_metrics(t)
 
 
-def _embedding_metrics(t: dict[str, float]) -> Iterator[Metric]:
-    """An embedding model's workers' (forged.engine.embedcore); 0 for a generation model."""
-    yield CounterMetricFamily("forged_embedding_inputs", "Texts embedded.",
-                              value=t.get("embed_inputs", 0.0))
-    yield CounterMetricFamily("forged_embedding_tokens", "Tokens of the texts embedded.",
-                              value=t.get("embed_tokens", 0.0))
-
-
-def _routing_metrics(t: dict[str, float]) -> Iterator[Metric]:
+def _routing_metrics(t: Totals) -> Iterator[Metric]:
     """The pool's: what decided each route, and what it saved from a lost worker; then
-    what an embedding model's workers embedded."""
-    routed = CounterMetricFamily(
-        "forged_routed_requests", "Requests routed to a worker, by what decided: its "
-        "cache, its session, or load.", labels=["by"])
-    for why in ("cache", "session", "load"):
-        routed.add_metric([why], t.get(f"routed_by_{why}", 0.0))
-    yield routed
+    what an embedding model's workers embedded (0 for a generation model)."""
+    yield _labelled(CounterMetricFamily, "forged_routed_requests", "Requests routed to a "
+                    "worker, by what decided: its cache, its session, or load.", "by",
+                    {"cache": t.routed_by_cache, "session": t.routed_by_session,
+                     "load": t.routed_by_load})
     yield CounterMetricFamily(
         "forged_resubmitted_requests", "Requests submitted again because their worker "
-        "was lost before admitting them.", value=t.get("resubmitted", 0.0))
-    yield from _embedding_metrics(t)
+        "was lost before admitting them.", value=t.resubmitted)
+    yield CounterMetricFamily("forged_embedding_inputs", "Texts embedded.",
+                              value=t.embed_inputs)
+    yield CounterMetricFamily("forged_embedding_tokens", "Tokens of the texts embedded.",
+                              value=t.embed_tokens)
 
 
-def _tier_metrics(t: dict[str, float]) -> Iterator[Metric]:
+def _tier_metrics(t: Totals) -> Iterator[Metric]:
     """The KV tiers beyond the slots (RAM, disk): use, and what moved through them."""
-    for name, doc, key, cls in (
-        ("forged_kv_tier_bytes", "Bytes of saved KV states held, by tier.", "bytes",
-         GaugeMetricFamily),
-        ("forged_kv_tier_budget_bytes", "Bytes each tier may hold.", "budget_bytes",
-         GaugeMetricFamily),
-        ("forged_kv_tier_entries", "Saved KV states held, by tier.", "entries",
-         GaugeMetricFamily),
-        ("forged_kv_tier_restores", "Saved states restored into a slot, by tier.",
-         "restores", CounterMetricFamily),
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield _labelled(gauge, "forged_kv_tier_bytes", "Bytes of saved KV states held, by tier.",
+                    "tier", {"ram": t.kv_ram_bytes, "disk": t.kv_disk_bytes})
+    yield _labelled(gauge, "forged_kv_tier_budget_bytes", "Bytes each tier may hold.",
+                    "tier", {"ram": t.kv_ram_budget_bytes, "disk": t.kv_disk_budget_bytes})
+    yield _labelled(gauge, "forged_kv_tier_entries", "Saved KV states held, by tier.",
+                    "tier", {"ram": t.kv_ram_entries, "disk": t.kv_disk_entries})
+    yield _labelled(counter, "forged_kv_tier_restores",
+                    "Saved states restored into a slot, by tier.",
+                    "tier", {"ram": t.kv_ram_restores, "disk": t.kv_disk_restores})
+    for name, doc, value in (
+        ("saves", "Slot states saved to the RAM tier.", t.kv_saves),
+        ("restored_tokens", "Prompt tokens restored from a tier instead of computed.",
+         t.kv_restored_tokens),
+        ("restore_failures", "Saved states refused at restore (then recomputed).",
+         t.kv_restore_failures),
+        ("demotions", "Session states moved from RAM to disk.", t.kv_demotions),
+        ("drops", "Saved states dropped (budget, or superseded by a longer one).", t.kv_drops),
+        ("swaps", "Batch requests swapped out to RAM for interactive work.", t.kv_swaps),
     ):
-        family = cls(name, doc, labels=["tier"])
-        for tier in ("ram", "disk"):
-            family.add_metric([tier], t.get(f"kv_{tier}_{key}", 0.0))
-        yield family
-    for key, doc in (
-        ("saves", "Slot states saved to the RAM tier."),
-        ("restored_tokens", "Prompt tokens restored from a tier instead of computed."),
-        ("restore_failures", "Saved states refused at restore (then recomputed)."),
-        ("demotions", "Session states moved from RAM to disk."),
-        ("drops", "Saved states dropped (budget, or superseded by a longer one)."),
-        ("swaps", "Batch requests swapped out to RAM for interactive work."),
-    ):
-        yield CounterMetricFamily(f"forged_kv_{key}", doc, value=t.get(f"kv_{key}", 0.0))
+        yield counter(f"forged_kv_{name}", doc, value=value)
 
 
 @dataclass

@@ -9,6 +9,9 @@ import time
 import urllib.parse
 from typing import Any
 
+import msgspec
+
+from forged.engine.stats import Totals, WorkerStats
 from forged.errors import ForgedError
 
 
@@ -72,29 +75,29 @@ def _uptime(seconds: float) -> str:
 
 def render(stats: dict[str, Any]) -> str:
     eng = stats["engine"]
-    t = eng["totals"]
+    t = _totals(stats)
     lm = stats["last_minute"]
-    used, total = t.get("kv_cells_used", 0), t.get("kv_cells_total", 0) or 1
-    queued = int(t.get("queued_interactive", 0) + t.get("queued_batch", 0))
+    used, total = t.kv_cells_used, t.kv_cells_total or 1
     node = f"  node {stats['node']}" if "node" in stats else ""
     lines = [
         f"forged {stats['version']}{node}  model {stats['model']}  {_state(stats)}, "
         f"up {_uptime(eng['uptime'])}",
-        f"streams     {stats['open_streams']} open; {int(t.get('running', 0))} running, "
-        f"{queued} queued ({int(t.get('queued_tokens', 0))} prompt tokens)",
+        f"streams     {stats['open_streams']} open; {int(t.running)} running, "
+        f"{int(t.queued_interactive + t.queued_batch)} queued "
+        f"({int(t.queued_tokens)} prompt tokens)",
         f"KV cache    {100 * used / total:.0f}% used ({int(used)} / {int(total)} cells, "
-        f"{int(t.get('kv_cells_cached', 0))} held as prefix cache)",
-        f"reuse       prefix cache {int(t.get('prefix_cache_hits', 0))} hits in "
-        f"{int(t.get('prefix_cache_queries', 0))} requests "
-        f"({int(t.get('prefix_cache_tokens_saved', 0))} tokens saved, "
-        f"{int(t.get('prefix_holds', 0))} held for a shared prefix); sessions "
-        f"{int(t.get('sessions_pinned', 0))} pinned, {int(t.get('session_resumes', 0))} resumed",
+        f"{int(t.kv_cells_cached)} held as prefix cache)",
+        f"reuse       prefix cache {int(t.prefix_cache_hits)} hits in "
+        f"{int(t.prefix_cache_queries)} requests "
+        f"({int(t.prefix_cache_tokens_saved)} tokens saved, "
+        f"{int(t.prefix_holds)} held for a shared prefix); sessions "
+        f"{int(t.sessions_pinned)} pinned, {int(t.session_resumes)} resumed",
         *_models(stats),
         *_tiers(t),
         *_indexes(stats),
-        f"routing     by cache {int(t.get('routed_by_cache', 0))}, by session "
-        f"{int(t.get('routed_by_session', 0))}, by load {int(t.get('routed_by_load', 0))}; "
-        f"{int(t.get('resubmitted', 0))} resubmitted after a worker was lost",
+        f"routing     by cache {int(t.routed_by_cache)}, by session "
+        f"{int(t.routed_by_session)}, by load {int(t.routed_by_load)}; "
+        f"{int(t.resubmitted)} resubmitted after a worker was lost",
         f"throughput  {lm['tokens_per_second']:.1f} tok/s over the last minute "
         f"({int(lm['requests'])} requests)",
         f"TTFT        p50 {_seconds(lm['ttft_p50'])}   p99 {_seconds(lm['ttft_p99'])}",
@@ -107,14 +110,20 @@ def render(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _totals(stats: dict[str, Any]) -> Totals:
+    """A node's totals, typed (a field an older daemon does not report reads 0)."""
+    return msgspec.convert(stats["engine"]["totals"], Totals)
+
+
 def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
+    s = msgspec.convert(w["stats"], WorkerStats)
     ready = "ready" if w["ready"] else "starting"
-    if w["stats"].get("nice"):  # a swap's new model not yet (or not allowed) back at 0
-        ready += f" at nice {int(w['stats']['nice'])}"
+    if s.nice:  # a swap's new model not yet (or not allowed) back at 0
+        ready += f" at nice {int(s.nice)}"
     model = f" ({w['model']})" if several_models else ""
     return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
             f"{w['pending']} requests, {w['restarts']} restarts, "
-            f"{w.get('digests', 0)} prefix digests", *_attention(w), *_steps(w["stats"])]
+            f"{w.get('digests', 0)} prefix digests", *_attention(w), *_steps(s)]
 
 
 def _attention(w: dict[str, Any]) -> list[str]:
@@ -159,12 +168,11 @@ def render_pool(nodes: list[tuple[str, dict[str, Any] | str]]) -> str:
             lines.append(f"{'?':<16} {'unreachable':<10} {'':<16} {'':>5} {'':>4} {'':>6} "
                          f"{'':>4} {'':>7}  {url}: {stats}")
             continue
-        t = stats["engine"]["totals"]
-        row = [float(stats["open_streams"]), t.get("running", 0.0),
-               t.get("queued_interactive", 0.0) + t.get("queued_batch", 0.0),
+        t = _totals(stats)
+        row = [float(stats["open_streams"]), t.running, t.queued_interactive + t.queued_batch,
                stats["last_minute"]["tokens_per_second"]]
         sums = [a + b for a, b in zip(sums, row, strict=True)]
-        kv = 100 * t.get("kv_cells_used", 0) / (t.get("kv_cells_total", 0) or 1)
+        kv = 100 * t.kv_cells_used / (t.kv_cells_total or 1)
         lines.append(f"{stats.get('node', '?'):<16} {_state(stats):<10} "
                      f"{stats.get('agent', '-'):<16} {int(row[0]):>5} {int(row[1]):>4} "
                      f"{int(row[2]):>6} {kv:>3.0f}% {row[3]:>7.1f}  {url}")
@@ -173,41 +181,42 @@ def render_pool(nodes: list[tuple[str, dict[str, Any] | str]]) -> str:
     return "\n".join(lines)
 
 
-def _steps(s: dict[str, float]) -> list[str]:
-    """A worker's step budget and the cost model it comes from."""
-    if "cost_fixed_ms" not in s:
+def _steps(s: WorkerStats) -> list[str]:
+    """A worker's step budget and the cost model it comes from (none: an embedding
+    model's worker, which has no step target)."""
+    if not s.target_step_ms:
         return []
     return [
-        f"  steps     target {s.get('target_step_ms', 0):.0f} ms; last planned "
-        f"{s.get('step_plan_ms', 0):.0f} ms, took {s.get('step_ms', 0):.0f} ms; room for "
-        f"prompts beside today's decoders {max(0.0, s.get('step_prompt_room_ms', 0)):.0f} ms",
-        f"  cost      {s['cost_fixed_ms']:.1f} ms + {s['cost_decoder_ms']:.2f} /decoder + "
-        f"{s['cost_prompt_token_ms']:.2f} /prompt token + {s['cost_chunk_ms']:.2f} /chunk + "
-        f"{s['cost_kpair_ms']:.2f} /1k attended pairs, "
-        f"{s.get('cost_tiled_kpair_ms', 0):.2f} tiled (fitted on "
-        f"{int(s['cost_steps_observed'])} steps)",
-        f"  admission wait estimate {s.get('wait_estimate_s', 0):.1f} s; "
-        f"{int(s.get('early_rejections', 0))} refused at once",
+        f"  steps     target {s.target_step_ms:.0f} ms; last planned "
+        f"{s.step_plan_ms:.0f} ms, took {s.step_ms:.0f} ms; room for "
+        f"prompts beside today's decoders {max(0.0, s.step_prompt_room_ms):.0f} ms",
+        f"  cost      {s.cost_fixed_ms:.1f} ms + {s.cost_decoder_ms:.2f} /decoder + "
+        f"{s.cost_prompt_token_ms:.2f} /prompt token + {s.cost_chunk_ms:.2f} /chunk + "
+        f"{s.cost_kpair_ms:.2f} /1k attended pairs, "
+        f"{s.cost_tiled_kpair_ms:.2f} tiled (fitted on "
+        f"{int(s.cost_steps_observed)} steps)",
+        f"  admission wait estimate {s.wait_estimate_s:.1f} s; "
+        f"{int(s.early_rejections)} refused at once",
     ]
 
 
-def _tiers(t: dict[str, float]) -> list[str]:
+def _tiers(t: Totals) -> list[str]:
     """The KV tiers beyond the slots: use against budget, and what moved."""
     lines = []
-    for tier, name in (("ram", "RAM"), ("disk", "disk")):
-        budget = t.get(f"kv_{tier}_budget_bytes", 0)
+    for name, budget, used, entries, restores in (
+            ("RAM", t.kv_ram_budget_bytes, t.kv_ram_bytes, t.kv_ram_entries, t.kv_ram_restores),
+            ("disk", t.kv_disk_budget_bytes, t.kv_disk_bytes, t.kv_disk_entries,
+             t.kv_disk_restores)):
         if not budget:
             lines.append(f"KV {name:<8} off")
             continue
-        lines.append(
-            f"KV {name:<8} {_mib(t.get(f'kv_{tier}_bytes', 0))} of {_mib(budget)} MiB, "
-            f"{int(t.get(f'kv_{tier}_entries', 0))} states, "
-            f"{int(t.get(f'kv_{tier}_restores', 0))} restores")
+        lines.append(f"KV {name:<8} {_mib(used)} of {_mib(budget)} MiB, "
+                     f"{int(entries)} states, {int(restores)} restores")
     lines.append(
-        f"KV moves    {int(t.get('kv_saves', 0))} saved, "
-        f"{int(t.get('kv_restored_tokens', 0))} tokens restored, "
-        f"{int(t.get('kv_demotions', 0))} to disk, {int(t.get('kv_drops', 0))} dropped, "
-        f"{int(t.get('kv_swaps', 0))} swaps, {int(t.get('kv_restore_failures', 0))} refused")
+        f"KV moves    {int(t.kv_saves)} saved, "
+        f"{int(t.kv_restored_tokens)} tokens restored, "
+        f"{int(t.kv_demotions)} to disk, {int(t.kv_drops)} dropped, "
+        f"{int(t.kv_swaps)} swaps, {int(t.kv_restore_failures)} refused")
     return lines
 
 

@@ -1,0 +1,121 @@
+"""What a worker says of itself, and what a model's workers add up to.
+
+A worker sends :class:`WorkerStats` with its steps (``forged.engine.frames.Step``): the
+scheduler, its slot cache, the KV tiers and the cost model each write their own fields
+(their ``report`` methods). The pool keeps each worker's last report; a model's
+:class:`Totals` are the :class:`Counts` summed over its ready workers plus the pool's own
+counters. Metrics, ``forged status``, the status page, the agent's weight and the early
+refusal read these fields by name, so a misspelt statistic is a type error, not a zero.
+
+Every field is a float and defaults to 0: an older worker's report, or one from a
+daemon that knows fewer fields (``forged status`` across a pool), still decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+import msgspec
+
+
+class Counts(msgspec.Struct, kw_only=True):
+    """Gauges and counters that mean something summed over workers."""
+
+    # The scheduler's: its queue, its running sequences and what its caches saved.
+    running: float = 0.0
+    prefilling: float = 0.0
+    queued_interactive: float = 0.0
+    queued_batch: float = 0.0
+    queued_tokens: float = 0.0
+    kv_cells_active: float = 0.0
+    kv_cells_cached: float = 0.0
+    kv_cells_reserved: float = 0.0
+    session_resumes: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    prefix_cache_tokens_saved: float = 0.0
+    prompt_tokens_computed: float = 0.0
+    early_rejections: float = 0.0
+    prefix_holds: float = 0.0
+    # The slot cache's (forged.engine.slotcache).
+    kv_cells_total: float = 0.0
+    kv_cells_used: float = 0.0
+    slots_idle_cached: float = 0.0
+    sessions_pinned: float = 0.0
+    # The KV tiers' (forged.engine.kvtiers).
+    kv_ram_entries: float = 0.0
+    kv_ram_bytes: float = 0.0
+    kv_ram_budget_bytes: float = 0.0
+    kv_disk_entries: float = 0.0
+    kv_disk_bytes: float = 0.0
+    kv_disk_budget_bytes: float = 0.0
+    kv_saves: float = 0.0
+    kv_ram_restores: float = 0.0
+    kv_disk_restores: float = 0.0
+    kv_restored_tokens: float = 0.0
+    kv_restore_failures: float = 0.0
+    kv_demotions: float = 0.0
+    kv_drops: float = 0.0
+    kv_swaps: float = 0.0
+    # The worker's steps (forged.engine.core, forged.engine.embedcore).
+    steps: float = 0.0
+    tokens_generated: float = 0.0
+    # An embedding model's workers' (forged.engine.embedcore).
+    embed_queued: float = 0.0
+    embed_requests: float = 0.0
+    embed_inputs: float = 0.0
+    embed_tokens: float = 0.0
+
+
+class WorkerStats(Counts, kw_only=True):
+    """One worker's report: its counts, then what describes this worker alone (a step's
+    time, its cost model, its wait) and would mean nothing summed."""
+
+    step_ms: float = 0.0
+    step_plan_ms: float = 0.0
+    step_prompt_room_ms: float = 0.0
+    target_step_ms: float = 0.0
+    # What a one-token interactive request submitted now would wait: the daemon refuses
+    # at the door when even that exceeds the queue timeout (forged.engine.pool).
+    wait_estimate_s: float = 0.0
+    # A worker left nicer than asked (no RLIMIT_NICE) shows it (forged.engine.worker).
+    nice: float = 0.0
+    # The cost model's coefficients (forged.engine.costmodel.FEATURES); 0 steps
+    # observed: a worker without one (an embedding model's).
+    cost_fixed_ms: float = 0.0
+    cost_decoder_ms: float = 0.0
+    cost_prompt_token_ms: float = 0.0
+    cost_chunk_ms: float = 0.0
+    cost_kpair_ms: float = 0.0
+    cost_tiled_kpair_ms: float = 0.0
+    cost_steps_observed: float = 0.0
+
+
+class Totals(Counts, kw_only=True):
+    """A model's workers' counts summed, with its pool's own counters."""
+
+    # What decided each route (forged.engine.routing.Why).
+    routed_by_cache: float = 0.0
+    routed_by_session: float = 0.0
+    routed_by_load: float = 0.0
+    # Requests submitted again because their worker was lost before admitting them.
+    resubmitted: float = 0.0
+
+
+_COUNTS = msgspec.structs.fields(Counts)
+C = TypeVar("C", bound=Counts)
+
+
+def summed(into: C, parts: Iterable[Counts]) -> C:
+    """``into`` with every count of ``parts`` added to it (its other fields as they are)."""
+    for part in parts:
+        for f in _COUNTS:
+            setattr(into, f.name, getattr(into, f.name) + getattr(part, f.name))
+    return into
+
+
+def added(a: Totals, b: Totals) -> Totals:
+    """Two models' totals, a node's: every field of ``Totals`` added."""
+    return Totals(**{f.name: getattr(a, f.name) + getattr(b, f.name)
+                     for f in msgspec.structs.fields(Totals)})
