@@ -1,12 +1,16 @@
 """The shape of the tree: the import arrows that must never exist (docs: STYLE.md's map)
-and short functions. Read from the source with ``ast``; nothing is imported or run."""
+and short functions. Read from the source with ``ast``; nothing is imported or run
+(but the statistics' field names)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import msgspec
 import pytest
+
+from forged.engine.stats import Totals, WorkerStats
 
 ROOT = Path(__file__).resolve().parent.parent
 # A function longer than this needs a comment saying why, on the line above its ``def``
@@ -169,3 +173,20 @@ def long_functions(path: Path) -> list[str]:
 def test_functions_are_short_or_say_why() -> None:
     found = [f for p in sorted((ROOT / "forged").rglob("*.py")) for f in long_functions(p)]
     assert not found
+
+
+# Strings that happen to share a statistic's name: ollama's image option "steps".
+STAT_NAME_ELSEWHERE = {("forged/http/ollama.py", "steps")}
+
+
+def test_worker_statistics_are_read_by_field_never_by_string_key() -> None:
+    """A statistic spelt as a string (``stats["wait_estimate_s"]``) reads 0 when it is
+    misspelt or renamed; read as a field of ``forged.engine.stats``' Structs, it cannot
+    be. Only that module names them."""
+    names = {f.name for cls in (WorkerStats, Totals) for f in msgspec.structs.fields(cls)}
+    spelt = {(str(p.relative_to(ROOT)), node.value)
+             for p in sorted((ROOT / "forged").rglob("*.py"))
+             if p != ROOT / "forged/engine/stats.py"
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Constant) and node.value in names}
+    assert spelt == STAT_NAME_ELSEWHERE
