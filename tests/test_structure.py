@@ -36,6 +36,8 @@ NEVER = [
     # (forged.engine.events), with failures already turned into errors
     (["forged/http/*.py", "forged/daemon/*.py"], ("forged.engine.frames",)),
     (["forged/engine/backend.py"], ("forged.http", "forged.daemon")),
+    # a request's own state is its Call (forged.http.lifetime), not Quart's untyped g
+    (["forged/http/*.py"], ("quart.g",)),
     (["forged/config.py"], ("forged",)),
     (["bench/*.py"], ("tests",)),
     # the agent reports on the node; it does not reach into requests or the engine

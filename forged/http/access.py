@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from forged.auth import KeyEntry
-from forged.http.state import AppState
+
+if TYPE_CHECKING:  # state imports the request's lifetime, which names its id here
+    from forged.http.state import AppState
 
 access_log = logging.getLogger("forged.access")
 

@@ -16,12 +16,11 @@ next step.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
-from quart import Response, g, request
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -32,11 +31,11 @@ from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.groups import ModelGroup
 from forged.engine.request import Grammar, Request
 from forged.http import refused, sse
-from forged.http.access import count_request, log_access, request_id
+from forged.http.access import count_request, log_access
 from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
-from forged.http.generate import Outcome, generate, log_content
+from forged.http.generate import generate, log_content, open_outcome
 from forged.http.infill import (
     InfillRequest,
     check_ids,
@@ -49,7 +48,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.keylimits import capped_priority, hold_generation, hold_side
-from forged.http.lifetime import RequestResources, resources
+from forged.http.lifetime import RequestResources, call
 from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.modellist import model_list, model_object, system_fingerprint
 from forged.http.responses import (
@@ -174,30 +173,25 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
     the response's accounting and, unless it generated, its access-log line."""
 
     @app.before_request
-    async def _request_id() -> None:
-        g.request_id = request_id()
-        g.started = time.monotonic()
+    async def _caller() -> None:
         if state.keys.enabled and (request.path.startswith(_KEYED_PREFIXES)
                                    or request.path in _KEYED_PATHS):
-            g.key = await _authenticate(state)
+            call().key = await _authenticate(state)
 
     @app.after_request
     async def _account(resp: Response) -> Response:
-        outcome: Outcome | None = g.get("outcome")
-        if outcome is not None:
-            outcome.responded(resp.status_code)
+        c = call()
+        if c.outcome is not None:
+            c.outcome.responded(resp.status_code)
             if state.holds is not None:
                 await state.holds.at("responding")
-        resp.headers["X-Request-Id"] = g.get("request_id", "")
+        resp.headers["X-Request-Id"] = c.request_id
         if "Connection" not in resp.headers and not await _drain_body():
             resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
-        key = g.get("key")
-        count_request(state, rule, resp.status_code, g.get("priority", "none"), key,
-                      g.get("model_id", "-"))
-        if outcome is None:  # a generation logs its own line when it ends
-            log_access(rule, resp.status_code, g.get("request_id", ""), key,
-                       g.get("started", time.monotonic()))
+        count_request(state, rule, resp.status_code, c.priority, c.key, c.model)
+        if c.outcome is None:  # a generation logs its own line when it ends
+            log_access(rule, resp.status_code, c.request_id, c.key, c.started)
         return resp
 
 
@@ -259,11 +253,11 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/retrieve")
     async def retrieve_route() -> Response:
         req = await decoded_body(state, retrieve_decoder, engine=False)
-        return json_response(await retrieve(state, req, g.get("key")))
+        return json_response(await retrieve(state, req, call().key))
 
     @app.post("/v1/events")
     async def events_route() -> Response:
-        record_event(state, await decoded_body(state, event_decoder, engine=False), g.get("key"))
+        record_event(state, await decoded_body(state, event_decoder, engine=False), call().key)
         return json_response({})
 
     @app.post("/detokenize")
@@ -286,7 +280,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     async def infill() -> Response:
         req = await decoded_body(state, infill_decoder)
         group = _use_model(state, req, fim=True)
-        found = await infill_context(state, group, req, g.get("key"))
+        found = await infill_context(state, group, req, call().key)
         prompt = await infill_tokens(state, group, req, found)
         try:
             return await _run(state, group, req, prompt, requested_tokens(req),
@@ -329,7 +323,7 @@ async def chat_prompt_tokens(state: AppState, req: ChatRequest) -> int:
 async def _chat_prompt(state: AppState, group: ModelGroup, req: ChatRequest
                        ) -> tuple[ChatRequest, Retrieved | None, ChatPrompt]:
     """The chat with the repository chunks it draws on, those chunks, and its prompt."""
-    found = await context(state, group.prompter, req.repo, g.get("key"),
+    found = await context(state, group.prompter, req.repo, call().key,
                           last_user_text(req), by_meaning=True)
     req = chat_with_context(req, found)
     return req, found, await chat_prompt(state, group, req)
@@ -475,7 +469,7 @@ async def _completion_prompt(state: AppState, group: ModelGroup, req: Completion
             if all(isinstance(t, int) for t in given):
                 return list(given), None  # type: ignore[arg-type]
             return await state.off_loop(group.prompter.encode_mixed, given), None
-    found = await context(state, group.prompter, req.repo, g.get("key"), query_around(
+    found = await context(state, group.prompter, req.repo, call().key, query_around(
         code_text(given), req.suffix or "", state.cfg.retrieval.query_lines),
         cursor_names(code_text(given)))
     if req.suffix is not None:  # OpenAI's fill-in-the-middle: the prompt is the prefix
@@ -507,8 +501,9 @@ def _use_model(state: AppState, req: GenerationFields, *, fim: bool = False) -> 
     """The group serving ``req.model`` (none named: the one whose role fits, ``fim``
     or chat), held until the request ends (a swap drains a group only once nobody
     holds it), and the key's places for ``req`` on it."""
-    group = resources().enter_context(state.models.use(req.model, fim=fim))
-    g.model_id = group.model_id  # the metrics' model label: configured, never as asked
+    c = call()
+    group = c.held.enter_context(state.models.use(req.model, fim=fim))
+    c.model = group.model_id  # the metrics' model label: configured, never as asked
     _hold_key(state, group, req)
     return group
 
@@ -523,7 +518,7 @@ def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: 
     max_tokens = _max_tokens(lim, group.max_context, len(prompt), requested, req.min_tokens)
     if req.stop_token_ids:
         check_ids(group, req.stop_token_ids, "stop_token_ids")
-    key = g.get("key")
+    key = call().key
     n = _choices(group, req, prompt, max_tokens)
     if n > req.n and asked.top is None:  # best_of ranks by the tokens' logprobs
         asked = Asked(0, asked.prompt)
@@ -611,16 +606,8 @@ async def _run(state: AppState, group: ModelGroup, req: GenerationFields, prompt
     if calls:
         engine_request = msgspec.structs.replace(engine_request,
                                                  unique_blocks=(TOOL_OPEN, TOOL_CLOSE))
-    g.priority = engine_request.priority
-    rule = request.url_rule.rule if request.url_rule is not None else "other"
-    key = g.get("key")
-    outcome = g.outcome = Outcome(g.request_id, rule, g.priority, started=g.started,
-                                  key=key.name if key else "-", model=group.model_id)
+    outcome = open_outcome(state, engine_request.priority)
     log_content(state, outcome, req)
-    # Recorded once, when the request ends, however it ends: this also gives the key
-    # its places back (forged.http.lifetime).
-    resources().callback(outcome.record, state)
-    outcome.hold = g.get("hold")
     return await generate(state, group, req, engine_request, fmt, outcome)
 
 
@@ -655,16 +642,16 @@ def _hold_key(state: AppState, group: ModelGroup, req: GenerationFields) -> None
     """Per-key limits, taken before any work that grows with the request: over them
     this key gets 429 and every other key is unaffected. A request takes a place per
     sequence it runs (``n`` choices, or ``best_of``, take as many)."""
-    key = g.get("key")
-    if key is None:
+    c = call()
+    if c.key is None:
         return
     places = max(req.n, req.best_of or 0)
-    g.hold = hold_generation(state.key_usage, key, places,
+    c.hold = hold_generation(state.key_usage, c.key, places,
                              would_wait=group.pool.would_wait(places),
                              retry_after=state.cfg.limits.retry_after)
 
 
 def _hold_side(state: AppState) -> None:
     """Per-key limits of the door's other routes (tokenize, retrieve, events)."""
-    if (key := g.get("key")) is not None:
+    if (key := call().key) is not None:
         hold_side(state.key_usage, key, state.cfg.limits.retry_after)

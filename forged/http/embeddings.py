@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
-from quart import Response, g, request
+from quart import Response
 from quart_trio import QuartTrio
 
 from forged import errors as e
@@ -33,10 +33,10 @@ from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import api
-from forged.http.generate import Outcome, admitted_events
+from forged.http.generate import Outcome, admitted_events, open_outcome
 from forged.http.infill import check_ids
 from forged.http.keylimits import capped_priority, hold_generation
-from forged.http.lifetime import resources
+from forged.http.lifetime import call
 from forged.http.state import AppState
 
 log = logging.getLogger("forged")
@@ -113,8 +113,9 @@ async def embed(state: AppState, model: str | None, given: Input, *, truncate: b
     """Every input's vector, from the embedding model ``model`` names (None: the one
     whose role is "embed"); ``param`` names the body's field in errors."""
     started = time.monotonic()
-    group = resources().enter_context(state.models.use(model, embed=True))
-    g.model_id = group.model_id
+    c = call()
+    group = c.held.enter_context(state.models.use(model, embed=True))
+    c.model = group.model_id
     if dimensions is not None and dimensions != group.prompter.vocab.n_embd:
         raise e.BadRequest(f"the model {group.model_id} makes vectors of "
                            f"{group.prompter.vocab.n_embd} dimensions only; forged does "
@@ -123,42 +124,31 @@ async def embed(state: AppState, model: str | None, given: Input, *, truncate: b
     inputs = await state.off_loop(_tokens, group, given, truncate, param)
     request_ = Request(prompt=[t for x in inputs for t in x], max_tokens=0,
                        inputs=[len(x) for x in inputs], tenant=_tenant(),
-                       priority=capped_priority(priority, g.get("key"),
+                       priority=capped_priority(priority, c.key,
                                                 state.cfg.limits.default_priority),
                        queue_timeout=state.cfg.limits.queue_timeout)
-    g.priority = request_.priority  # the metrics' priority label
-    outcome = _outcome(state, group, request_)
+    outcome = open_outcome(state, request_.priority)
+    outcome.prompt_tokens = len(request_.prompt)
     vectors = await _run(state, group, request_, outcome)
     rows = np.frombuffer(vectors, dtype="<f4").reshape(len(inputs), -1)
     return Embedded(group.model_id, rows, len(request_.prompt), time.monotonic() - started)
 
 
 def _tenant() -> str:
-    key = g.get("key")
+    key = call().key
     return key.tenant if key else ""
 
 
 def _hold_key(state: AppState, group: ModelGroup) -> None:
     """One place of the key's ``max_streams`` for the call, as a generation takes."""
-    if (key := g.get("key")) is not None:
-        g.hold = hold_generation(state.key_usage, key, 1,
+    if (key := (c := call()).key) is not None:
+        c.hold = hold_generation(state.key_usage, key, 1,
                                  would_wait=group.pool.would_wait(1),
                                  retry_after=state.cfg.limits.retry_after)
 
 
-def _outcome(state: AppState, group: ModelGroup, req: Request) -> Outcome:
-    rule = request.url_rule.rule if request.url_rule is not None else "other"
-    key = g.get("key")
-    outcome = g.outcome = Outcome(g.request_id, rule, req.priority, started=g.started,
-                                  key=key.name if key else "-", model=group.model_id,
-                                  prompt_tokens=len(req.prompt))
-    resources().callback(outcome.record, state)
-    outcome.hold = g.get("hold")
-    return outcome
-
-
 async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcome) -> bytes:
-    held = resources()
+    held = call().held
     try:
         held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(req))

@@ -15,12 +15,12 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import trio
-from quart import Response
+from quart import Response, request
 
 from forged import errors as e
 from forged.engine.events import Admitted, Delta, Done, Event, Scored
@@ -28,8 +28,7 @@ from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import sse
-from forged.http.keylimits import KeyHold
-from forged.http.lifetime import resources
+from forged.http.lifetime import Call, call
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
@@ -40,12 +39,11 @@ access_log = logging.getLogger("forged.access")
 
 @dataclass
 class Outcome:
-    """What the access log and the metrics say about one generation."""
+    """What the access log and the metrics say about one generation: its request's
+    :class:`Call` (id, start, key, labels, places), then what happened to it."""
 
-    request_id: str
+    call: Call
     endpoint: str
-    priority: str
-    started: float = field(default_factory=time.monotonic)
     # Until a response is made, the caller is one that left: 499, client_gone.
     status: str = "499"
     end: str = "client_gone"  # ok, client_gone, drain, queue_timeout, error
@@ -54,9 +52,6 @@ class Outcome:
     cached_tokens: int = 0
     queue_time: float | None = None
     ttft: float | None = None
-    key: str = "-"
-    model: str = "-"  # the id of the model that served it
-    hold: KeyHold | None = None  # its places in its key's limits
     admitted: bool = False
     rs: RequestStream | None = None
     prefill: tuple[float, int] = (0.0, 0)  # admission to first token: seconds, steps
@@ -72,19 +67,20 @@ class Outcome:
         route and latency; never its text."""
         if self.end != "ok" or not self.completion_id:
             return
-        state.metrics.completions.labels(self.key, self.endpoint).inc()
-        state.telemetry.record(Completion(self.completion_id, self.key, self.endpoint,
+        key = self.call.key_name
+        state.metrics.completions.labels(key, self.endpoint).inc()
+        state.telemetry.record(Completion(self.completion_id, key, self.endpoint,
                                           time.time(), duration * 1000))
 
     def whole(self, state: AppState) -> None:
         """Every choice is done: editors' events may name this completion from now on,
         from the key it was made for. Said before its last frame goes out, so that no
         editor holds an id the daemon does not know yet."""
-        state.telemetry.served.add(self.completion_id, self.key)
+        state.telemetry.served.add(self.completion_id, self.call.key_name)
 
     def mark_admitted(self) -> None:
-        if self.hold is not None:
-            self.hold.admitted()
+        if self.call.hold is not None:
+            self.call.hold.admitted()
         self.admitted = True
 
     def responded(self, status: int) -> None:
@@ -105,30 +101,15 @@ class Outcome:
 
     def record(self, state: AppState) -> None:
         """Called once, by the request's resources when the request ends."""
-        m = state.metrics
-        duration = time.monotonic() - self.started
-        rs = self.rs
-        if rs is not None and rs.delta_times:
-            self.ttft = rs.delta_times[0] - self.started
-            m.observe_ttft(self.ttft)
-            times = rs.delta_times
-            m.observe_itl([b - a for a, b in itertools.pairwise(times)])
-        m.e2e.observe(duration)
-        self._telemetry(state, duration)
-        state.telemetry.record(Usage(self.key, self.model, time.time(), self.prompt_tokens,
-                                     self.completion_tokens))
-        if self.queue_time is not None:
-            m.queue_time.labels(self.priority).observe(self.queue_time)
-        m.prompt_tokens.labels(self.key, self.model).inc(self.prompt_tokens)
-        m.observe_tokens(self.completion_tokens, self.key, self.model)
-        if self.end in ("client_gone", "drain", "queue_timeout"):
-            m.cancellations.labels(self.end).inc()
+        c = self.call
+        duration = time.monotonic() - c.started
+        self._observe(state, duration)
         ttft = f"{self.ttft:.3f}" if self.ttft is not None else "-"
         fields: dict[str, object] = {
-            "request_id": self.request_id, "key": self.key, "model": self.model,
+            "request_id": c.request_id, "key": c.key_name, "model": c.model,
             "status": self.status, **({"error": self.error} if self.error else {}),
             "end": self.end,
-            "priority": self.priority, "prompt_tokens": self.prompt_tokens,
+            "priority": c.priority, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "ttft": ttft,
             # where the TTFT went: waiting for a slot, then admission to first token
@@ -142,6 +123,37 @@ class Outcome:
             fields["completion"] = texts[0] if len(texts) == 1 else \
                 msgspec.json.encode(texts).decode()
         access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
+
+    def _observe(self, state: AppState, duration: float) -> None:
+        """The metrics' and the usage telemetry's share of the record."""
+        m, c = state.metrics, self.call
+        rs = self.rs
+        if rs is not None and rs.delta_times:
+            self.ttft = rs.delta_times[0] - c.started
+            m.observe_ttft(self.ttft)
+            times = rs.delta_times
+            m.observe_itl([b - a for a, b in itertools.pairwise(times)])
+        m.e2e.observe(duration)
+        self._telemetry(state, duration)
+        state.telemetry.record(Usage(c.key_name, c.model, time.time(), self.prompt_tokens,
+                                     self.completion_tokens))
+        if self.queue_time is not None:
+            m.queue_time.labels(c.priority).observe(self.queue_time)
+        m.prompt_tokens.labels(c.key_name, c.model).inc(self.prompt_tokens)
+        m.observe_tokens(self.completion_tokens, c.key_name, c.model)
+        if self.end in ("client_gone", "drain", "queue_timeout"):
+            m.cancellations.labels(self.end).inc()
+
+
+def open_outcome(state: AppState, priority: str) -> Outcome:
+    """The current request's generation record at ``priority``, recorded once when the
+    request ends, however it ends (which also gives the key its places back)."""
+    c = call()
+    c.priority = priority  # the metrics' label
+    rule = request.url_rule.rule if request.url_rule is not None else "other"
+    outcome = c.outcome = Outcome(c, rule)
+    c.held.callback(outcome.record, state)
+    return outcome
 
 
 def log_content(state: AppState, outcome: Outcome, req: GenerationFields) -> None:
@@ -160,7 +172,7 @@ async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
     out = fmt(model=req.model or group.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)
     outcome.completion_id = out.id
-    held = resources()
+    held = call().held
     try:
         held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(request))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from forged import errors as e
 from forged.auth import KeyEntry
 from forged.config import PRIORITIES, Priority
-from forged.http.lifetime import resources
+from forged.http.lifetime import call
 
 
 @dataclass
@@ -71,7 +71,7 @@ def hold_generation(usages: dict[str, KeyUsage], key: KeyEntry, places: int, *,
     usage.open += places
     usage.queued += 1
     hold = KeyHold(usage, places, waiting=True)
-    resources().callback(hold.release)
+    call().held.callback(hold.release)
     return hold
 
 
@@ -87,7 +87,7 @@ def hold_side(usages: dict[str, KeyUsage], key: KeyEntry, retry_after: int) -> N
     def release() -> None:
         usage.side -= 1
 
-    resources().callback(release)
+    call().held.callback(release)
 
 
 def capped_priority(asked: Priority | None, key: KeyEntry | None,

@@ -8,29 +8,60 @@ once it has entered the body (``_send_response``: start first, then ``async with
 response.response``), and a generator that never started runs no ``finally``, not even
 on ``aclose()``. So neither the handler nor the body can own what the request holds.
 
-:class:`RequestResources` wraps the whole ASGI call instead. A handler enters each
-thing it takes (the key's place, the engine request, the drain's count, the access-log
-record) into :func:`resources` the moment it takes it. The stack is closed exactly
-once, when the call returns, raises or is cancelled, shielded: its callbacks are
-synchronous bookkeeping and must run even while the request is being cancelled.
+:class:`RequestResources` wraps the whole ASGI call instead, and makes the request's
+one :class:`Call`: its id and start, its caller, its labels, and the stack ``held``
+into which a handler enters each thing it takes (the key's place, the engine request,
+the drain's count, the access-log record) the moment it takes it. The stack is closed
+exactly once, when the call returns, raises or is cancelled, shielded: its callbacks
+are synchronous bookkeeping and must run even while the request is being cancelled.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import request
 
+from forged.auth import KeyEntry
+from forged.http.access import request_id
+
+if TYPE_CHECKING:
+    from forged.http.generate import Outcome
+    from forged.http.keylimits import KeyHold
+
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 _KEY = "forged.resources"
 
 
+@dataclass
+class Call:
+    """One HTTP request's own state, from its arrival to its access-log line."""
+
+    request_id: str = field(default_factory=request_id)  # its X-Request-Id
+    started: float = field(default_factory=time.monotonic)
+    # What it holds, released when its ASGI call ends.
+    held: AsyncExitStack = field(default_factory=AsyncExitStack)
+    key: KeyEntry | None = None  # its caller, with API keys
+    # The metrics' labels: the model as configured (never as asked), the priority.
+    model: str = "-"
+    priority: str = "none"
+    hold: KeyHold | None = None  # its places in its key's limits
+    # A generation's (or an embedding's) record, which logs its own access-log line.
+    outcome: Outcome | None = None
+
+    @property
+    def key_name(self) -> str:
+        return self.key.name if self.key is not None else "-"
+
+
 class RequestResources:
-    """ASGI middleware: one ``AsyncExitStack`` per HTTP request, closed when it ends."""
+    """ASGI middleware: one :class:`Call` per HTTP request, its stack closed when it ends."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -40,15 +71,16 @@ class RequestResources:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        stack = AsyncExitStack()
-        cast(dict[str, Any], scope)[_KEY] = stack  # Quart's request keeps this scope
+        this = Call()
+        cast(dict[str, Any], scope)[_KEY] = this  # Quart's request keeps this scope
         try:
             await self.app(scope, receive, send)
         finally:
             with trio.CancelScope(shield=True):
-                await stack.aclose()
+                await this.held.aclose()
 
 
-def resources() -> AsyncExitStack:
-    """The current request's stack: enter what it holds, and it will be released."""
-    return cast(AsyncExitStack, cast(dict[str, Any], request.scope)[_KEY])
+def call() -> Call:
+    """The current request's :class:`Call`."""
+    return cast(Call, cast(dict[str, Any], request.scope)[_KEY])
+

@@ -32,11 +32,12 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
-from quart import Response, g, request
+from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import errors as e
 from forged.http.api import decoded_body, run_chat
+from forged.http.lifetime import call
 from forged.http.oaioutput import Turn, bound
 from forged.http.oaistore import ResponseStore, Stored
 from forged.http.refused import Refused
@@ -518,7 +519,7 @@ def item_json(item: Item, suffix: str) -> dict[str, Any]:
 
 def _key() -> str:
     """The caller's API key's name: stored responses are its own."""
-    key = g.get("key")
+    key = call().key
     return key.name if key is not None else ""
 
 

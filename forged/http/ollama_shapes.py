@@ -18,9 +18,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from quart import Response, g
+from quart import Response
 
 from forged.http import sse
+from forged.http.lifetime import call
 from forged.http.responses import HTTPError
 from forged.http.tools import ToolCall
 
@@ -81,7 +82,7 @@ class _Lines(sse.Format):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Ollama's total_duration runs from the request's arrival (api's before_request).
-        self.arrived: float = g.get("started", time.monotonic())
+        self.arrived: float = call().started
 
     def _piece(self, content: str, calls: list[ToolCall]) -> dict[str, Any]:
         raise NotImplementedError
