@@ -35,7 +35,7 @@ from forged.engine.decoding import TokenLogprob
 from forged.engine.events import Done
 from forged.http import api, sse
 from forged.http.logprobs import Vocabulary
-from forged.http.refused import Refused
+from forged.http.refused import Refused, refuse
 from forged.http.responses import HTTPError, json_response
 from forged.http.schemas import ChatMessage, ChatRequest, ContentPart, body_error
 from forged.http.state import AppState
@@ -239,22 +239,15 @@ _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 
 
-def _refuse(obj: Any, table: dict[str, Refused], where: str = "") -> None:
-    for name, refused in table.items():
-        if getattr(obj, name, None) not in refused.harmless:
-            raise e.BadRequest(f"`{name}` is not supported by this server: {refused.why}",
-                               param=where + name, code="unsupported_field")
-
-
 # --- into forged's chat request ------------------------------------------------------------
 
 
 def chat_request(body: CountTokensRequest) -> ChatRequest:
     """The chat request ``body`` asks for (count_tokens' body: only its prompt). Run in
     one of the door's threads, as the body's decoding may be: it reads every block."""
-    _refuse(body, REFUSED)
+    refuse(body, REFUSED)
     if body.output_config is not None:
-        _refuse(body.output_config, OUTPUT_REFUSED, "output_config.")
+        refuse(body.output_config, OUTPUT_REFUSED, "output_config.")
     fmt = body.output_config.format if body.output_config else None
     choice, parallel = _tool_choice(body.tool_choice)
     fields: dict[str, Any] = {}
@@ -356,7 +349,7 @@ def _tool(i: int, raw: dict[str, Any]) -> dict[str, Any]:
                            "tools (name, description, input_schema)", param=f"{where}.type",
                            code="unsupported_field")
     tool = _convert(raw, Tool, where)
-    _refuse(tool, TOOL_REFUSED, f"{where}.")
+    refuse(tool, TOOL_REFUSED, f"{where}.")
     fn = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:
         fn["description"] = tool.description

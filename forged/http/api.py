@@ -304,8 +304,8 @@ async def run_chat(state: AppState, req: ChatRequest,
 
 def _chat_budget(req: ChatRequest) -> int | None:
     """What a chat asks to generate: OpenAI's two names for it; never 0."""
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested: int | None = getattr(req, field)
+    field, requested = ("max_completion_tokens", req.max_completion_tokens) \
+        if req.max_completion_tokens is not None else ("max_tokens", req.max_tokens)
     if requested == 0:
         raise e.BadRequest(f"{field} must be at least 1 (or -1: until the context is full)",
                            param=field)
@@ -619,8 +619,8 @@ async def _grammar(state: AppState, group: ModelGroup, req: GenerationFields,
         return None
     # A finished grammar allows only the end of generation: banning it (ignore_eos, or
     # min_tokens not yet reached) would leave the sampler no token at all.
-    for field in ("ignore_eos", "min_tokens"):
-        if getattr(req, field):
+    for field, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
+        if value:
             raise e.BadRequest(f"{field} cannot be combined with a grammar, a JSON schema "
                                "or tools", param=field)
     return await state.off_loop(_checked_grammar, group, req, tools)

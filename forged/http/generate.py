@@ -159,8 +159,7 @@ def open_outcome(state: AppState, priority: str) -> Outcome:
 def log_content(state: AppState, outcome: Outcome, req: GenerationFields) -> None:
     """With log.log_content, keep what the access log line will show of the content."""
     if state.cfg.log.log_content:
-        # A chat's messages, or the prompt of a completion or an infill.
-        given = getattr(req, "messages", None) or getattr(req, "prompt", None)
+        given = req.content()
         outcome.prompt = given if isinstance(given, str) else \
             msgspec.json.encode(given).decode()
         outcome.completion = {}

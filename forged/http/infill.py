@@ -56,6 +56,9 @@ class InfillRequest(GenerationFields, kw_only=True):
     # Only these fields of the answer, by path ("timings/prompt_n"), under that name.
     response_fields: list[str] | None = None
 
+    def content(self) -> object:
+        return self.prompt
+
 
 infill_decoder = msgspec.json.Decoder(InfillRequest)
 

@@ -40,7 +40,7 @@ from forged.http.api import decoded_body, run_chat
 from forged.http.lifetime import call
 from forged.http.oaioutput import Turn, bound
 from forged.http.oaistore import ResponseStore, Stored
-from forged.http.refused import Refused
+from forged.http.refused import Refused, refuse, unsupported
 from forged.http.responses import json_response
 from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.state import AppState
@@ -176,33 +176,26 @@ def _joined(where: str, path: str) -> str:
     return where + path if path.startswith("[") else f"{where}.{path}"
 
 
-def _unsupported(why: str, param: str) -> e.BadRequest:
-    return e.BadRequest(f"`{param}` is not supported by this server: {why}", param=param,
-                        code="unsupported_field")
-
-
 def _refuse(body: ResponsesBody) -> None:
     """A 400 naming the first field that asks for what forged cannot do."""
-    for name, refused in _REFUSED.items():
-        if getattr(body, name) not in refused.harmless:
-            raise _unsupported(refused.why, name)
+    refuse(body, _REFUSED)
     reasoning = body.reasoning
     if reasoning is not None:
         if not isinstance(reasoning, dict):
-            raise _unsupported("reasoning must be an object", "reasoning")
+            raise unsupported("reasoning must be an object", "reasoning")
         for name, value in reasoning.items():
             if value not in _REASONING_OFF.get(name, ()):
-                raise _unsupported("reasoning effort and summaries are not supported: a "
-                                   "model thinks as its chat template says",
-                                   f"reasoning.{name}")
+                raise unsupported("reasoning effort and summaries are not supported: a "
+                                  "model thinks as its chat template says",
+                                  f"reasoning.{name}")
     for i, item in enumerate(body.include or ()):
         if item not in _INCLUDABLE:
-            raise _unsupported(f"{item!r} cannot be included", f"include[{i}]")
+            raise unsupported(f"{item!r} cannot be included", f"include[{i}]")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
-        raise _unsupported("verbosity is not supported", "text.verbosity")
+        raise unsupported("verbosity is not supported", "text.verbosity")
     if body.stream_options is not None and body.stream_options.include_obfuscation:
-        raise _unsupported("streams carry no obfuscation padding",
-                           "stream_options.include_obfuscation")
+        raise unsupported("streams carry no obfuscation padding",
+                          "stream_options.include_obfuscation")
 
 
 # --- input items -----------------------------------------------------------------------
@@ -282,9 +275,9 @@ def _item(item: dict[str, Any], where: str) -> Item:
         case "function_call_output":
             o = _convert(item, FunctionCallOutputItem, where)
             return Answered(o.call_id, _text(o.output, f"{where}.output"))
-    raise _unsupported(f"input items of type {kind!r} are not supported: forged takes "
-                       "message, function_call and function_call_output items",
-                       f"{where}.type")
+    raise unsupported(f"input items of type {kind!r} are not supported: forged takes "
+                      "message, function_call and function_call_output items",
+                      f"{where}.type")
 
 
 def _text(content: str | list[dict[str, Any]], where: str) -> str:
@@ -295,9 +288,9 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
         kind = part.get("type")
         if kind not in ("input_text", "output_text"):
             what = _MEDIA.get(str(kind))
-            raise _unsupported(f"{what} in input are not supported: this model reads text "
-                               "only" if what else f"content parts of type {kind!r} are not "
-                               "supported", f"{where}[{j}].type")
+            raise unsupported(f"{what} in input are not supported: this model reads text "
+                              "only" if what else f"content parts of type {kind!r} are not "
+                              "supported", f"{where}[{j}].type")
         texts.append(_convert(part, TextPart, f"{where}[{j}]").text)
     return "".join(texts)
 
@@ -355,8 +348,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools or []):
         if (kind := tool.get("type")) != "function":
-            raise _unsupported(f"tools of type {kind!r} are not supported: forged runs "
-                               "function tools only", f"tools[{i}].type")
+            raise unsupported(f"tools of type {kind!r} are not supported: forged runs "
+                              "function tools only", f"tools[{i}].type")
         t = _convert(tool, FunctionTool, f"tools[{i}]")
         fn: dict[str, Any] = {"name": t.name}
         if t.parameters is not None:
@@ -371,8 +364,8 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
     if not isinstance(choice, dict):
         return choice  # none, auto or required
     if (kind := choice.get("type")) != "function":
-        raise _unsupported(f"tool_choice of type {kind!r} is not supported: name a "
-                           "function, or use none, auto or required", "tool_choice.type")
+        raise unsupported(f"tool_choice of type {kind!r} is not supported: name a "
+                          "function, or use none, auto or required", "tool_choice.type")
     named = _convert(choice, NamedFunction, "tool_choice")
     return {"type": "function", "function": {"name": named.name}}
 
@@ -465,8 +458,8 @@ class PageArgs(_Strict):
 
 def _page_args(args: Any) -> PageArgs:
     if any(k.partition("[")[0] == "include" for k in args):  # the SDK sends include[]
-        raise _unsupported("include is not supported: input items hold their text only",
-                           "include")
+        raise unsupported("include is not supported: input items hold their text only",
+                          "include")
     raw = dict(args.items())
     try:
         return msgspec.convert(raw, PageArgs, strict=False)

@@ -49,7 +49,7 @@ from forged.http.ollama_shapes import (
     running_list,
     show,
 )
-from forged.http.refused import Refused
+from forged.http.refused import Refused, refuse
 from forged.http.responses import json_response
 from forged.http.schemas import ChatRequest, CompletionRequest, Role
 from forged.http.state import AppState
@@ -303,7 +303,7 @@ def served(state: AppState, name: str, *, embed: bool | None = False) -> ModelGr
 
 
 def chat_request(body: ChatBody, group: ModelGroup) -> ChatRequest:
-    _refuse(body, _REFUSED)
+    refuse(body, _REFUSED)
     if body.tools and _structured(body.format):
         raise e.BadRequest("format cannot be combined with tools", param="format")
     return _converted({
@@ -336,7 +336,7 @@ def _message(i: int, m: Message) -> dict[str, Any]:
 async def _generate(state: AppState, body: GenerateBody) -> Response:
     """The prompt through the chat template as a user's turn, as Ollama does; as it is
     with ``raw``; with a ``suffix``, fill-in-the-middle."""
-    _refuse(body, _REFUSED_GENERATE)
+    refuse(body, _REFUSED_GENERATE)
     group = served(state, body.model)
     if not body.prompt and not body.suffix:  # Ollama's way to load a model
         return json_response(loaded(model_name(body.model), body.keep_alive, chat=False))
@@ -374,7 +374,7 @@ def _generation_fields(body: _Body, group: ModelGroup) -> dict[str, Any]:
     """forged's fields for the body's model, stream and options; unset options take
     forged's defaults, as on /v1/."""
     opts = body.options or Options()
-    _refuse(opts, _REFUSED_OPTIONS, "options.")
+    refuse(opts, _REFUSED_OPTIONS, "options.")
     if opts.num_ctx is not None and opts.num_ctx > group.max_context:
         raise e.BadRequest(f"options.num_ctx is {opts.num_ctx}, but this server runs "
                            f"{group.model_id} with a context of {group.max_context} tokens",
@@ -407,14 +407,6 @@ def _structured(fmt: str | dict[str, Any] | None) -> dict[str, Any]:
         return {"response_format": {"type": "json_schema",
                                     "json_schema": {"name": "format", "schema": fmt}}}
     raise e.BadRequest(f'format must be "json" or a JSON schema, not {fmt!r}', param="format")
-
-
-def _refuse(given: Any, table: dict[str, Refused], prefix: str = "") -> None:
-    for name, refused in table.items():
-        if getattr(given, name) not in refused.harmless:
-            raise e.BadRequest(f"`{prefix}{name}` is not supported by this server: "
-                               f"{refused.why}", param=prefix + name,
-                               code="unsupported_field")
 
 
 def _converted(fields: dict[str, Any], cls: type[T]) -> T:

@@ -85,14 +85,27 @@ _Given = msgspec.defstruct("_Given", [(name, Any, msgspec.UNSET) for name in FIE
 _given_decoder = msgspec.json.Decoder(_Given)
 
 
+def unsupported(why: str, param: str) -> e.BadRequest:
+    """The 400 for what forged knows but does not do, naming the field as ``param``."""
+    return e.BadRequest(f"`{param}` is not supported by this server: {why}", param=param,
+                        code="unsupported_field")
+
+
+def refuse(given: object, table: dict[str, Refused], prefix: str = "") -> None:
+    """A 400 naming the first field of ``table`` that ``given`` (a decoded body, or a
+    part of one at ``prefix``) sets to something other than its harmless values."""
+    for name, refused in table.items():
+        if getattr(given, name, None) not in refused.harmless:
+            raise unsupported(refused.why, prefix + name)
+
+
 def check(body: bytes) -> None:
     """BadRequest naming the first field of the table that asks for something."""
     given = _given_decoder.decode(body)
     for name, refused in FIELDS.items():
         value = getattr(given, name)
         if value is not msgspec.UNSET and value not in refused.harmless:
-            raise e.BadRequest(f"`{name}` is not supported by this server: {refused.why}",
-                               param=name, code="unsupported_field")
+            raise unsupported(refused.why, name)
 
 
 def part_error(kind: str, where: str) -> e.BadRequest:

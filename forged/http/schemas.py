@@ -97,6 +97,11 @@ class GenerationFields(Struct, kw_only=True):
     # key's default_repo, if it has one.
     repo: str | None = None
 
+    def content(self) -> object:
+        """What the caller asked, as the access log shows it with log.log_content: a
+        chat's messages, the prompt of a completion or an infill."""
+        raise NotImplementedError
+
 
 # OpenAI's bound on the alternatives per token (vLLM's default max_logprobs too).
 MAX_TOP_LOGPROBS = 20
@@ -117,6 +122,9 @@ class CompletionRequest(GenerationFields, kw_only=True):
     suffix: str | None = None
     logprobs: TopLogprobs | None = None
     echo: bool = False
+
+    def content(self) -> object:
+        return self.prompt
 
 
 class ContentPart(Struct):
@@ -146,6 +154,9 @@ class ChatRequest(GenerationFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+
+    def content(self) -> object:
+        return self.messages
 
 
 completion_decoder = msgspec.json.Decoder(CompletionRequest)

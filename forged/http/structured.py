@@ -26,42 +26,45 @@ from forged.engine.grammar import (
     schema_grammar,
 )
 from forged.engine.request import Grammar
+from forged.http.schemas import GenerationFields
 
 
-def _asked(body: Any) -> list[tuple[str, Any]]:
-    """The grammar fields the body sets, with their values."""
-    asked = [(name, value) for name in ("response_format", "json_schema", "grammar",
-                                        "guided_json", "guided_choice")
-             if (value := getattr(body, name, None)) is not None]
-    return [(n, v) for n, v in asked if not (n == "response_format" and _is_text(v))]
+def _asked(body: GenerationFields) -> list[str]:
+    """The grammar fields the body sets (a text response_format asks for none)."""
+    given = {"response_format": body.response_format, "json_schema": body.json_schema,
+             "grammar": body.grammar, "guided_json": body.guided_json,
+             "guided_choice": body.guided_choice}
+    return [name for name, value in given.items() if value is not None
+            and not (name == "response_format" and _is_text(value))]
 
 
-def asks_grammar(body: Any) -> bool:
+def asks_grammar(body: GenerationFields) -> bool:
     """Whether the body asks for a grammar (cheap: nothing is converted)."""
     return bool(_asked(body))
 
 
-def request_grammar(body: Any) -> Grammar | None:
+def request_grammar(body: GenerationFields) -> Grammar | None:
     """The one grammar this request's body asks for, if any. Its cost grows with the
     schema: call it off the event loop."""
     asked = _asked(body)
     if not asked:
         return None
     if len(asked) > 1:
-        raise e.BadRequest(f"{asked[0][0]} and {asked[1][0]} cannot be used together",
-                           param=asked[1][0])
-    name, value = asked[0]
-    match name:
-        case "response_format":
-            return _response_format(value)
-        case "json_schema" | "guided_json":
-            return schema_grammar(value, name)
-        case "guided_choice":
-            return choice_grammar(value, name)
+        raise e.BadRequest(f"{asked[0]} and {asked[1]} cannot be used together",
+                           param=asked[1])
+    if body.response_format is not None and asked == ["response_format"]:
+        return _response_format(body.response_format)
+    if body.json_schema is not None:
+        return schema_grammar(body.json_schema, "json_schema")
+    if body.guided_json is not None:
+        return schema_grammar(body.guided_json, "guided_json")
+    if body.guided_choice is not None:
+        return choice_grammar(body.guided_choice, "guided_choice")
+    assert body.grammar is not None  # the last one _asked knows
     # llama.cpp's grammar: checked by llama.cpp itself, once it is known to be safe to
     # give to its recursive parser.
-    check_gbnf(value, name)
-    return Grammar(gbnf=value)
+    check_gbnf(body.grammar, "grammar")
+    return Grammar(gbnf=body.grammar)
 
 
 def _is_text(fmt: Any) -> bool:
