@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from forged.auth import KeyEntry
 
-if TYPE_CHECKING:  # state imports the request's lifetime, which names its id here
-    from forged.http.state import AppState
+if TYPE_CHECKING:
+    from forged.observe.metrics import Metrics
 
 access_log = logging.getLogger("forged.access")
 
@@ -22,9 +22,9 @@ def request_id() -> str:
     return os.urandom(16).hex()
 
 
-def count_request(state: AppState, rule: str, status: int, priority: str,
+def count_request(metrics: Metrics, rule: str, status: int, priority: str,
                   key: KeyEntry | None, model_id: str) -> None:
-    state.metrics.requests.labels(rule, str(status), priority, key.name if key else "-",
+    metrics.requests.labels(rule, str(status), priority, key.name if key else "-",
                                   model_id).inc()
 
 

@@ -20,6 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
+from forged.config import ServerConfig
 from forged.engine import testhooks
 from forged.engine.groups import ModelGroup
 from forged.errors import ModelNotFound, SwapRefused
@@ -106,15 +107,14 @@ class _IndexInfos:
 def _add_swap(app: QuartTrio, state: AppState) -> None:
     @app.post("/models/swap")
     async def swap() -> Response:
-        if (refused := _refuse_action(state)) is not None:
+        if (refused := _refuse_action(state.cfg.server)) is not None:
             return refused
         return await _swap(state)
 
 
-def _refuse_action(state: AppState) -> Response | None:
+def _refuse_action(server: ServerConfig) -> Response | None:
     """The answer to an admin action its caller may not take, or None if it may: on a
     Unix socket, the socket's permissions decide; on TCP, the admin token."""
-    server = state.cfg.server
     if server.admin_listen.startswith("unix:"):
         return None
     if not server.admin_token:

@@ -25,7 +25,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from forged import errors as e
-from forged.auth import KeyEntry
+from forged.auth import KeyEntry, KeyStore
 from forged.config import Config, LimitsConfig
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.groups import ModelGroup
@@ -35,7 +35,7 @@ from forged.http.access import count_request, log_access
 from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
-from forged.http.generate import generate, log_content, open_outcome
+from forged.http.generate import generate, open_outcome
 from forged.http.infill import (
     InfillRequest,
     check_ids,
@@ -47,7 +47,7 @@ from forged.http.infill import (
     infill_tokens,
     requested_tokens,
 )
-from forged.http.keylimits import capped_priority, hold_generation, hold_side
+from forged.http.keylimits import KeyUsage, capped_priority, hold_generation, hold_side
 from forged.http.lifetime import RequestResources, call
 from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.modellist import model_list, model_object, system_fingerprint
@@ -176,7 +176,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
     async def _caller() -> None:
         if state.keys.enabled and (request.path.startswith(_KEYED_PREFIXES)
                                    or request.path in _KEYED_PATHS):
-            call().key = await _authenticate(state)
+            call().key = await _authenticate(state.keys)
 
     @app.after_request
     async def _account(resp: Response) -> Response:
@@ -189,18 +189,18 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
         if "Connection" not in resp.headers and not await _drain_body():
             resp.headers["Connection"] = "close"
         rule = request.url_rule.rule if request.url_rule is not None else "other"
-        count_request(state, rule, resp.status_code, c.priority, c.key, c.model)
+        count_request(state.metrics, rule, resp.status_code, c.priority, c.key, c.model)
         if c.outcome is None:  # a generation logs its own line when it ends
             log_access(rule, resp.status_code, c.request_id, c.key, c.started)
         return resp
 
 
-async def _authenticate(state: AppState) -> KeyEntry:
+async def _authenticate(keys: KeyStore) -> KeyEntry:
     # Anthropic's clients send the key as x-api-key; every other client as a Bearer token.
     given = request.headers.get("Authorization")
     if given is None and (x_api_key := request.headers.get("x-api-key")) is not None:
         given = f"Bearer {x_api_key}"
-    key = state.keys.lookup(given)
+    key = keys.lookup(given)
     if key is None:
         await _drain_body()  # keep the client's keep-alive connection usable
         raise e.Unauthorized("Incorrect or missing API key: send "
@@ -235,13 +235,13 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        listed = model_list(state)
+        listed = model_list(state.models, int(state.started))
         shared = _shared(app)
         return json_response(listed if shared is None else shared.model_list(listed["data"]))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        found = model_object(state, model_id)
+        found = model_object(state.models, int(state.started), model_id)
         shared = _shared(app)
         return json_response(found if shared is None else shared.model(found))
 
@@ -373,7 +373,7 @@ async def decoded_body(state: AppState, decoder: msgspec.json.Decoder[T], *,
     if engine:
         state.check_capacity()
     else:  # the door's other routes: one place of the key's, before any work
-        _hold_side(state)
+        _hold_side(state.key_usage, state.cfg.limits.retry_after)
     try:
         decoded = await _decode(state, decoder, body)
         if refuse:
@@ -504,7 +504,7 @@ def _use_model(state: AppState, req: GenerationFields, *, fim: bool = False) -> 
     c = call()
     group = c.held.enter_context(state.models.use(req.model, fim=fim))
     c.model = group.model_id  # the metrics' model label: configured, never as asked
-    _hold_key(state, group, req)
+    _hold_key(state.key_usage, state.cfg.limits.retry_after, group, req)
     return group
 
 
@@ -526,7 +526,7 @@ def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: 
         prompt=prompt, max_tokens=max_tokens, n=n,
         priority=capped_priority(req.priority, key, lim.default_priority),
         sampling=msgspec.structs.replace(sampling(state, group, req), grammar=grammar),
-        stop=_stops(state, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
+        stop=_stops(lim, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         # An editor's bounds, llama.cpp's /infill's only.
@@ -583,8 +583,7 @@ def _choices(group: ModelGroup, req: GenerationFields, prompt: list[int], max_to
     return int(best_of)
 
 
-def _stops(state: AppState, stop: str | list[str] | None) -> list[str]:
-    lim = state.cfg.limits
+def _stops(lim: LimitsConfig, stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > lim.max_stop:
         raise e.BadRequest(f"at most {lim.max_stop} stop strings are allowed", param="stop")
@@ -607,7 +606,8 @@ async def _run(state: AppState, group: ModelGroup, req: GenerationFields, prompt
         engine_request = msgspec.structs.replace(engine_request,
                                                  unique_blocks=(TOOL_OPEN, TOOL_CLOSE))
     outcome = open_outcome(state, engine_request.priority)
-    log_content(state, outcome, req)
+    if state.cfg.log.log_content:
+        outcome.keep_content(req)
     return await generate(state, group, req, engine_request, fmt, outcome)
 
 
@@ -638,7 +638,8 @@ def _checked_grammar(group: ModelGroup, req: GenerationFields, tools: Grammar | 
     return grammar
 
 
-def _hold_key(state: AppState, group: ModelGroup, req: GenerationFields) -> None:
+def _hold_key(usage: dict[str, KeyUsage], retry_after: int, group: ModelGroup,
+              req: GenerationFields) -> None:
     """Per-key limits, taken before any work that grows with the request: over them
     this key gets 429 and every other key is unaffected. A request takes a place per
     sequence it runs (``n`` choices, or ``best_of``, take as many)."""
@@ -646,12 +647,11 @@ def _hold_key(state: AppState, group: ModelGroup, req: GenerationFields) -> None
     if c.key is None:
         return
     places = max(req.n, req.best_of or 0)
-    c.hold = hold_generation(state.key_usage, c.key, places,
-                             would_wait=group.pool.would_wait(places),
-                             retry_after=state.cfg.limits.retry_after)
+    c.hold = hold_generation(usage, c.key, places, would_wait=group.pool.would_wait(places),
+                             retry_after=retry_after)
 
 
-def _hold_side(state: AppState) -> None:
+def _hold_side(usage: dict[str, KeyUsage], retry_after: int) -> None:
     """Per-key limits of the door's other routes (tokenize, retrieve, events)."""
     if (key := call().key) is not None:
-        hold_side(state.key_usage, key, state.cfg.limits.retry_after)
+        hold_side(usage, key, retry_after)

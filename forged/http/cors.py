@@ -34,7 +34,7 @@ def add_cors(app: QuartTrio, state: AppState) -> None:
                 request.headers:
             return None
         resp = Response(b"", status=204)
-        origin = _allowed(state)
+        origin = _allowed(state.cfg.server.cors_origins)
         if origin is not None:
             asked = request.headers.get("Access-Control-Request-Headers", "")
             resp.headers.update({
@@ -48,7 +48,7 @@ def add_cors(app: QuartTrio, state: AppState) -> None:
 
     @app.after_request
     async def _mark(resp: Response) -> Response:
-        origin = _allowed(state)
+        origin = _allowed(state.cfg.server.cors_origins)
         if origin is not None and "Access-Control-Allow-Origin" not in resp.headers:
             resp.headers["Access-Control-Allow-Origin"] = origin
             resp.headers["Access-Control-Expose-Headers"] = EXPOSED
@@ -57,11 +57,10 @@ def add_cors(app: QuartTrio, state: AppState) -> None:
         return resp
 
 
-def _allowed(state: AppState) -> str | None:
+def _allowed(allowed: list[str]) -> str | None:
     """The value of Access-Control-Allow-Origin for this request, or None: no Origin
-    header, or one not configured. Read from the config each time: a reload applies."""
+    header, or one not configured. Given from the config each time: a reload applies."""
     origin = request.headers.get("Origin")
-    allowed = state.cfg.server.cors_origins
     if origin is None or not allowed:
         return None
     if "*" in allowed:

@@ -59,7 +59,7 @@ class TokenBucket:
 
 def record_event(state: AppState, req: EventRequest, key: KeyEntry | None) -> None:
     name = key.name if key else "-"
-    _take_token(state, name, state.cfg.telemetry)
+    _take_token(state.event_buckets, name, state.cfg.telemetry)
     # Unknown and another key's alike: whether an id is another key's is not said.
     if state.telemetry.served.key_of(req.completion_id) != name:
         raise e.NotFound(f"no completion {req.completion_id!r} was served to this API key "
@@ -67,11 +67,11 @@ def record_event(state: AppState, req: EventRequest, key: KeyEntry | None) -> No
     state.telemetry.record(Event(req.completion_id, name, req.type, time.time()))
 
 
-def _take_token(state: AppState, name: str, cfg: TelemetryConfig) -> None:
+def _take_token(buckets: dict[str, TokenBucket], name: str, cfg: TelemetryConfig) -> None:
     """Per key: over its rate this key gets 429, every other key is unaffected. The
     buckets are one per key name, so they are bounded by the keys file."""
     now = trio.current_time()
-    bucket = state.event_buckets.setdefault(name, TokenBucket(cfg.event_burst, now))
+    bucket = buckets.setdefault(name, TokenBucket(cfg.event_burst, now))
     wait = bucket.take(now, cfg.event_rate, cfg.event_burst)
     if wait:
         raise e.RateLimited(f"API key {name!r} sends more than {cfg.event_rate:g} editor "

@@ -35,7 +35,7 @@ from forged.engine.request import Request
 from forged.http import api
 from forged.http.generate import Outcome, admitted_events, open_outcome
 from forged.http.infill import check_ids
-from forged.http.keylimits import capped_priority, hold_generation
+from forged.http.keylimits import KeyUsage, capped_priority, hold_generation
 from forged.http.lifetime import call
 from forged.http.state import AppState
 
@@ -120,7 +120,7 @@ async def embed(state: AppState, model: str | None, given: Input, *, truncate: b
         raise e.BadRequest(f"the model {group.model_id} makes vectors of "
                            f"{group.prompter.vocab.n_embd} dimensions only; forged does "
                            "not shorten them", param="dimensions")
-    _hold_key(state, group)
+    _hold_key(state.key_usage, state.cfg.limits.retry_after, group)
     inputs = await state.off_loop(_tokens, group, given, truncate, param)
     request_ = Request(prompt=[t for x in inputs for t in x], max_tokens=0,
                        inputs=[len(x) for x in inputs], tenant=_tenant(),
@@ -139,12 +139,11 @@ def _tenant() -> str:
     return key.tenant if key else ""
 
 
-def _hold_key(state: AppState, group: ModelGroup) -> None:
+def _hold_key(usage: dict[str, KeyUsage], retry_after: int, group: ModelGroup) -> None:
     """One place of the key's ``max_streams`` for the call, as a generation takes."""
     if (key := (c := call()).key) is not None:
-        c.hold = hold_generation(state.key_usage, key, 1,
-                                 would_wait=group.pool.would_wait(1),
-                                 retry_after=state.cfg.limits.retry_after)
+        c.hold = hold_generation(usage, key, 1, would_wait=group.pool.would_wait(1),
+                                 retry_after=retry_after)
 
 
 async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcome) -> bytes:
@@ -152,7 +151,8 @@ async def _run(state: AppState, group: ModelGroup, req: Request, outcome: Outcom
     try:
         held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(req))
-        done = await _answer(rs, await admitted_events(state, rs, outcome))
+        events = await admitted_events(state.drain, state.cfg.limits.retry_after, rs, outcome)
+        done = await _answer(rs, events)
     except e.ForgedError as exc:
         outcome.failed(exc)
         raise

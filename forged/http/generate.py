@@ -31,8 +31,9 @@ from forged.http import sse
 from forged.http.lifetime import Call, call
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.schemas import GenerationFields
-from forged.http.state import AppState
-from forged.observe.telemetry import Completion, Usage
+from forged.http.state import AppState, DrainDeadlines
+from forged.observe.metrics import Metrics
+from forged.observe.telemetry import Completion, Recorder, Usage
 
 access_log = logging.getLogger("forged.access")
 
@@ -44,6 +45,9 @@ class Outcome:
 
     call: Call
     endpoint: str
+    # Where it is recorded: the node's metrics, and the telemetry for `forged report`.
+    metrics: Metrics
+    telemetry: Recorder
     # Until a response is made, the caller is one that left: 499, client_gone.
     status: str = "499"
     end: str = "client_gone"  # ok, client_gone, drain, queue_timeout, error
@@ -62,21 +66,21 @@ class Outcome:
     completion_id: str = ""  # the response's id, which editors' events name
     error: str = ""  # the error code of a generation that failed, for the access log
 
-    def _telemetry(self, state: AppState, duration: float) -> None:
+    def _telemetry(self, duration: float) -> None:
         """A generation that answered in full, for ``forged report``: id, key name,
         route and latency; never its text."""
         if self.end != "ok" or not self.completion_id:
             return
         key = self.call.key_name
-        state.metrics.completions.labels(key, self.endpoint).inc()
-        state.telemetry.record(Completion(self.completion_id, key, self.endpoint,
+        self.metrics.completions.labels(key, self.endpoint).inc()
+        self.telemetry.record(Completion(self.completion_id, key, self.endpoint,
                                           time.time(), duration * 1000))
 
-    def whole(self, state: AppState) -> None:
+    def whole(self) -> None:
         """Every choice is done: editors' events may name this completion from now on,
         from the key it was made for. Said before its last frame goes out, so that no
         editor holds an id the daemon does not know yet."""
-        state.telemetry.served.add(self.completion_id, self.call.key_name)
+        self.telemetry.served.add(self.completion_id, self.call.key_name)
 
     def mark_admitted(self) -> None:
         if self.call.hold is not None:
@@ -95,15 +99,21 @@ class Outcome:
         # overloaded (the queue) or worker_lost, and the log must tell them apart.
         self.error = from_exception(exc).body.error.code or ""
 
+    def keep_content(self, req: GenerationFields) -> None:
+        """With log.log_content: keep what the access log line will show of it."""
+        given = req.content()
+        self.prompt = given if isinstance(given, str) else msgspec.json.encode(given).decode()
+        self.completion = {}
+
     def text(self, piece: str, index: int) -> None:
         if self.completion is not None:
             self.completion.setdefault(index, []).append(piece)
 
-    def record(self, state: AppState) -> None:
+    def record(self) -> None:
         """Called once, by the request's resources when the request ends."""
         c = self.call
         duration = time.monotonic() - c.started
-        self._observe(state, duration)
+        self._observe(duration)
         ttft = f"{self.ttft:.3f}" if self.ttft is not None else "-"
         fields: dict[str, object] = {
             "request_id": c.request_id, "key": c.key_name, "model": c.model,
@@ -124,9 +134,9 @@ class Outcome:
                 msgspec.json.encode(texts).decode()
         access_log.info("%s %s", self.endpoint, self.status, extra={"fields": fields})
 
-    def _observe(self, state: AppState, duration: float) -> None:
+    def _observe(self, duration: float) -> None:
         """The metrics' and the usage telemetry's share of the record."""
-        m, c = state.metrics, self.call
+        m, c = self.metrics, self.call
         rs = self.rs
         if rs is not None and rs.delta_times:
             self.ttft = rs.delta_times[0] - c.started
@@ -134,8 +144,8 @@ class Outcome:
             times = rs.delta_times
             m.observe_itl([b - a for a, b in itertools.pairwise(times)])
         m.e2e.observe(duration)
-        self._telemetry(state, duration)
-        state.telemetry.record(Usage(c.key_name, c.model, time.time(), self.prompt_tokens,
+        self._telemetry(duration)
+        self.telemetry.record(Usage(c.key_name, c.model, time.time(), self.prompt_tokens,
                                      self.completion_tokens))
         if self.queue_time is not None:
             m.queue_time.labels(c.priority).observe(self.queue_time)
@@ -151,18 +161,9 @@ def open_outcome(state: AppState, priority: str) -> Outcome:
     c = call()
     c.priority = priority  # the metrics' label
     rule = request.url_rule.rule if request.url_rule is not None else "other"
-    outcome = c.outcome = Outcome(c, rule)
-    c.held.callback(outcome.record, state)
+    outcome = c.outcome = Outcome(c, rule, state.metrics, state.telemetry)
+    c.held.callback(outcome.record)
     return outcome
-
-
-def log_content(state: AppState, outcome: Outcome, req: GenerationFields) -> None:
-    """With log.log_content, keep what the access log line will show of the content."""
-    if state.cfg.log.log_content:
-        given = req.content()
-        outcome.prompt = given if isinstance(given, str) else \
-            msgspec.json.encode(given).decode()
-        outcome.completion = {}
 
 
 async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
@@ -177,7 +178,7 @@ async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(request))
         if state.holds is not None:
             await state.holds.at("submitted")
-        first = await admitted_events(state, rs, outcome)
+        first = await admitted_events(state.drain, state.cfg.limits.retry_after, rs, outcome)
         out.prompt_tokens, out.cached_tokens = len(request.prompt), outcome.cached_tokens
         if state.holds is not None:
             await state.holds.at("admitted")
@@ -193,23 +194,23 @@ async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
         raise
 
 
-async def admitted_events(state: AppState, rs: RequestStream, outcome: Outcome) -> list[Event]:
+async def admitted_events(drain: DrainDeadlines, retry_after: int, rs: RequestStream,
+                          outcome: Outcome) -> list[Event]:
     """Wait for the worker to admit the request, so that a full queue is an honest 503,
     and so that a request still queued when a drain ends gets one too."""
-    scope = state.drain.wait_scope()
+    scope = drain.wait_scope()
     try:
         with scope:
-            events = await _until_admitted(state, rs, outcome)
+            events = await _until_admitted(rs, outcome)
     finally:
-        state.drain.end_wait(scope)
+        drain.end_wait(scope)
     if scope.cancelled_caught:
         outcome.end = "drain"
-        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
+        raise e.Unavailable("the server is shutting down", retry_after)
     return events
 
 
-async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
-                          ) -> list[Event]:
+async def _until_admitted(rs: RequestStream, outcome: Outcome) -> list[Event]:
     events: list[Event] = []
     while True:
         batch = await rs.receive()
@@ -225,18 +226,18 @@ async def _until_admitted(state: AppState, rs: RequestStream, outcome: Outcome
             return events
 
 
-async def _next_events(state: AppState, rs: RequestStream, pace: Pace | None = None
+async def _next_events(drain: DrainDeadlines, rs: RequestStream, pace: Pace | None = None
                        ) -> list[Event] | None:
     """The request's next events (with ``pace``, those that arrive soon after them
     too), or None once the drain's deadline has passed."""
-    scope = state.drain.wait_scope()
+    scope = drain.wait_scope()
     try:
         with scope:
             events = await rs.receive()
             return events + await pace.gather(rs) if pace is not None else events
         return None
     finally:
-        state.drain.end_wait(scope)
+        drain.end_wait(scope)
 
 
 class _Reader:
@@ -244,8 +245,8 @@ class _Reader:
     (the outcome's text, each choice's end); what an answer makes of each event (a
     stream's frames, a whole completion's parts) is its subclass's."""
 
-    def __init__(self, state: AppState, outcome: Outcome, n: int) -> None:
-        self.state, self.outcome, self.n = state, outcome, n
+    def __init__(self, outcome: Outcome, n: int) -> None:
+        self.outcome, self.n = outcome, n
         self.dones: dict[int, Done] = {}
 
     def read(self, events: list[Event]) -> bool:
@@ -276,7 +277,7 @@ class _Reader:
         outcome.text(ev.text, ev.index)
         if len(self.dones) < self.n:
             return False
-        outcome.whole(self.state)
+        outcome.whole()
         return True
 
     def delta(self, ev: Delta) -> None:
@@ -292,8 +293,8 @@ class _Reader:
 class _Whole(_Reader):
     """A whole completion's text and scores, per choice."""
 
-    def __init__(self, state: AppState, outcome: Outcome, n: int) -> None:
-        super().__init__(state, outcome, n)
+    def __init__(self, outcome: Outcome, n: int) -> None:
+        super().__init__(outcome, n)
         self.parts: list[list[str]] = [[] for _ in range(n)]
         self.scores = [sse.Scores() for _ in range(n)]
 
@@ -313,9 +314,8 @@ class _Whole(_Reader):
 class _Frames(_Reader):
     """A stream's SSE frames, taken after each read to go out in one write."""
 
-    def __init__(self, state: AppState, outcome: Outcome, out: sse.Format,
-                 include_usage: bool) -> None:
-        super().__init__(state, outcome, out.n)
+    def __init__(self, outcome: Outcome, out: sse.Format, include_usage: bool) -> None:
+        super().__init__(outcome, out.n)
         self.out, self.include_usage = out, include_usage
         self.frames: list[bytes] = []
 
@@ -339,13 +339,13 @@ async def _collect(state: AppState, rs: RequestStream, events: list[Event] | Non
     """The whole completion, its best ``keep`` choices (all but with ``best_of``).
     Counted among the open generations like a stream, it may finish until the drain's
     deadline; past it the caller gets a 503 to retry."""
-    whole = _Whole(state, outcome, out.n)
+    whole = _Whole(outcome, out.n)
     while events is not None:
         if whole.read(events):
             outcome.end = "ok"
             return _whole(out, ["".join(p) for p in whole.parts],
                           [whole.dones[i] for i in range(out.n)], whole.scores, keep)
-        events = await _next_events(state, rs)
+        events = await _next_events(state.drain, rs)
     outcome.end = "drain"
     raise e.Unavailable("the server is shutting down; the completion was cut short",
                         state.cfg.limits.retry_after)
@@ -389,7 +389,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
     before this body has started."""
     if state.holds is not None:
         await state.holds.at("streaming")
-    frames = _Frames(state, outcome, out, include_usage)
+    frames = _Frames(outcome, out, include_usage)
     pace = Pace(state.cfg.server.stream_coalesce_ms / 1000)
     try:
         if head := out.start():
@@ -400,7 +400,7 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
             if last:
                 outcome.end = "ok"  # the last frame went out
                 return
-            events = await _next_events(state, rs, pace)
+            events = await _next_events(state.drain, rs, pace)
         outcome.end = "drain"
         yield out.error(http_error(
             503, "the server is shutting down; the stream was cut short",

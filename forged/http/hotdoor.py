@@ -145,7 +145,7 @@ class HotDoor:
         return status, encode_json(body)
 
     def _models(self) -> tuple[int, bytes]:
-        return 200, encode_json(model_list(self.state))
+        return 200, encode_json(model_list(self.state.models, int(self.state.started)))
 
     def answer(self, head: Head) -> bytes | None:
         """The whole response to ``head``, or None when the general path must answer."""
@@ -165,7 +165,7 @@ class HotDoor:
         rule, handler = route
         status, body = handler()
         rid = request_id()
-        count_request(self.state, rule, status, "none", key, "-")
+        count_request(self.state.metrics, rule, status, "none", key, "-")
         log_access(rule, status, rid, key, started)
         return (b"HTTP/1.1 %d \r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"x-request-id: %s\r\n%s\r\n%s" % (status, len(body), rid.encode(),

@@ -30,6 +30,7 @@ import forged
 from forged import errors as e
 from forged.engine.decoding import TokenLogprob
 from forged.engine.events import Done
+from forged.engine.groups import Models
 from forged.engine.request import Sampling
 from forged.http import api, sse
 from forged.http.chat import chat_text
@@ -96,7 +97,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/props")
     async def props() -> Response:
-        return json_response(_props(state, request.args.get("model")))
+        return json_response(_props(state.models, request.args.get("model")))
 
     @app.post("/embedding")
     async def embedding() -> Response:
@@ -152,8 +153,8 @@ _SETTINGS = ("temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top
              "mirostat", "mirostat_tau", "mirostat_eta", "min_keep")
 
 
-def _props(state: AppState, model: str | None) -> dict[str, Any]:
-    group = state.models.resolve(model, embed=None)
+def _props(models: Models, model: str | None) -> dict[str, Any]:
+    group = models.resolve(model, embed=None)
     settings = generation_settings(Sampling(), group.max_context, -1)
     settings.update(model=group.model_id)
     return {

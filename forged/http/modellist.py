@@ -17,13 +17,12 @@ from typing import Any
 
 import msgspec
 
-from forged.engine.groups import STATUS_WORDS, ModelGroup
-from forged.http.state import AppState
+from forged.engine.groups import STATUS_WORDS, ModelGroup, Models
 
 
-def _object(state: AppState, group: ModelGroup, model_id: str) -> dict[str, Any]:
+def _object(created: int, group: ModelGroup, model_id: str) -> dict[str, Any]:
     info = group.prompter.info
-    return {"id": model_id, "object": "model", "created": int(state.started),
+    return {"id": model_id, "object": "model", "created": created,
             "owned_by": "forged", "root": group.model_id, "parent": None,
             "max_model_len": group.max_context, "role": group.role,
             "status": {"value": STATUS_WORDS[group.status]},
@@ -31,16 +30,17 @@ def _object(state: AppState, group: ModelGroup, model_id: str) -> dict[str, Any]
                      if k != "identity"}}
 
 
-def model_object(state: AppState, model_id: str) -> dict[str, Any]:
-    """The model object of ``model_id``; ModelNotFound unless it is one of ours."""
-    return _object(state, state.models.listed(model_id), model_id)
+def model_object(models: Models, created: int, model_id: str) -> dict[str, Any]:
+    """The model object of ``model_id``; ModelNotFound unless it is one of ours.
+    ``created``: when the daemon started, which OpenAI's clients read as the model's."""
+    return _object(created, models.listed(model_id), model_id)
 
 
-def model_list(state: AppState) -> dict[str, Any]:
+def model_list(models: Models, created: int) -> dict[str, Any]:
     data = []
-    for group in state.models.all():
+    for group in models.all():
         ids = group.ids if group.status == "serving" else [group.listed_id]
-        data += [_object(state, group, i) for i in ids]
+        data += [_object(created, group, i) for i in ids]
     return {"object": "list", "data": data}
 
 

@@ -34,7 +34,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from forged import errors as e
-from forged.engine.groups import ModelGroup
+from forged.engine.groups import ModelGroup, Models
 from forged.http import api
 from forged.http.embeddings import Embedded, answer, embed
 from forged.http.ollama_shapes import (
@@ -215,16 +215,16 @@ def _add_model_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/api/tags")
     async def tags() -> Response:
-        return json_response(model_list(state))
+        return json_response(model_list(state.models))
 
     @app.get("/api/ps")
     async def ps() -> Response:
-        return json_response(running_list(state))
+        return json_response(running_list(state.models))
 
     @app.post("/api/show")
     async def show_route() -> Response:
         body = await api.decoded_body(state, _show_decoder, engine=False)
-        return json_response(show(served(state, body.model or body.name, embed=None),
+        return json_response(show(served(state.models, body.model or body.name, embed=None),
                                   body.verbose))
 
 
@@ -232,7 +232,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/chat")
     async def chat() -> Response:
         body = await api.decoded_body(state, _chat_decoder)
-        group = served(state, body.model)
+        group = served(state.models, body.model)
         if not body.messages:  # Ollama's way to load a model, or to unload it
             return json_response(loaded(model_name(body.model), body.keep_alive, chat=True))
         return await api.run_chat(state, chat_request(body, group), OllamaChat)
@@ -292,11 +292,11 @@ def model_name(name: str) -> str:
     return name.removesuffix(":latest")
 
 
-def served(state: AppState, name: str, *, embed: bool | None = False) -> ModelGroup:
+def served(models: Models, name: str, *, embed: bool | None = False) -> ModelGroup:
     """The serving group of the model ``name``; Ollama's requests always name one."""
     if not name:
         raise e.BadRequest("model is required", param="model")
-    return state.models.resolve(model_name(name), embed=embed)
+    return models.resolve(model_name(name), embed=embed)
 
 
 # --- chat ----------------------------------------------------------------------------
@@ -337,7 +337,7 @@ async def _generate(state: AppState, body: GenerateBody) -> Response:
     """The prompt through the chat template as a user's turn, as Ollama does; as it is
     with ``raw``; with a ``suffix``, fill-in-the-middle."""
     refuse(body, _REFUSED_GENERATE)
-    group = served(state, body.model)
+    group = served(state.models, body.model)
     if not body.prompt and not body.suffix:  # Ollama's way to load a model
         return json_response(loaded(model_name(body.model), body.keep_alive, chat=False))
     fields = {**_generation_fields(body, group), **_structured(body.format)}

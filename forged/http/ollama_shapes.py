@@ -28,8 +28,7 @@ from forged.http.tools import ToolCall
 if TYPE_CHECKING:
     from forged.engine.decoding import TokenLogprob
     from forged.engine.events import Done
-    from forged.engine.groups import ModelGroup
-    from forged.http.state import AppState
+    from forged.engine.groups import ModelGroup, Models
 
 # The Ollama API version whose shapes forged speaks: clients compare it with the least
 # version they need (Copilot's Ollama provider wants 0.6.4).
@@ -226,18 +225,18 @@ def _entry(group: ModelGroup, model_id: str) -> dict[str, Any]:
             "role": group.role, "context_length": group.max_context}
 
 
-def model_list(state: AppState) -> dict[str, Any]:
+def model_list(models: Models) -> dict[str, Any]:
     """``/api/tags``: each serving model under each of its ids, as /v1/models."""
-    return {"models": [_entry(group, model_id) for group in state.models.serving
+    return {"models": [_entry(group, model_id) for group in models.serving
                        for model_id in group.ids]}
 
 
-def running_list(state: AppState) -> dict[str, Any]:
+def running_list(models: Models) -> dict[str, Any]:
     """``/api/ps``: the loaded models, which forged never unloads by itself; ``size``
     is what a model's group allocates (weights and every worker's KV cache)."""
     return {"models": [{**_entry(group, model_id), "size": group.memory, "size_vram": 0,
                         "expires_at": _NEVER, "context_length": group.max_context}
-                       for group in state.models.serving for model_id in group.ids]}
+                       for group in models.serving for model_id in group.ids]}
 
 
 def _capabilities(group: ModelGroup) -> list[str]:

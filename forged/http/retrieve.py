@@ -36,6 +36,7 @@ from forged.http.schemas import ChatMessage, ChatRequest
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
 from forged.retrieval.errors import IndexError_
+from forged.retrieval.query import Searcher
 from forged.retrieval.store import Hit
 
 log = logging.getLogger("forged")
@@ -64,7 +65,7 @@ class Retrieved:
                  "end_line": h.end_line, "score": h.score} for h in self.hits]
 
 
-def resolve_repo(state: AppState, repo: str | None, key: KeyEntry | None) -> str | None:
+def resolve_repo(searcher: Searcher, repo: str | None, key: KeyEntry | None) -> str | None:
     """The index a request names (or its key's default), checked: the key may read it
     (403) and it exists (404). None when neither names one."""
     name = repo or (key.default_repo if key else "") or None
@@ -73,7 +74,7 @@ def resolve_repo(state: AppState, repo: str | None, key: KeyEntry | None) -> str
     if key is not None and not key.may_read(name):
         raise e.Forbidden(f"API key {key.name!r} may not read the repository index {name!r}")
     try:
-        found = state.searcher.exists(name)
+        found = searcher.exists(name)
     except IndexError_ as exc:
         raise e.BadRequest(str(exc), param="repo") from exc
     if not found:
@@ -120,7 +121,7 @@ async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None
     if req.k > limit:
         raise e.BadRequest(f"k is {req.k}; at most {limit} chunks may be asked for",
                            param="k")
-    repo = resolve_repo(state, req.repo, key)
+    repo = resolve_repo(state.searcher, req.repo, key)
     if repo is None:
         raise e.BadRequest("name the repository index to search in `repo` (`forged index "
                            "list` shows them)", param="repo")
@@ -136,7 +137,7 @@ async def context(state: AppState, prompter: Prompter, repo: str | None,
     """The chunks a generation draws on: None when it names no index (nor its key).
     ``prompter``: the model's, whose tokens the budget counts; ``by_meaning``: a
     question (a chat's), searched by meaning too (:func:`search`)."""
-    name = resolve_repo(state, repo, key)
+    name = resolve_repo(state.searcher, repo, key)
     if name is None:
         return None
     cfg = state.cfg.retrieval

@@ -62,7 +62,7 @@ def sampling(state: AppState, group: ModelGroup, req: GenerationFields) -> Sampl
         mirostat=req.mirostat or 0, mirostat_tau=_given(req.mirostat_tau, 5.0),
         mirostat_eta=_given(req.mirostat_eta, 0.1), min_keep=max(1, req.min_keep or 0),
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
-        logit_bias=_logit_bias(state, group, req.logit_bias),
+        logit_bias=_logit_bias(state.cfg.limits.max_logit_bias, group, req.logit_bias),
         order=SAMPLER_ORDER if req.samplers is None else sampler_order(req.samplers),
         min_tokens=req.min_tokens,
     )
@@ -80,12 +80,12 @@ def _window(last_n: int | None, context: int) -> int:
     return context if last_n < 0 else min(last_n, context)
 
 
-def _logit_bias(state: AppState, group: ModelGroup, given: dict[str, float] | None
+def _logit_bias(most: int, group: ModelGroup, given: dict[str, float] | None
                 ) -> list[tuple[int, float]]:
     bias: list[tuple[int, float]] = []
     if not given:
         return bias
-    if len(given) > state.cfg.limits.max_logit_bias:
+    if len(given) > most:
         raise e.BadRequest("too many logit_bias entries", param="logit_bias")
     for key, value in given.items():
         token = _token_id(key)
