@@ -37,7 +37,8 @@ from bench.run import RESULTS
 from forged.config import Config, EngineConfig, ModelConfig
 from forged.engine import frames as fr
 from forged.engine.backend import ContextParams, Llama
-from forged.engine.core import WorkerCore, calibrate
+from forged.engine.core import WorkerCore
+from forged.engine.costmodel import calibrate
 from forged.engine.limits import scheduler_limits
 from forged.engine.request import Request
 from forged.observe.stats import percentile

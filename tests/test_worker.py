@@ -13,8 +13,7 @@ import trio
 from forged import config as fc
 from forged.engine import frames as fr
 from forged.engine.channel import Outbox
-from forged.engine.core import run_isolating
-from forged.engine.decoding import DecodeError, NoKVSpace
+from forged.engine.decoding import DecodeError, NoKVSpace, run_isolating
 from forged.engine.limits import scheduler_limits
 from forged.engine.plan import Chunk
 from forged.engine.pool import EnginePool, retry_after_seconds

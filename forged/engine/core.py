@@ -11,7 +11,7 @@ socket, no event loop and no llama.cpp: it drives a :class:`Backend` (the real o
 * ``handle(frame, now)`` takes a ``Submit``, ``Cancel`` or ``SetLimits`` frame;
 * ``step(now)`` runs one scheduling step: expire queued requests, ask the scheduler for
   a plan, apply its KV memory operations, decode (isolating the requests whose chunks
-  fail: :func:`run_isolating`), sample, and turn tokens into text;
+  fail: :func:`~forged.engine.decoding.run_isolating`), sample, and turn tokens into text;
 * ``frame(now, force)`` returns the ``Step`` frame to send: the events since the last
   one, and the statistics when they are due.
 
@@ -28,19 +28,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import msgspec
 
 from forged.engine import frames as fr
-from forged.engine.costmodel import CostModel, decode_shape
+from forged.engine.costmodel import CostModel
 from forged.engine.decoding import (
     Backend,
-    DecodeError,
-    DecodeItem,
     NoKVSpace,
     TokenLogprob,
     TokenSampler,
+    run_isolating,
 )
 from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
@@ -69,7 +68,6 @@ _NEVER = -float("inf")  # a logit bias that bans a token
 # How long a step with nothing to compute waits for a restore's read from disk (then
 # the next step looks again).
 _STAGE_WAIT_S = 1.0
-K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
 
 
 class DiskTier(Protocol):
@@ -602,68 +600,3 @@ def _within_indent(req: Request, choice: _Choice, text: str) -> tuple[str, bool]
             else:
                 choice.indent = None
     return text, False
-
-
-def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
-                  ) -> tuple[dict[K, int], dict[int, DecodeError]]:
-    """Run ``chunks`` as one step. If llama.cpp fails it (rolling it back), run the
-    halves apart, recursively, so that only the requests whose chunks fail alone fail
-    and every other stream in the step goes on. ``NoKVSpace`` on the whole step is not
-    a failure of any chunk: it propagates, for the caller to make room.
-
-    Returns the tokens sampled (keyed as ``run`` keys them: by sequence) and the errors
-    of the requests that failed, by rid.
-    """
-    try:
-        return run(chunks), {}
-    except NoKVSpace:
-        raise
-    except DecodeError as exc:
-        if len(chunks) == 1:
-            return {}, {chunks[0].rid: exc}
-    return _bisect(chunks, run)
-
-
-def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
-            ) -> tuple[dict[K, int], dict[int, DecodeError]]:
-    sampled: dict[K, int] = {}
-    failed: dict[int, DecodeError] = {}
-    half = len(chunks) // 2
-    for part in (chunks[:half], chunks[half:]):
-        try:
-            sampled |= run(part)
-        except DecodeError as exc:  # NoKVSpace too: in a retry it fails its chunks
-            if len(part) == 1:
-                failed[part[0].rid] = exc
-            else:
-                more_sampled, more_failed = _bisect(part, run)
-                sampled |= more_sampled
-                failed |= more_failed
-    return sampled, failed
-
-
-def calibrate(backend: Backend, slots: int, *, flash_attn: bool, per_slot: bool,
-              clock: Callable[[], float] = time.perf_counter) -> CostModel:
-    """A cost model seeded from a few steps of typical shapes run now, on empty
-    sequences that are removed afterwards, so that the first real steps are already
-    bounded by this machine's and this model's speed rather than by the built-in seed."""
-    model = CostModel(flash_attn=flash_attn, per_slot=per_slot)
-    n_batch = backend.n_batch
-    # (decoders, prompt tokens in place of one of them), each within one batch
-    shapes = [(d, min(p, n_batch - d + 1)) for d, p in
-              ((1, 0), (min(slots, 8), 0), (1, 32), (1, 128), (min(slots, 4), 64))]
-    backend.decode([(0, 0, [0], True)])  # the first decode allocates; do not time it
-    backend.seq_rm(0, 0)
-    for _ in range(2):
-        for decoders, prompt in shapes:
-            items: list[DecodeItem] = [(s, 0, [0], True) for s in range(decoders)]
-            shape = decode_shape([0] * decoders)
-            if prompt:
-                items[0] = (0, 0, [0] * prompt, True)
-                shape = decode_shape([0] * (decoders - 1)).plus(model.chunk(0, prompt))
-            t0 = clock()
-            backend.decode(items)
-            model.observe(shape, (clock() - t0) * 1000)
-            for s in range(decoders):
-                backend.seq_rm(s, 0)
-    return model

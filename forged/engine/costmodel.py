@@ -33,10 +33,13 @@ module is plain arithmetic: no clock, no I/O, no llama.cpp.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from forged.engine.decoding import Backend, DecodeItem
 from forged.engine.stats import WorkerStats
 
 FEATURES = ("fixed_ms", "decoder_ms", "prompt_token_ms", "chunk_ms", "kpair_ms",
@@ -161,3 +164,30 @@ class CostModel:
         (out.cost_fixed_ms, out.cost_decoder_ms, out.cost_prompt_token_ms, out.cost_chunk_ms,
          out.cost_kpair_ms, out.cost_tiled_kpair_ms) = (float(c) for c in self.coef)
         out.cost_steps_observed = float(self.observed)
+
+
+def calibrate(backend: Backend, slots: int, *, flash_attn: bool, per_slot: bool,
+              clock: Callable[[], float] = time.perf_counter) -> CostModel:
+    """A cost model seeded from a few steps of typical shapes run now, on empty
+    sequences that are removed afterwards, so that the first real steps are already
+    bounded by this machine's and this model's speed rather than by the built-in seed."""
+    model = CostModel(flash_attn=flash_attn, per_slot=per_slot)
+    n_batch = backend.n_batch
+    # (decoders, prompt tokens in place of one of them), each within one batch
+    shapes = [(d, min(p, n_batch - d + 1)) for d, p in
+              ((1, 0), (min(slots, 8), 0), (1, 32), (1, 128), (min(slots, 4), 64))]
+    backend.decode([(0, 0, [0], True)])  # the first decode allocates; do not time it
+    backend.seq_rm(0, 0)
+    for _ in range(2):
+        for decoders, prompt in shapes:
+            items: list[DecodeItem] = [(s, 0, [0], True) for s in range(decoders)]
+            shape = decode_shape([0] * decoders)
+            if prompt:
+                items[0] = (0, 0, [0] * prompt, True)
+                shape = decode_shape([0] * (decoders - 1)).plus(model.chunk(0, prompt))
+            t0 = clock()
+            backend.decode(items)
+            model.observe(shape, (clock() - t0) * 1000)
+            for s in range(decoders):
+                backend.seq_rm(s, 0)
+    return model

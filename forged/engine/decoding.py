@@ -8,12 +8,15 @@ Sans-IO: msgspec and forged's request types only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
 from forged.engine.request import Sampling
+
+if TYPE_CHECKING:  # plan imports the cost model, which measures through a Backend
+    from forged.engine.plan import Chunk
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -83,3 +86,44 @@ class Backend(Protocol):
     def seq_load(self, seq: int, state: bytearray, n_tokens: int) -> bool:
         """Write a saved state into the empty ``seq``; False (and ``seq`` left empty)
         when llama.cpp refuses it or it does not hold ``n_tokens`` positions."""
+
+
+K = TypeVar("K")  # what run_isolating's caller keys sampled tokens by
+
+
+def run_isolating(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
+                  ) -> tuple[dict[K, int], dict[int, DecodeError]]:
+    """Run ``chunks`` as one step. If llama.cpp fails it (rolling it back), run the
+    halves apart, recursively, so that only the requests whose chunks fail alone fail
+    and every other stream in the step goes on. ``NoKVSpace`` on the whole step is not
+    a failure of any chunk: it propagates, for the caller to make room.
+
+    Returns the tokens sampled (keyed as ``run`` keys them: by sequence) and the errors
+    of the requests that failed, by rid.
+    """
+    try:
+        return run(chunks), {}
+    except NoKVSpace:
+        raise
+    except DecodeError as exc:
+        if len(chunks) == 1:
+            return {}, {chunks[0].rid: exc}
+    return _bisect(chunks, run)
+
+
+def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
+            ) -> tuple[dict[K, int], dict[int, DecodeError]]:
+    sampled: dict[K, int] = {}
+    failed: dict[int, DecodeError] = {}
+    half = len(chunks) // 2
+    for part in (chunks[:half], chunks[half:]):
+        try:
+            sampled |= run(part)
+        except DecodeError as exc:  # NoKVSpace too: in a retry it fails its chunks
+            if len(part) == 1:
+                failed[part[0].rid] = exc
+            else:
+                more_sampled, more_failed = _bisect(part, run)
+                sampled |= more_sampled
+                failed |= more_failed
+    return sampled, failed

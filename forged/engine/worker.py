@@ -27,7 +27,8 @@ import msgspec
 from forged.engine import frames as fr
 from forged.engine.attention import Choice, Probe, choose, recall, remember
 from forged.engine.backend import ContextParams, Embedder, Llama, Model, llama_version
-from forged.engine.core import WorkerCore, calibrate
+from forged.engine.core import WorkerCore
+from forged.engine.costmodel import calibrate
 from forged.engine.decoding import Backend
 from forged.engine.embedcore import EmbedCore
 from forged.engine.kvdisk import DiskStore, model_identity
