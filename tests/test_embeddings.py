@@ -174,9 +174,8 @@ def test_roles_must_fit_the_model(tiny_model: Path, tiny_bert: Path, tmp_path: P
         open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_model), role="embed"))
     with pytest.raises(fc.ConfigError, match="is an embedding model"):
         open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_bert), role="chat"))
-    prompter = open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_bert)))
-    assert prompter.embedding
-    prompter.close()
+    with open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_bert))) as prompter:
+        assert prompter.embedding
 
 
 def test_the_converter_refuses_what_llama_cpp_would_abort_on(tmp_path: Path) -> None:

@@ -87,15 +87,12 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
         key = model_key(place)
         own = cfg.for_model(model)
         engine = own.engine
-        prompter = open_prompter(config_path, model, key)
-        try:
+        with open_prompter(config_path, model, key) as prompter:
             # An encoder (an embedding model) keeps no KV cache.
             per_cell = 0 if prompter.embedding else prompter.vocab.kv_bytes_per_cell()
             # The context it will serve: its own training context when max_context is 0.
             context = scheduler_limits(own, prompter.n_ctx_train,
                                        encoder=prompter.embedding).max_context
-        finally:
-            prompter.close()
         models.append(ModelPlan(key, model.model_id, Path(model.path).stat().st_size,
                                 per_cell, engine.workers, engine.kv_cells, engine.slots,
                                 context))

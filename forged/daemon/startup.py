@@ -68,7 +68,7 @@ def open_prompter(config_path: Path | str, model: fc.ModelConfig,
                   key: str = "model") -> Prompter:
     """Check the model file's header, then load its vocabulary and chat template; a
     file llama.cpp cannot load, or a template that does not compile, is a config
-    error."""
+    error. Its caller closes it (it is a context manager) or hands it on."""
     import jinja2  # here, with llama.cpp: the header check stays light to import
 
     from forged.engine.backend import BackendError
@@ -85,7 +85,7 @@ def open_prompter(config_path: Path | str, model: fc.ModelConfig,
             f"{key}.path: {model.path}: its chat template"
         raise fc.ConfigError(f"{config_path}: {where}: {exc}".replace("\n", " ")) from exc
     if why := role_problem(model.role, prompter.embedding):
-        prompter.close()
+        prompter.close()  # not handed on
         raise fc.ConfigError(f"{config_path}: {key}.role: \"{model.role}\", but "
                              f"{model.path} {why}")
     return prompter

@@ -22,6 +22,7 @@ hold their group (``Models.use``) for their whole life; the drain waits for them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -51,22 +52,25 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
                number: int, *, test_hooks: bool) -> ModelGroup:
     """A group for ``model`` (not running yet): its vocabulary is loaded, so a bad
     file is a ConfigError here. Its workers get [engine] with the model's own engine
-    settings over it. Blocking: run it in a thread."""
+    settings over it. Blocking: run it in a thread. Its caller closes it (it is a
+    context manager), or hands it to the swapper, which does when it is retired."""
     cfg = cfg.for_model(model)
-    prompter = open_prompter(config_path, model, model_key(place))
-    try:
-        # After the vocabulary, so that open_prompter says what is wrong with a bad
-        # file. A file replaced in the moment between the two would go unnoticed.
-        file = ModelFile(model.path)
-    except OSError as exc:
-        prompter.close()
-        raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
-                             f"cannot open: {exc.strerror}") from exc
-    pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
-                      cache_dir=kv_cache_dir(cfg.server.state_dir, file),
-                      model_fd=file.fd, embedding=prompter.embedding)
-    return ModelGroup(number, model, prompter, pool, file,
-                      memory=memory_bytes(prompter, model.path, cfg.engine))
+    with contextlib.ExitStack() as opened:  # closed unless the group is made
+        prompter = opened.enter_context(open_prompter(config_path, model, model_key(place)))
+        try:
+            # After the vocabulary, so that open_prompter says what is wrong with a bad
+            # file. A file replaced in the moment between the two would go unnoticed.
+            file = opened.enter_context(ModelFile(model.path))
+        except OSError as exc:
+            raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
+                                 f"cannot open: {exc.strerror}") from exc
+        pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
+                          cache_dir=kv_cache_dir(cfg.server.state_dir, file),
+                          model_fd=file.fd, embedding=prompter.embedding)
+        group = ModelGroup(number, model, prompter, pool, file,
+                           memory=memory_bytes(prompter, model.path, cfg.engine))
+        opened.pop_all()  # the group closes them now
+        return group
 
 
 

@@ -16,8 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import llama_cpp as ll
 import numpy as np
@@ -25,6 +24,7 @@ import numpy.typing as npt
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
 
+from forged.engine.closing import Closing
 from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace, TokenLogprob, TokenSampler
 from forged.engine.fim import FimTokens
 from forged.engine.request import Grammar, SamplerName, Sampling
@@ -102,19 +102,6 @@ class BackendError(Exception):
     """llama.cpp refused something (a file it cannot load, a context it cannot make)."""
 
 
-class _Closing:
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
 @dataclass(frozen=True)
 class DrySettings:
     multiplier: float
@@ -131,7 +118,7 @@ class DrySettings:
 _DRY_KEPT = 16
 
 
-class Model(_Closing):
+class Model(Closing):
     """A loaded GGUF. With ``vocab_only`` it is cheap: enough to tokenize and template.
 
     Resource handling: the DRY samplers it keeps (:meth:`dry_sampler`) are freed with it.
@@ -358,7 +345,7 @@ class _Candidates:
         return int(self.array.data[self.array.selected].id)
 
 
-class Sampler(_Closing):
+class Sampler(Closing):
     """One request's llama.cpp sampler chain (its RNG and penalty history are its own).
 
     A grammar stays out of the chain: the token drawn without it is checked against it,
@@ -540,7 +527,7 @@ class ContextParams:
     kv_unified: bool = True
 
 
-class Context(_Closing):
+class Context(Closing):
     """A llama_context with ``n_seq_max`` sequences and one reusable batch."""
 
     def __init__(self, model: Model, p: ContextParams) -> None:
@@ -651,7 +638,7 @@ class _BoundSampler:
         self._sampler.close()
 
 
-class Llama(_Closing):
+class Llama(Closing):
     """A model and its context as :class:`forged.engine.decoding.Backend`: all the worker's
     core asks of llama.cpp."""
 
@@ -712,7 +699,7 @@ class Llama(_Closing):
         self.model.close()
 
 
-class Embedder(_Closing):
+class Embedder(Closing):
     """An embedding model and its context as :class:`forged.engine.embedcore.
     EmbedBackend`: every input its own sequence in one batch, pooled by the model's own
     pooling (a GGUF without one is refused: its tokens' vectors are not a text's)."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import trio
 
 from forged.config import EngineConfig, ModelConfig
+from forged.engine.closing import Closing
 from forged.errors import ModelNotFound, NotServedHere
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def meminfo_bytes(field: str) -> int:
     return 0
 
 
-class ModelGroup:
+class ModelGroup(Closing):
     """``fd``: the model file, held open for the group's life (ModelFile)."""
 
     def __init__(self, number: int, model: ModelConfig, prompter: Prompter,
@@ -161,7 +162,7 @@ def _stamp(st: os.stat_result) -> Stamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-class ModelFile:
+class ModelFile(Closing):
     """A group's model file, held open: its workers load it through the descriptor
     (``/proc/self/fd/N``, which follows the inode), so a worker restarted after a
     package put a new file at the path (a swap refused for memory, say) still loads

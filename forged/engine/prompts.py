@@ -14,6 +14,7 @@ import msgspec
 
 import forged
 from forged.engine.backend import Model, chat_formatter, check_grammar, llama_version
+from forged.engine.closing import Closing
 from forged.engine.fim import ExtraFile, MixedText, infill_prompt
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.kvdisk import model_identity
@@ -63,7 +64,7 @@ def model_info(model: Model, template: str, content: str = "") -> ModelInfo:
                      n_params=model.n_params, size=model.size, identity=digest[:10])
 
 
-class Prompter:
+class Prompter(Closing):
     def __init__(self, model_path: str, chat_template: str = "") -> None:
         # The vocabulary only (llama.cpp's model, without weights): not the config's
         # ``group.model``.

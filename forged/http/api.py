@@ -35,7 +35,7 @@ from forged.http.access import count_request, log_access
 from forged.http.chat import ChatPrompt, chat_prompt
 from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
-from forged.http.generate import generate, open_outcome
+from forged.http.generate import begin_outcome, generate
 from forged.http.infill import (
     InfillRequest,
     check_ids,
@@ -605,7 +605,7 @@ async def _run(state: AppState, group: ModelGroup, req: GenerationFields, prompt
     if calls:
         engine_request = msgspec.structs.replace(engine_request,
                                                  unique_blocks=(TOOL_OPEN, TOOL_CLOSE))
-    outcome = open_outcome(state, engine_request.priority)
+    outcome = begin_outcome(state, engine_request.priority)
     if state.cfg.log.log_content:
         outcome.keep_content(req)
     return await generate(state, group, req, engine_request, fmt, outcome)

@@ -33,7 +33,7 @@ from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import api
-from forged.http.generate import Outcome, admitted_events, open_outcome
+from forged.http.generate import Outcome, admitted_events, begin_outcome
 from forged.http.infill import check_ids
 from forged.http.keylimits import KeyUsage, capped_priority, hold_generation
 from forged.http.lifetime import call
@@ -127,7 +127,7 @@ async def embed(state: AppState, model: str | None, given: Input, *, truncate: b
                        priority=capped_priority(priority, c.key,
                                                 state.cfg.limits.default_priority),
                        queue_timeout=state.cfg.limits.queue_timeout)
-    outcome = open_outcome(state, request_.priority)
+    outcome = begin_outcome(state, request_.priority)
     outcome.prompt_tokens = len(request_.prompt)
     vectors = await _run(state, group, request_, outcome)
     rows = np.frombuffer(vectors, dtype="<f4").reshape(len(inputs), -1)

@@ -155,7 +155,7 @@ class Outcome:
             m.cancellations.labels(self.end).inc()
 
 
-def open_outcome(state: AppState, priority: str) -> Outcome:
+def begin_outcome(state: AppState, priority: str) -> Outcome:
     """The current request's generation record at ``priority``, recorded once when the
     request ends, however it ends (which also gives the key its places back)."""
     c = call()
