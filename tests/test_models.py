@@ -585,3 +585,36 @@ async def test_a_retired_vocabulary_is_freed_when_its_last_holder_leaves(
                 await until(lambda: old.retired, 30)
                 assert old.file.fd >= 0  # held: not freed under it
             assert old.file.fd == -1
+
+
+def test_a_group_that_fails_to_construct_closes_what_it_opened(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open_group opens a vocabulary and the model file; if the pool cannot be made
+    after them, neither stays open (a reload that fails must not leak a model's file)."""
+    from forged.daemon import swap
+    from tests.conftest import make_config
+
+    closed: list[str] = []
+    real = swap.open_prompter
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        prompter = real(*args, **kwargs)
+        close = prompter.close
+        prompter.close = lambda: (closed.append("prompter"), close())[1]  # type: ignore[method-assign]
+        return prompter
+
+    def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no pool")
+
+    def open_fds() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [os.readlink(fds / n) for n in os.listdir(fds) if (fds / n).exists()]
+
+    cfg = make_config(tiny_model, tmp_path)
+    monkeypatch.setattr(swap, "open_prompter", watched)
+    monkeypatch.setattr(swap, "EnginePool", no_pool)
+    before = open_fds().count(str(tiny_model))
+    with pytest.raises(RuntimeError, match="no pool"):
+        swap.open_group(tmp_path / "forged.toml", cfg, 0, cfg.model, 1, test_hooks=False)
+    assert closed == ["prompter"]
+    assert open_fds().count(str(tiny_model)) == before
