@@ -16,6 +16,7 @@ import trio.testing
 
 from bench.run import rss_kb
 from forged.daemon import lifespan
+from forged.engine.stats import Totals
 
 
 def _rss_mib() -> int:
@@ -29,7 +30,7 @@ def test_freed_small_allocations_leave_the_process() -> None:
     last = chunks[-1]
     del chunks
     before = _rss_mib()
-    lifespan._give_back_freed_memory()
+    lifespan.give_back_freed_memory()
     assert before - _rss_mib() >= 40, "80 MB freed, less than half of it given back"
     assert last
 
@@ -37,13 +38,13 @@ def test_freed_small_allocations_leave_the_process() -> None:
 async def test_the_status_beat_gives_freed_memory_back(
         monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock) -> None:
     beats: list[int] = []
-    monkeypatch.setattr(lifespan, "_give_back_freed_memory", lambda: beats.append(1))
+    monkeypatch.setattr(lifespan, "give_back_freed_memory", lambda: beats.append(1))
     monkeypatch.setattr(lifespan, "_status_line", lambda *a: "ok")
     daemon: Any = SimpleNamespace(cfg=SimpleNamespace(server=SimpleNamespace(
         status_interval=5.0)), notifier=SimpleNamespace(status=lambda line: None))
-    state: Any = SimpleNamespace(totals=lambda: {})
+    state: Any = SimpleNamespace(totals=Totals)
     with trio.move_on_after(6):  # one beat, at 5 s
-        await lifespan.Daemon._status_loop(daemon, state)
+        await lifespan.Daemon.status_loop(daemon, state)
     assert beats == [1]
 
 

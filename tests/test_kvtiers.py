@@ -365,7 +365,7 @@ def test_memory_ops_save_before_they_free_and_restore_before_truncating() -> Non
     submit(core, 2, prompt(6))
     plan = sched.plan(1.0)  # the second evicts the first's slot
     assert plan is not None and [type(op) for op in plan.ops] == [SeqSave, SeqRm]
-    core._apply_memory_ops(plan.ops)
+    core.apply_memory_ops(plan.ops)
     sched.drop(2)  # it computed nothing: its slot is empty again
     submit(core, 3, prompt(5, tail=(9,)))  # shares the prompt, not the answer
     plan = sched.plan(2.0)

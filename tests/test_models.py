@@ -20,7 +20,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from forged import config as fc
-from forged.daemon.lifespan import _keep_restart_keys
+from forged.daemon.lifespan import keep_restart_keys
 from forged.engine import testhooks
 from forged.observe.status import render
 from tests.conftest import DaemonFactory, RunningDaemon
@@ -391,7 +391,7 @@ def test_a_reload_applies_a_changed_models_list() -> None:
     old = fc.Config()
     new = msgspec.structs.replace(old, models=[fc.ModelConfig(path="/m/b.gguf")])
     assert fc.changed_keys(old, new) == ["models"] and "models" not in fc.RESTART_KEYS
-    assert _keep_restart_keys(old, new).models == new.models
+    assert keep_restart_keys(old, new).models == new.models
 
 
 async def test_a_reload_adds_and_removes_a_drop_in_model_under_load(

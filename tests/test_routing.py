@@ -138,7 +138,7 @@ def up(w: WorkerSupervisor) -> None:
 def submits(pool: EnginePool, index: int) -> list[int]:
     outbox = pool.workers[index].outbox
     assert outbox is not None
-    return [f.rid for f in outbox._q if isinstance(f, fr.Submit)]
+    return [f.rid for f in outbox.unsent if isinstance(f, fr.Submit)]
 
 
 def request(*prompt: int) -> Request:
@@ -154,7 +154,7 @@ def lose(pool: EnginePool, index: int) -> None:
     """What the supervisor does when a process is gone."""
     w = pool.workers[index]
     w.ready, w.outbox = False, None
-    pool._lose(index, "the worker exited (killed by SIGKILL)")
+    pool.lose_worker(index, "the worker exited (killed by SIGKILL)")
 
 
 async def lose_until_it_fails(pool: EnginePool, rs: RequestStream, restarts: int) -> None:
@@ -163,7 +163,7 @@ async def lose_until_it_fails(pool: EnginePool, rs: RequestStream, restarts: int
     for _ in range(restarts):
         lose(pool, 0)
         up(pool.workers[0])
-        pool._unpark()
+        pool.unpark()
     lose(pool, 0)
     with pytest.raises(WorkerLost):
         await rs.receive()
@@ -180,11 +180,11 @@ async def test_a_lost_worker_s_unadmitted_requests_go_to_another_worker() -> Non
         with pytest.raises(WorkerLost):
             await running.receive()  # its stream had begun
         assert queued.worker == 1 and submits(pool, 1) == [elsewhere.rid, queued.rid]
-        assert pool.resubmitted == 1 and pool._suspects == {running.fingerprint: 1}
+        assert pool.resubmitted == 1 and pool.suspects == {running.fingerprint: 1}
     # leaving cancels it where it is now
     outbox = pool.workers[1].outbox
     assert outbox is not None
-    assert {f.rid for f in outbox._q if isinstance(f, fr.Cancel)} == {elsewhere.rid,
+    assert {f.rid for f in outbox.unsent if isinstance(f, fr.Cancel)} == {elsewhere.rid,
                                                                        queued.rid}
 
 
@@ -194,7 +194,7 @@ async def test_with_no_worker_left_a_request_waits_for_the_restarted_one() -> No
         lose(pool, 0)
         assert rs.worker is None and pool.in_flight() == 1
         up(pool.workers[0])
-        pool._unpark()  # the supervisor's on_ready
+        pool.unpark()  # the supervisor's on_ready
         assert rs.worker == 0 and submits(pool, 0) == [rs.rid]
         # a second and third loss: resubmitted RESUBMITS times, then it fails
         await lose_until_it_fails(pool, rs, RESUBMITS - 1)
@@ -206,7 +206,7 @@ async def test_a_parked_request_fails_when_no_worker_comes_back_in_time(
     pool = pool_of(1)
     with trio.fail_after(pool.cfg.limits.queue_timeout + 5):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(pool._expire_parked)
+            nursery.start_soon(pool.expire_parked)
             async with pool.open_request(request(1, 2)) as rs:
                 lose(pool, 0)
                 t0 = trio.current_time()
@@ -229,7 +229,7 @@ async def test_a_crash_suspect_is_not_resubmitted() -> None:
             with pytest.raises(WorkerLost):
                 await rs.receive()
         assert other.worker == 1 and not other.finished
-        assert pool._suspects == {culprit.fingerprint: 1}  # one count: one crash
+        assert pool.suspects == {culprit.fingerprint: 1}  # one count: one crash
 
 
 async def test_a_request_in_every_crash_before_admission_becomes_a_suspect() -> None:
@@ -269,8 +269,8 @@ async def test_a_heartbeat_turning_late_during_the_door_check_changes_nothing() 
     """The door and the route see the same workers: before, the route looked again,
     and a worker whose heartbeat turned late in between left it none (a 500)."""
     pool = pool_of(1)
-    looks = [pool._routable(), []]
-    pool._routable = lambda: looks.pop(0)  # type: ignore[method-assign]
+    looks = [pool.routable_workers(), []]
+    pool.routable_workers = lambda: looks.pop(0)  # type: ignore[method-assign]
     async with pool.open_request(request(1, 2)) as rs:
         assert rs.worker == 0
 

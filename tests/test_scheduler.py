@@ -19,6 +19,7 @@ from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import Admission, Expired, Preempted, QueueFull, SeqCp, SeqRm, StepPlan
 from forged.engine.request import Request
 from forged.engine.scheduler import Scheduler
+from forged.engine.seqstate import Running
 
 
 def geometry(**kw: float) -> SchedulerLimits:
@@ -50,10 +51,17 @@ def run_step(s: Scheduler, now: float, token: int = 7) -> StepPlan | None:
     sampled = {(c.rid, i): token for c in plan.chunks for i in c.choices}
     s.commit(plan, sampled, now)
     for key in sampled:
-        r = s._running[key]
+        r = s.sequence(key)
+        assert r is not None
         if r.generated >= r.req.max_tokens:
             s.complete(*key)
     return plan
+
+
+def running(s: Scheduler, key: tuple[int, int]) -> Running:
+    r = s.sequence(key)
+    assert r is not None, f"{key} is not running"
+    return r
 
 
 def test_no_batching_window_first_request_runs_in_the_next_step() -> None:
@@ -79,7 +87,7 @@ def test_decode_tokens_come_first_and_prefill_is_chunked_to_the_budget() -> None
     chunk9 = next(c for c in plan.chunks if c.rid == 9)
     assert len(chunk9.tokens) == 13 and not chunk9.sample
     # the long prompt keeps going in bounded chunks while the others decode every step
-    while s._running[(9, 0)].phase.value == "prefill":
+    while running(s, (9, 0)).phase.value == "prefill":
         plan = run_step(s, 2.0)
         assert plan is not None and plan.n_tokens <= 16
         assert {1, 2, 3} <= {c.rid for c in plan.chunks}
@@ -468,7 +476,7 @@ def test_a_long_prefill_is_not_starved_by_a_stream_of_short_prompts() -> None:
     s.submit(*req(1, n=200, max_tokens=50), 0.0)
     s.submit(*req(2, n=5, max_tokens=200, start=1000), 0.0)  # keeps a decoder running
     now, rid = 0.0, 10
-    while s.is_running(1) and s._running[(1, 0)].phase.value == "prefill":
+    while s.is_running(1) and running(s, (1, 0)).phase.value == "prefill":
         # a new short prompt every step, each shorter than what is left of request 1
         s.submit(*req(rid, n=5, max_tokens=1, start=2000 + 10 * rid), now)
         run_step(s, now)
@@ -969,12 +977,12 @@ def test_a_preempted_choice_resumes_alone_where_it_stopped() -> None:
     run_step(s, 0.0)
     run_step(s, 1.0)
     assert s.preempt_one()
-    assert s.n_running == 2 and not s._running.get((1, 2))
+    assert s.n_running == 2 and s.sequence((1, 2)) is None
     (queued,) = s.queue.classes[0]
     assert (queued.index, queued.req.n) == (2, 1)
     assert queued.req.prompt == [*range(100, 140), 7, 7]  # its prompt, its two tokens
     plan = s.plan(2.0)
-    assert plan is not None and s._running[(1, 2)].cached == 41
+    assert plan is not None and running(s, (1, 2)).cached == 41
     assert {c.key for c in plan.chunks} == {(1, 0), (1, 1), (1, 2)}
 
 
@@ -984,7 +992,7 @@ def test_a_prefilling_leader_is_preempted_with_the_choices_waiting_for_it() -> N
     run_step(s, 0.0)
     s.submit(*seq(2, list(range(200, 240)), 50, n=3), 0.0)
     run_step(s, 1.0)  # request 2's leader has part of its prompt
-    assert s._running[(2, 1)].phase.value == "fork"
+    assert running(s, (2, 1)).phase.value == "fork"
     assert s.preempt_one()
     assert not s.is_running(2)
     (queued,) = s.queue.classes[0]

@@ -127,7 +127,7 @@ def test_a_reload_sends_the_whole_new_limits_and_a_worker_refuses_a_new_geometry
     new = msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
         cfg.limits, max_queued=7))
     pool.set_limits(new)
-    frame = outbox._q[0]
+    frame = outbox.unsent[0]
     assert isinstance(frame, fr.SetLimits) and frame.limits == scheduler_limits(new, 8192)
     sched = Scheduler(pool.limits)
     sched.set_limits(frame.limits)

@@ -181,7 +181,7 @@ class Daemon:
                         self.agent_bind = await aux.start(
                             serve_agent, self.cfg.server.agent_listen, state.agent_reply)
                     aux.start_soon(self._signals, listeners, aux)
-                    aux.start_soon(self._status_loop, state)
+                    aux.start_soon(self.status_loop, state)
                     aux.start_soon(state.telemetry.serve)
                     if (interval := watchdog_interval()) is not None:
                         aux.start_soon(self._watchdog_loop, interval)
@@ -305,7 +305,7 @@ class Daemon:
         if restart:
             log.warning("reload: these changes need a restart and were not applied: %s",
                         ", ".join(restart))
-            new = _keep_restart_keys(self.cfg, new)
+            new = keep_restart_keys(self.cfg, new)
         try:
             keys = KeyStore.load(Path(new.auth.keys_file))
         except fc.ConfigError as exc:
@@ -395,7 +395,7 @@ class Daemon:
                       model.path, exc)
             return None
 
-    async def _status_loop(self, state: AppState) -> None:
+    async def status_loop(self, state: AppState) -> None:
         last_tokens, last_t = 0.0, time.monotonic()
         while True:
             await trio.sleep(self.cfg.server.status_interval)
@@ -404,7 +404,7 @@ class Daemon:
             rate = max(0.0, tokens - last_tokens) / max(now - last_t, 1e-9)
             last_tokens, last_t = tokens, now
             self.notifier.status(_status_line(state, rate))
-            await trio.to_thread.run_sync(_give_back_freed_memory)
+            await trio.to_thread.run_sync(give_back_freed_memory)
 
     async def _watchdog_loop(self, interval: float) -> None:
         # Ping only while the event loop runs and the workers answer: a blocked loop
@@ -423,7 +423,7 @@ class Daemon:
                    for g in self.models.all() for w in g.pool.workers)
 
 
-def _give_back_freed_memory() -> None:
+def give_back_freed_memory() -> None:
     """Return the heap's free pages to the kernel. glibc keeps what a large request
     freed (a /tokenize answer with pieces of a megabyte's prompt is ~50 MB), so the
     daemon's RSS stayed at each high-water mark in the soak. malloc_trim(0) takes about
@@ -451,7 +451,7 @@ _LIBC = ctypes.CDLL(None)
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
-def _keep_restart_keys(old: fc.Config, new: fc.Config) -> fc.Config:
+def keep_restart_keys(old: fc.Config, new: fc.Config) -> fc.Config:
     parts = {}
     for section in old.__struct_fields__:
         a, b = getattr(old, section), getattr(new, section)

@@ -38,6 +38,11 @@ class Outbox:
         self._q.append(frame)
         self._wake.set()
 
+    @property
+    def unsent(self) -> tuple[fr.ToWorker, ...]:
+        """The frames put and not yet taken, oldest first."""
+        return tuple(self._q)
+
     async def take(self) -> list[fr.ToWorker]:
         while not self._q:
             await self._wake.wait()

@@ -225,7 +225,7 @@ class WorkerCore:
             self.disk.wait_done(_STAGE_WAIT_S)
         if plan is not None:
             # Before the admissions are reported: a refused restore changes them.
-            recompute = self._apply_memory_ops(plan.ops)
+            recompute = self.apply_memory_ops(plan.ops)
             if recompute:
                 plan = StepPlan([], [c for c in plan.chunks if c.key not in recompute],
                                 plan.shape)
@@ -235,7 +235,7 @@ class WorkerCore:
                 flush()
             self._decode(plan)
 
-    def _apply_memory_ops(self, ops: list[MemOp]) -> set[Key]:
+    def apply_memory_ops(self, ops: list[MemOp]) -> set[Key]:
         """Run the scheduler's memory operations; the requests whose saved state was
         refused, which compute their prompt from the start instead (next step)."""
         recompute: set[Key] = set()
@@ -340,7 +340,7 @@ class WorkerCore:
             return
         self.disk.wait_writes()
         self.account_disk()
-        self._apply_memory_ops(self.sched.cache.save_sessions())
+        self.apply_memory_ops(self.sched.cache.save_sessions())
         self._tier_ops(self.sched.cache.tiers.demote_sessions(), later=False)
         self.disk.wait_writes()  # those the saves above evicted from RAM
         self.account_disk()

@@ -196,7 +196,7 @@ class EnginePool:
         self._rids = itertools.count(1)
         self._started_at = time.monotonic()
         # Prompt fingerprint -> worker crashes it was running in (bounded, LRU).
-        self._suspects: OrderedDict[int, int] = OrderedDict()
+        self.suspects: OrderedDict[int, int] = OrderedDict()
         # Requests whose worker was lost before admitting them, while no other worker
         # is ready: routing id -> (stream, why it was lost, until when it may wait, on
         # trio's clock).
@@ -212,8 +212,8 @@ class EnginePool:
             pass_fds=(self.model_fd,) if self.model_fd >= 0 else (),
             make_init=functools.partial(self._init, index),
             on_step=lambda step: self._deliver(index, step),
-            on_lost=lambda why: self._lose(index, why),
-            on_ready=self._unpark)
+            on_lost=lambda why: self.lose_worker(index, why),
+            on_ready=self.unpark)
 
     def _outbox_limit(self) -> int:
         return 2 * (self.limits.max_queued + self.limits.max_running) + _OUTBOX_SPARE
@@ -240,7 +240,7 @@ class EnginePool:
         async with trio.open_nursery() as nursery:
             for w in self.workers:
                 await nursery.start(w.run)
-            nursery.start_soon(self._expire_parked)
+            nursery.start_soon(self.expire_parked)
             task_status.started()
 
     def set_limits(self, cfg: Config) -> None:
@@ -271,7 +271,7 @@ class EnginePool:
             if rs.finished:
                 del pending[ev.rid]
 
-    def _lose(self, index: int, why: str) -> None:
+    def lose_worker(self, index: int, why: str) -> None:
         """Worker ``index``'s process is gone: count the crash against every prompt it
         was running and fail those requests; submit the others again."""
         self.router.lost(index)
@@ -287,17 +287,17 @@ class EnginePool:
                 self._resubmit(rs, why)
 
     def _suspect(self, fingerprint: int, crashes: int) -> None:
-        self._suspects[fingerprint] = self._suspects.get(fingerprint, 0) + crashes
-        self._suspects.move_to_end(fingerprint)
-        while len(self._suspects) > _SUSPECTS_KEPT:
-            self._suspects.popitem(last=False)
+        self.suspects[fingerprint] = self.suspects.get(fingerprint, 0) + crashes
+        self.suspects.move_to_end(fingerprint)
+        while len(self.suspects) > _SUSPECTS_KEPT:
+            self.suspects.popitem(last=False)
 
     # --- resubmission --------------------------------------------------------------------
 
     def _resubmit(self, rs: RequestStream, why: str) -> None:
         """Submit again a request whose worker was lost before admitting it; with no
         worker ready, park it until one is (or its wait runs out)."""
-        if rs.resubmits >= RESUBMITS or rs.fingerprint in self._suspects:
+        if rs.resubmits >= RESUBMITS or rs.fingerprint in self.suspects:
             if rs.resubmits >= RESUBMITS:
                 # In every crash of its RESUBMITS + 1 workers before one admitted it: a
                 # frame that kills a worker as it is read does that. It is a suspect.
@@ -306,7 +306,7 @@ class EnginePool:
             return
         rs.resubmits += 1
         self.resubmitted += 1
-        routable = self._routable()
+        routable = self.routable_workers()
         if routable:
             self._submit(rs, self._route(rs.request, routable))
             return
@@ -315,16 +315,16 @@ class EnginePool:
         self._parked[rs.rid] = (rs, why, trio.current_time() + wait)
         self._parked_changed.set()
 
-    def _unpark(self) -> None:
+    def unpark(self) -> None:
         """A worker is ready: the parked requests go to it (or to another ready one)."""
-        routable = self._routable()
+        routable = self.routable_workers()
         if not routable:
             return  # it stopped answering already; the next one will do
         parked, self._parked = self._parked, {}
         for rs, _, _ in parked.values():
             self._submit(rs, self._route(rs.request, routable))
 
-    async def _expire_parked(self) -> None:
+    async def expire_parked(self) -> None:
         """Fail parked requests whose wait for a worker ran out."""
         while True:
             deadline = min((d for _, _, d in self._parked.values()), default=math.inf)
@@ -346,7 +346,7 @@ class EnginePool:
         lim = self.cfg.limits
         if self.draining:
             raise Unavailable(self.ended or "the server is shutting down", lim.retry_after)
-        routable = self._routable()
+        routable = self.routable_workers()
         if not routable and not any(w.ready for w in self.workers):
             raise Unavailable("no model worker is ready; retry shortly", lim.retry_after)
         queued = len(self._parked) + sum(
@@ -369,7 +369,7 @@ class EnginePool:
         ``heartbeat_late`` more for one to be heard. A wedged worker is killed at
         ``heartbeat_timeout``; what it had not admitted goes elsewhere."""
         with trio.move_on_after(self.cfg.engine.heartbeat_late):
-            while not (routable := self._routable()):
+            while not (routable := self.routable_workers()):
                 await self._heard.wait()
             return routable
         raise Unavailable("no model worker answered in time; retry shortly",
@@ -382,9 +382,9 @@ class EnginePool:
         if self._parked:
             return True
         return all(sum(rs.request.n for rs in self.pending[w.index].values()) + places
-                   > self.limits.max_running for w in self._routable())
+                   > self.limits.max_running for w in self.routable_workers())
 
-    def _routable(self) -> list[WorkerSupervisor]:
+    def routable_workers(self) -> list[WorkerSupervisor]:
         now = time.monotonic()
         return [w for w in self.workers if w.routable(now)]
 
@@ -406,7 +406,7 @@ class EnginePool:
         unfinished."""
         # Per tenant: one tenant's crashes never get another tenant's prompt refused.
         fingerprint = hash((request.tenant, tuple(request.prompt)))
-        if self._suspects.get(fingerprint, 0) >= CRASHES_TO_REFUSE:
+        if self.suspects.get(fingerprint, 0) >= CRASHES_TO_REFUSE:
             raise BadRequest("this prompt was running when the model worker crashed, "
                              f"{CRASHES_TO_REFUSE} times; it is refused rather than run "
                              "again", code="prompt_crashed_worker")

@@ -432,6 +432,11 @@ class Scheduler:
     def is_running(self, rid: int) -> bool:
         return any(key[0] == rid for key in self._running)
 
+    def sequence(self, key: Key) -> Running | None:
+        """The running sequence of ``key`` (request id, choice), if it runs: its phase,
+        its position, what it has generated."""
+        return self._running.get(key)
+
     def statistics(self) -> WorkerStats:
         active = self._active_cells()
         interactive, batch = (len(q) for q in self.queue.classes)
