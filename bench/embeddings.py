@@ -78,7 +78,8 @@ async def load(url: str, texts: list[str], callers: int, seconds: float) -> dict
     latencies.sort()
     return {"callers": callers, "inputs_per_s": len(latencies) / elapsed,
             "tokens_per_s": tokens[0] / elapsed, "errors": errors[0],
-            "p50_ms": 1000 * percentile(latencies, 50), "p99_ms": 1000 * percentile(latencies, 99)}
+            "p50_ms": 1000 * (percentile(latencies, 50) or 0.0),
+            "p99_ms": 1000 * (percentile(latencies, 99) or 0.0)}
 
 
 def _forged(tmp: Path) -> DaemonProcess:

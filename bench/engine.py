@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
@@ -103,7 +104,7 @@ def per_slot_context(model: Model, threads: int, depth: int, flash_attn: bool) -
     return ctx
 
 
-def timed_step(ctx: Context, items: list[DecodeItem], reps: int = 6) -> float:
+def timed_step(ctx: Context, items: Sequence[DecodeItem], reps: int = 6) -> float:
     """Median ms of one ``decode(items)``, each rep on the same cells (the first rep,
     which may build the graph, is not counted)."""
     times = []
@@ -135,7 +136,7 @@ def deep_chunks(model: Model, threads: int, depth: int, sizes: list[int],
     ``depth`` adds to it: below 64 rows per stream flash attention goes one query at a
     time."""
     ctx = per_slot_context(model, threads, depth, flash_attn)
-    decoders = [(s, depth, [42], True) for s in range(15)]
+    decoders: list[DecodeItem] = [(s, depth, [42], True) for s in range(15)]
     alone = timed_step(ctx, decoders)
     deep = deep_prompt(model)
     out = [timed_step(ctx, [*decoders, (15, depth, deep[depth:depth + n], True)]) - alone

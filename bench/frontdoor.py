@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
@@ -109,14 +110,16 @@ class TimedDecode:
 def core_alone(model: Path, streams: int, tokens: int = 200) -> dict[str, Any]:
     """ms per step of the worker's core, and of the decode within it."""
     cfg = Config(model=ModelConfig(path=str(model)),
-                 engine=EngineConfig(**FORGED_ENGINE))
+                 engine=msgspec.convert(FORGED_ENGINE, EngineConfig))
     lim = scheduler_limits(cfg, n_ctx_train=CONTEXT)
     llama = Llama(str(model), ContextParams(
         n_ctx=lim.kv_cells, n_seq_max=lim.slots,
         n_batch=max(lim.step_tokens, lim.prefill_step_tokens),
         threads=cfg.engine.threads, flash_attn=False, kv_unified=not lim.per_slot))
     backend = TimedDecode(llama)
-    core = WorkerCore(backend, lim, calibrate(backend, lim.slots))  # type: ignore[arg-type]
+    cost = calibrate(backend, lim.slots, flash_attn=False,
+                     per_slot=lim.per_slot)
+    core = WorkerCore(backend, lim, cost)
     backend.decode_s = 0.0
     prompt = llama.model.tokenize("Explain: " + "value items index " * 20,
                                   add_special=True, parse_special=False)

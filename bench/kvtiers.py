@@ -112,7 +112,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 # --- 1. many contexts ----------------------------------------------------------------
 
 
-def context_prompts(n: int, seed: int) -> list[Prompt]:
+def context_prompts(n: int, seed: int | None) -> list[Prompt]:
     """``n`` requests, each one of the eight contexts (at random, or each in turn when
     ``seed`` is None) and a question."""
     rng = random.Random(seed)

@@ -48,6 +48,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,10 +254,11 @@ async def _sequential(url: str, repo: str, query: str, n: int = 100) -> dict[str
     """One caller: p50 ms of ``GET /health`` and of one ``/v1/retrieve``, in turn."""
     out = {}
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        for name, send in [
+        sends: list[tuple[str, Callable[[], Awaitable[httpx.Response]]]] = [
                 ("health_p50_ms", lambda: c.get("/health")),
                 ("retrieve_p50_ms", lambda: c.post("/v1/retrieve", json={
-                    "repo": repo, "query": query, "k": 5}))]:
+                    "repo": repo, "query": query, "k": 5}))]
+        for name, send in sends:
             ms = []
             for _ in range(n):
                 t0 = time.perf_counter()

@@ -47,13 +47,18 @@ Turn = dict[str, Any]  # a request body
 Script = list[Callable[[list[str]], Turn]]
 
 
+def _fixed(text: str) -> Callable[[list[str]], Turn]:
+    """A turn that sends ``text`` whatever came before."""
+    return lambda _history: {"prompt": text}
+
+
 def shared_prefix(args: argparse.Namespace) -> list[Script]:
     rng = random.Random(args.seed)
     contexts = [f"# repository {t}\n" + _code(random.Random(t), 12 if args.tiny else 45) + "\n"
                 for t in range(args.teams)]
     prompts = [contexts[rng.randrange(args.teams)] + f"# Question {i}: what does line "
                f"{i % 40} do?\n" for i in range(args.requests)]
-    turns: Script = [lambda _history, text=text: {"prompt": text} for text in prompts]
+    turns: Script = [_fixed(text) for text in prompts]
     return [turns[c::args.callers] for c in range(args.callers)]
 
 
@@ -79,7 +84,8 @@ WORKLOADS = {"shared-prefix": shared_prefix, "conversation": conversation}
 async def one(c: httpx.AsyncClient, body: Turn, history: list[str]) -> dict[str, float]:
     body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0, ttft, text, usage = time.monotonic(), None, [], {}
+    t0, ttft, text = time.monotonic(), None, []
+    usage: dict[str, Any] = {}
     async with c.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():

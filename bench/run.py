@@ -97,7 +97,8 @@ class RssSampler:
     worker's (llama.cpp: the model and a KV cache allocated once, touched as used)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.samples, self._stop = pid, [], threading.Event()
+        self.pid, self._stop = pid, threading.Event()
+        self.samples: list[int] = []
         self.worker_samples: list[int] = []
         self._t = threading.Thread(target=self._run, daemon=True)
 
