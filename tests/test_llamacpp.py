@@ -427,3 +427,47 @@ async def test_the_native_routes_need_an_api_key(
                 assert r.status_code == 401, path
                 r = await c.request(method, path, json=body, headers={"x-api-key": key})
                 assert r.status_code == 200, (path, r.text)
+
+
+SPLITS = [
+    [(s, 1) for s in range(16)],
+    [(s, 1) for s in (0, 1, 2, 5, 6, 7)],
+    [*((s, 1) for s in range(16) if s != 5), (5, 30)],
+    [(0, 1), (1, 1), (2, 1), (3, 30), (4, 10), (5, 1)],
+    [(3, 30), (4, 1), (5, 30)],
+    [(s, 10) for s in range(0, 16, 2)],
+    [(s, 15) for s in range(16)],
+]
+
+
+def test_micro_batches_are_llama_cpps_own_split(tiny_model: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost model's count of passes (costmodel.micro_batches) is what llama.cpp does
+    with a per-slot batch: its batch debugging (read when a context is made) logs each
+    micro-batch it splits off."""
+    from forged.engine import backend
+    from forged.engine.costmodel import micro_batches
+
+    model = Model(str(tiny_model))
+    logged: list[bytes] = []
+
+    @ll.llama_log_callback  # type: ignore[untyped-decorator]
+    def keep(level: int, text: bytes, user_data: object) -> None:
+        logged.append(text)
+
+    monkeypatch.setenv("LLAMA_BATCH_DEBUG", "1")
+    ll.llama_log_set(keep, None)
+    try:
+        ctx = Context(model, ContextParams(n_ctx=16 * 64, n_seq_max=16, n_batch=256,
+                                           threads=1, kv_unified=False))
+        for runs in SPLITS:
+            logged.clear()
+            ctx.decode([(seq, 0, [1] * n, 1) for seq, n in sorted(runs)])  # as forged sends
+            split = sum(b"added ubatch to split" in line for line in logged)
+            assert split == micro_batches(runs, 256), runs
+            for seq, _ in runs:
+                ctx.seq_rm(seq, 0)
+        ctx.close()
+    finally:
+        ll.llama_log_set(backend._log_errors_only, None)
+        model.close()

@@ -84,6 +84,7 @@ def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
         "forged_kv_restore_failures": "counter", "forged_kv_demotions": "counter",
         "forged_kv_drops": "counter", "forged_kv_swaps": "counter",
         "forged_routed_requests": "counter", "forged_resubmitted_requests": "counter",
+        "forged_steps": "counter", "forged_micro_batches": "counter",
     }
     for name, kind in expected.items():
         assert t.get(name) == kind, (name, t.get(name))
@@ -135,6 +136,8 @@ def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonP
     assert m["forged_cancellations_total"][(("reason", "client_gone"),)] == 1
     assert total(m, "forged_kv_cells_used") == total(m, "forged_kv_cells_cached")
     assert total(m, "forged_prefix_cache_hits_total") >= 2  # the repeated "hello"
+    # the unified layout computes every step in one pass over the weights
+    assert total(m, "forged_micro_batches_total") == total(m, "forged_steps_total") >= 15
     log = daemon.log.read_text()
     assert "logger=forged.access" in log and "completion_tokens=5" in log
     assert "hello" not in log  # prompts are never logged

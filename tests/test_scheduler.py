@@ -12,6 +12,7 @@ from forged.engine.costmodel import (
     CostModel,
     StepShape,
     decode_shape,
+    micro_batches,
 )
 from forged.engine.kvtiers import common_prefix
 from forged.engine.layout import MIN_PREFILL_TOKENS, TILED_FLOOR_GAIN, virtual_start
@@ -1244,3 +1245,45 @@ def test_spread_prompts_that_pile_up_fill_the_target_and_never_pass_it() -> None
         predicted.append(cost.predict(plan.shape))
     assert max(predicted) <= 400 + 1e-6  # the target stays the ceiling
     assert min(predicted[:5]) > 350  # and the backlog fills it
+
+
+# --- micro-batches: llama.cpp's split of a per-slot batch ------------------------------
+
+
+@pytest.mark.parametrize(("runs", "n_ubatch", "passes"), [
+    ([(s, 1) for s in range(16)], 256, 1),  # decoders in consecutive slots: one pass
+    ([(s, 1) for s in (0, 1, 2, 5, 6, 7)], 256, 2),  # a gap in the slots: two
+    ([(s, 1) for s in (0, 2, 4, 6)], 256, 4),  # scattered: one pass each
+    # a chunk among decoders lends its first row to their pass, then runs alone
+    ([*((s, 1) for s in range(16) if s != 5), (5, 30)], 256, 2),
+    # two chunks of one length next to each other share their passes
+    ([(0, 1), (1, 1), (2, 1), (3, 30), (4, 30), (5, 1)], 256, 2),
+    # of two lengths: one more pass for the longer one's rest
+    ([(0, 1), (1, 1), (2, 1), (3, 30), (4, 10), (5, 1)], 256, 3),
+    # a spent sequence between two with rows left breaks the run
+    ([(3, 30), (4, 1), (5, 30)], 256, 3),
+    ([(3, 300)], 256, 2),  # longer than a micro-batch
+    ([(s, 20) for s in range(16)], 256, 2),  # 16 rows each fill one; 4 each are left
+])
+def test_micro_batches_follow_llama_cpps_split(runs: list[tuple[int, int]], n_ubatch: int,
+                                               passes: int) -> None:
+    assert micro_batches(runs, n_ubatch) == passes
+
+
+def test_a_step_prices_its_extra_passes() -> None:
+    """Two requests in slots 0 and 2 (slot 1 held by a pinned session) decode in two
+    passes: the step's shape counts one extra, which the cost model prices."""
+    s = Scheduler(per_slot(slots=4, max_running=4))
+    s.submit(*seq(1, list(range(100, 120)), 50), 0.0)
+    s.submit(*seq(2, list(range(200, 220)), 2, session="x"), 0.0)
+    s.submit(*seq(3, list(range(300, 320)), 50), 0.0)
+    while (s.sequence((2, 0)) is not None or s.n_queued) and run_step(s, 0.0):
+        pass
+    slots = {s.sequence((rid, 0)).slot for rid in (1, 3)}  # type: ignore[union-attr]
+    assert slots == {0, 2}
+    before = s.statistics().micro_batches
+    plan = s.plan(0.0)
+    assert plan is not None and len(plan.chunks) == 2
+    assert plan.shape.chunks == 1  # one extra pass
+    assert s.statistics().micro_batches == before + 2
+

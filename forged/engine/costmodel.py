@@ -9,8 +9,11 @@ as linear in six features of its batch (:class:`StepShape`):
 * ``fixed``: 1 per step (graph build, a pass over the weights, synchronisation);
 * ``decoders``: sequences decoding one token each;
 * ``prompt_tokens``: prompt tokens computed (chunked prefill);
-* ``chunks``: prompt chunks; with per-slot KV streams llama.cpp runs one extra pass
-  over the weights for each distinct chunk length (docs/engine.md);
+* ``chunks``: with per-slot KV streams, the passes over the weights beyond the first:
+  llama.cpp splits such a batch into micro-batches of consecutive sequence ids that
+  take equal rows from each, which :func:`micro_batches` simulates (so a prompt chunk
+  costs one more pass for each distinct length, and a gap in the ids of the running
+  slots one more); in the unified layout, prompt chunks;
 * ``kpairs``: thousands of query-key pairs attended by decoders and short chunks, the
   part that grows with context;
 * ``tiled_kpairs``: the same for chunks computed as matrices. Whether a chunk is depends
@@ -34,8 +37,8 @@ module is plain arithmetic: no clock, no I/O, no llama.cpp.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,6 +90,38 @@ class StepShape:
 def decode_shape(positions: list[int]) -> StepShape:
     """One decoding token per sequence, each attending over its ``pos`` earlier cells."""
     return StepShape(decoders=len(positions), kpairs=sum(p + 1 for p in positions) / 1000)
+
+
+def micro_batches(runs: Sequence[tuple[int, int]], n_ubatch: int) -> int:
+    """How many micro-batches llama.cpp computes a per-slot batch of ``runs`` in: each
+    ``(seq, tokens)``, one per sequence, the batch in sequence order (the scheduler
+    sorts it). ``llama_kv_cache::init_batch`` splits it with
+    ``llama_batch_allocr::split_equal(n_ubatch, sequential=true)``: a micro-batch takes
+    the first sequence with rows left and each following one whose id is exactly one
+    more, then as many rows from each as the shortest has left (at most n_ubatch in
+    all, at least one each). Each micro-batch is a pass over the weights."""
+    runs = sorted(runs)
+    seqs, left = [s for s, _ in runs], [n for _, n in runs]
+    passes = 0
+    while any(left):
+        members = [next(i for i, n in enumerate(left) if n)]
+        for i in range(members[0] + 1, len(runs)):
+            if not left[i]:
+                continue  # spent: the next id is then not one more than the last taken
+            if seqs[i] != seqs[members[-1]] + 1 or len(members) > n_ubatch:
+                break
+            members.append(i)
+        rows = min(min(left[i] for i in members), max(1, n_ubatch // len(members)))
+        for i in members:
+            left[i] -= rows
+        passes += 1
+    return passes
+
+
+def with_passes(shape: StepShape, runs: Sequence[tuple[int, int]], n_ubatch: int
+                ) -> StepShape:
+    """``shape`` of a per-slot batch of ``runs``, with its extra passes counted exactly."""
+    return replace(shape, chunks=max(0, micro_batches(runs, n_ubatch) - 1))
 
 
 def chunk_shape(pos: int, n: int, *, tile_rows: int) -> StepShape:
@@ -185,6 +220,8 @@ def calibrate(backend: Backend, slots: int, *, flash_attn: bool, per_slot: bool,
             if prompt:
                 items[0] = (0, 0, [0] * prompt, True)
                 shape = decode_shape([0] * (decoders - 1)).plus(model.chunk(0, prompt))
+            if per_slot:
+                shape = with_passes(shape, [(s, len(t)) for s, _, t, _ in items], n_batch)
             t0 = clock()
             backend.decode(items)
             model.observe(shape, (clock() - t0) * 1000)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from forged.engine.costmodel import CostModel, StepShape, decode_shape
+from forged.engine.costmodel import CostModel, StepShape, decode_shape, with_passes
 from forged.engine.kvledger import KVLedger
 from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import Chunk, Key
@@ -83,9 +83,8 @@ def lay_out(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
     of ``prefilling`` within the time and token room they leave. ``running``: how many
     sequences run (the most chunks of the unified layout)."""
     chunks = list(decoders)
-    cap = (limits.step_tokens if chunks else
-           max(limits.step_tokens, limits.prefill_step_tokens)) - len(chunks)
-    room = prompt_room_ms(limits, cost, [c.pos for c in chunks], prefilling)
+    cap = (limits.step_tokens if chunks else limits.batch_tokens) - len(chunks)
+    room = prompt_room_ms(limits, cost, chunks, prefilling)
     # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
     # the same number of tokens from every sequence still in it, so each distinct
     # chunk length costs one more pass over the weights (~5 ms here, measured in
@@ -136,16 +135,16 @@ def floor_tokens(cost: CostModel, pos: int, most: int) -> int:
     return tiled if TILED_FLOOR_GAIN * per_token(tiled) <= per_token(small) else small
 
 
-def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, positions: list[int],
+def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
                    prefilling: list[Running]) -> float:
-    """Milliseconds of prompt work a step may take beside decoders at ``positions``:
+    """Milliseconds of prompt work a step may take beside ``decoders``:
     what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
     ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
     allowances (:func:`allowance_ms`), nor less than decoding alone takes."""
-    decode = cost.predict(decode_shape(positions))
+    decode = cost.predict(decoders_shape(limits, decoders))
     room = max(limits.target_step_ms - decode,
                decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
-    if positions and limits.prompt_spread > 1:
+    if decoders and limits.prompt_spread > 1:
         room = min(room, max(allowance_ms(limits, cost, prefilling), decode))
     return room
 
@@ -194,12 +193,24 @@ def prefill_sequence(limits: SchedulerLimits, cost: CostModel, prefilling: list[
     return first + [(r, math.inf) for r in order if id(r) not in taken]
 
 
-def step_shape(cost: CostModel, chunks: list[Chunk], running: Mapping[Key, Running]
-               ) -> StepShape:
+def step_shape(limits: SchedulerLimits, cost: CostModel, chunks: list[Chunk],
+               running: Mapping[Key, Running]) -> StepShape:
     """What the cost model needs to predict the step of ``chunks``."""
     decode = [c.pos for c in chunks if running[c.key].phase is Phase.DECODE]
     shape = decode_shape(decode)
     for c in chunks:
         if running[c.key].phase is Phase.PREFILL:
             shape = shape.plus(cost.chunk(c.pos, len(c.tokens)))
-    return shape
+    return _passes(limits, shape, chunks)
+
+
+def decoders_shape(limits: SchedulerLimits, decoders: list[Chunk]) -> StepShape:
+    """A step of ``decoders`` alone: with per-slot streams, each gap in their slots'
+    ids costs a pass (micro-batches take consecutive ids only)."""
+    return _passes(limits, decode_shape([c.pos for c in decoders]), decoders)
+
+
+def _passes(limits: SchedulerLimits, shape: StepShape, chunks: list[Chunk]) -> StepShape:
+    if not limits.per_slot or not chunks:
+        return shape
+    return with_passes(shape, [(c.seq, len(c.tokens)) for c in chunks], limits.batch_tokens)

@@ -64,6 +64,11 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     def per_slot(self) -> bool:
         return self.per_slot_cells > 0
 
+    @property
+    def batch_tokens(self) -> int:
+        """llama.cpp's n_batch and n_ubatch: the most tokens of any step."""
+        return max(self.step_tokens, self.prefill_step_tokens)
+
     def max_choices(self, prompt: int, max_tokens: int) -> int:
         """The most sequences (``n``) one request of this shape can ever run at once:
         each takes a slot, and in the unified layout the decode cells reserved for

@@ -98,6 +98,7 @@ class Scheduler:
         self.cache_hits = 0
         self.cache_tokens_saved = 0
         self.prompt_tokens_computed = 0
+        self.micro_batches = 0  # llama.cpp's passes over the weights, all steps
         self.session_resumes = 0
         self.early_rejections = 0
         self.last_plan_ms = 0.0
@@ -195,8 +196,10 @@ class Scheduler:
         # (llama_batch_allocr::split_equal, "sequential"). In admission order 16
         # decoders took about 15 passes: 135 ms a step where 83 ms suffice (docs/engine.md).
         chunks.sort(key=lambda c: c.seq)
-        shape = step_shape(self.cost, chunks, self._running)
+        shape = step_shape(self.limits, self.cost, chunks, self._running)
         self.last_plan_ms = self.cost.predict(shape) if chunks else 0.0
+        if chunks:  # the unified layout's batch is one micro-batch (n_ubatch = n_batch)
+            self.micro_batches += shape.chunks + 1 if self.limits.per_slot else 1
         return StepPlan(ops, chunks, shape)
 
     def observe(self, plan: StepPlan, ms: float) -> None:
@@ -453,8 +456,9 @@ class Scheduler:
             wait_estimate_s=self.wait_estimate(0, self._now), step_plan_ms=self.last_plan_ms,
             target_step_ms=min(self.limits.target_step_ms, 1e9),
             step_prompt_room_ms=min(prompt_room_ms(
-                self.limits, self.cost, [c.pos for c in decode_chunks(
-                    self._running.values(), self.cache.ledger)], self._prefilling()), 1e9),
+                self.limits, self.cost, decode_chunks(
+                    self._running.values(), self.cache.ledger), self._prefilling()), 1e9),
+            micro_batches=self.micro_batches,
         )
         self.cost.report(out)
         self.cache.report(out)

@@ -61,6 +61,9 @@ class Counts(msgspec.Struct, kw_only=True):
     # The worker's steps (forged.engine.core, forged.engine.embedcore).
     steps: float = 0.0
     tokens_generated: float = 0.0
+    # llama.cpp's passes over the weights (micro-batches) in those steps: the scheduler's
+    # count (forged.engine.costmodel.micro_batches). Per step, 1 is the least.
+    micro_batches: float = 0.0
     # An embedding model's workers' (forged.engine.embedcore).
     embed_queued: float = 0.0
     embed_requests: float = 0.0

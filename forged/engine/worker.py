@@ -136,7 +136,7 @@ def _context_params(init: fr.Init, flash_attn: bool) -> ContextParams:
                              n_batch=lim.embed_batch, threads=init.threads)
     return ContextParams(
         n_ctx=lim.kv_cells, n_seq_max=lim.slots,
-        n_batch=max(lim.step_tokens, lim.prefill_step_tokens), threads=init.threads,
+        n_batch=lim.batch_tokens, threads=init.threads,
         flash_attn=flash_attn, kv_unified=not lim.per_slot)
 
 

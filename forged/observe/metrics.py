@@ -92,6 +92,11 @@ def _engine_metrics(t: Totals, restarts: int) -> Iterator[Metric]:
                   "Requests refused at once because the estimated wait passed "
                   "limits.queue_timeout.", value=t.early_rejections)
     yield counter("forged_worker_restarts", "Worker processes restarted.", value=restarts)
+    yield counter("forged_steps", "Decode steps (llama_decode calls) of generation workers "
+                  "and embedding batches.", value=t.steps)
+    yield counter("forged_micro_batches", "llama.cpp's passes over the weights in generation "
+                  "steps: above one a step, running slots are scattered or prompt chunks "
+                  "differ in length (per-slot layout).", value=t.micro_batches)
     yield from _routing_metrics(t)
 
 
