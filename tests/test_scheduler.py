@@ -1287,3 +1287,25 @@ def test_a_step_prices_its_extra_passes() -> None:
     assert plan.shape.chunks == 1  # one extra pass
     assert s.statistics().micro_batches == before + 2
 
+
+def test_a_new_request_takes_an_idle_slot_beside_the_running_ones() -> None:
+    """With no cache to reuse, a new request takes the idle slot next to a running one
+    rather than the least recently used elsewhere, so the decoders stay in one pass."""
+    s = Scheduler(per_slot(slots=4, max_running=4))
+    prompts = [list(range(100 * (k + 1), 100 * (k + 1) + 20)) for k in range(4)]
+    for rid, p in enumerate(prompts):  # slots 0-3 each cache one prompt
+        s.submit(*seq(rid + 1, p, 2), float(rid))
+        finish_all(s, float(rid))
+    # used again in this order: slot 1 is then the least recent, then 3, 2 and 0
+    for rid, k in enumerate((1, 3, 2, 0), start=10):
+        s.submit(*seq(rid, prompts[k], 2), 10.0 + rid)
+        finish_all(s, 10.0 + rid)
+    s.submit(*seq(20, list(range(5000, 5020)), 50), 30.0)
+    run_step(s, 30.0)
+    assert s.sequence((20, 0)).slot == 1  # type: ignore[union-attr]  # all alone: LRU
+    s.submit(*seq(21, list(range(6000, 6020)), 50), 30.0)
+    run_step(s, 30.0)
+    # the least recent left is slot 3, away from slot 1; slot 2 is beside it
+    assert s.sequence((21, 0)).slot == 2  # type: ignore[union-attr]
+    plan = s.plan(30.0)
+    assert plan is not None and plan.shape.chunks == 0

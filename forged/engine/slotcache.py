@@ -211,12 +211,36 @@ class SlotCache:
         return True
 
     def free_slot(self, *keep: int | None) -> int | None:
-        """An empty slot, else the least recently used idle one (none of ``keep``)."""
+        """The slot a request takes when no cache says which (none of ``keep``): an
+        unpinned one before a live session's, an empty one before a cache, and among
+        those the one beside running slots, then the least recently used.
+
+        Beside, because with per-slot streams llama.cpp computes a step in one pass
+        over the weights per run of consecutive sequence ids
+        (:func:`forged.engine.costmodel.micro_batches`): 8 decoders scattered over 16
+        slots can take 8 passes where one would do, for every step of their lives. So
+        among idle caches, one beside the running slots goes first even if it is
+        more recent (its state goes to the RAM tier as any evicted cache does). The
+        unified layout has no such runs."""
         idle = [s for s in self.slots if s.rid is None and s.sid not in keep]
         if not idle:
             return None
-        empty = [s for s in idle if not s.tokens]
-        return (empty[0] if empty else min(idle, key=self.eviction_order)).sid
+        return min(idle, key=self._placement_order).sid
+
+    def _placement_order(self, slot: Slot) -> tuple[bool, bool, int, float]:
+        if self.pinned(slot):  # live sessions: least recently used first, nothing else
+            return True, True, 0, slot.last_used
+        return False, bool(slot.tokens), self._new_runs(slot.sid), (
+            slot.last_used if slot.tokens else 0.0)
+
+    def _new_runs(self, sid: int) -> int:
+        """How many more runs of consecutive running slots there are once ``sid``
+        runs: -1 if it joins two, 0 if it extends one, 1 if it stands alone. The
+        unified layout's batch is one micro-batch wherever its sequences are: 0."""
+        if not self.limits.per_slot:
+            return 0
+        return 1 - sum(0 <= i < len(self.slots) and self.slots[i].rid is not None
+                       for i in (sid - 1, sid + 1))
 
     def fork_slots(self, count: int, dst: int) -> list[int] | None:
         """Slots for a request's other choices (idle ones, empty first), or None."""
