@@ -259,8 +259,12 @@ def test_llama_vscode_chat_edit_body_is_answered(http: httpx.Client) -> None:
 
 @pytest.mark.model
 def test_letters_and_names_give_the_same_answer(http: httpx.Client) -> None:
+    # cache_prompt off: both prompts are computed the same way. The shared daemon's
+    # slots hold this prompt from earlier tests, and a prompt restored from one of them
+    # differs from a recomputed one in the last bits, which flips a draw at
+    # temperature 1.2 (seen once in a full run).
     body = {"prompt": CAPITAL, "max_tokens": 8, "seed": 11, "temperature": 1.2,
-            "top_k": 20, "typical_p": 0.9, "min_p": 0.02}
+            "top_k": 20, "typical_p": 0.9, "min_p": 0.02, "cache_prompt": False}
     by_letters = http.post("/v1/completions", json={**body, "samplers": "kypmt"})
     by_names = http.post("/v1/completions", json={**body, "samplers": [
         "top_k", "typ_p", "top_p", "min_p", "temperature"]})
