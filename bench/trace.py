@@ -2,12 +2,14 @@
 
     .venv/bin/python -m bench.trace RATE [--requests N] [--seed S] [--set SECTION.KEY=VALUE]
                                          [--tree PATH]
+    .venv/bin/python -m bench.trace --callers C [--requests N] ...
 
 Starts forged (the shipped configuration with the comparison benchmark's threads,
 slots and context), warms it up, sends N mixed requests as Poisson arrivals at RATE
-requests/s, and prints the callers' latencies and the breakdown of short requests'
-TTFT from the access log (bench.consistency's). ``--tree`` runs the daemon from
-another checkout (for instance an older commit, to compare).
+requests/s (or from C callers in a closed loop), and prints the callers' latencies
+and the breakdown of short requests' TTFT from the access log (bench.consistency's).
+``--tree`` runs the daemon from another checkout (for instance an older commit, to
+compare).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from forged.observe.loadtest import make_prompts, run_load
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("rate", type=float)
+    ap.add_argument("rate", type=float, nargs="?", help="arrivals a second (open loop)")
+    ap.add_argument("--callers", type=int, help="a closed loop of this many callers instead")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--tree", help="run the daemon from this checkout")
     args = ap.parse_args()
+    if (args.rate is None) == (args.callers is None):
+        ap.error("give either RATE or --callers")
     tmp = Path(tempfile.mkdtemp())
     port = free_port()
     cfg = write_config(tmp / "forged.toml", MODEL, port, **shipped_sections(args.set))
@@ -45,13 +50,14 @@ def main() -> None:
                                   model=None))
         start = d.log.stat().st_size
         prompts = make_prompts("mixed", args.requests, MAX_TOKENS, seed=args.seed)
-        s = trio.run(lambda: run_load(d.url, prompts, concurrency=None, rate=args.rate,
-                                      duration=args.requests / args.rate + 240, model=None,
+        duration = 600 if args.callers else args.requests / args.rate + 240
+        s = trio.run(lambda: run_load(d.url, prompts, concurrency=args.callers,
+                                      rate=args.rate, duration=duration, model=None,
                                       seed=args.seed))
     finally:
         d.stop()
-    keys = ("ok", "errors", "short_ttft_p50", "short_ttft_p99", "itl_p50", "itl_p99",
-            "itl_p99_9", "itl_max")
+    keys = ("ok", "errors", "wall_s", "out_tok_per_s", "short_ttft_p50", "short_ttft_p99",
+            "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_p99_9", "itl_max")
     print(json.dumps({k: s[k] for k in keys}))
     print(json.dumps(breakdown(d.log, start)))
 

@@ -8,6 +8,7 @@ message names the file and the key; the CLI turns it into exit status 78 (EX_CON
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
@@ -139,11 +140,13 @@ class EngineConfig(_Section, frozen=True):
     # within this: it bounds every stream's inter-token latency while prompts are
     # computed beside it, and how long a new short prompt waits for the step to end.
     target_step_ms: Annotated[float, msgspec.Meta(ge=5, le=60000)] = 300.0
-    # While streams decode, a prompt's work is spread over about this many steps, so
-    # that at light load it lengthens a few gaps a little rather than one or two by up
-    # to target_step_ms; as prompts pile up, their shares add up to the target. 1: each
-    # step takes as much prompt work as the target leaves.
-    prompt_spread: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # The step's budget follows the work: while streams decode, a step's prompt work may
+    # take the decoders' own cost x this x (requests waiting for a first token ÷ streams
+    # decoding), up to target_step_ms, which is the ceiling. A step in which a prompt can
+    # finish within the ceiling takes it. Higher favours first tokens, lower the gaps;
+    # inf (the default): every step with prompt work runs to target_step_ms. Measured in
+    # docs/benchmarks.md: 4 shortened light load's gaps and made a closed loop's longer.
+    first_token_weight: Annotated[float, msgspec.Meta(ge=0)] = math.inf
     # "auto": each worker times a few steps both ways when it starts and takes flash
     # attention only where it is 10% faster (forged status says what it measured).
     # Its worth depends on the CPU: on one machine it made a step of 15 streams 1,000

@@ -15,7 +15,12 @@ from forged.engine.costmodel import (
     micro_batches,
 )
 from forged.engine.kvtiers import common_prefix
-from forged.engine.layout import MIN_PREFILL_TOKENS, TILED_FLOOR_GAIN, virtual_start
+from forged.engine.layout import (
+    MIN_PREFILL_TOKENS,
+    TILED_FLOOR_GAIN,
+    decoders_shape,
+    virtual_start,
+)
 from forged.engine.limits import SchedulerLimits
 from forged.engine.plan import Admission, Expired, Preempted, QueueFull, SeqCp, SeqRm, StepPlan
 from forged.engine.request import Request
@@ -1191,60 +1196,98 @@ def test_a_floor_chunk_far_into_a_context_is_long_enough_for_tiled_attention() -
     assert per_token[1] > per_token[0] / TILED_FLOOR_GAIN
 
 
-# --- a prompt's work spread over steps (engine.prompt_spread, issue 34) -----------------
+# --- a step budget that follows the work (engine.first_token_weight, issue 34) ---------
 
 
-def _prefill_steps(s: Scheduler, cost: CostModel, rid: int) -> list[float]:
-    """The predicted durations of the steps that carry ``rid``'s prompt, to its end."""
+def _prefill_steps(s: Scheduler, cost: CostModel, rid: int) -> list[tuple[float, int]]:
+    """The predicted duration and the prompt tokens of each step that carries ``rid``'s
+    prompt, to its end."""
     out = []
-    for _ in range(200):
+    for _ in range(400):
         plan = run_step(s, 1.0)
         assert plan is not None
         mine = [c for c in plan.chunks if c.rid == rid]
         if mine:
-            out.append(cost.predict(plan.shape))
+            out.append((cost.predict(plan.shape), len(mine[0].tokens)))
         if any(c.sample for c in mine):
             return out
     raise AssertionError("the prompt never finished")
 
 
-def test_a_spread_prompt_lengthens_a_few_gaps_a_little() -> None:
-    """At light load a 200-token prompt (about 610 ms of work in the seed model) took
-    one step of 640 ms beside 8 streams (the target allowed it); spread over 4 steps
-    each gap grows by about a quarter of that, and the prompt still ends in 4-5 steps."""
-    durations = {}
-    for spread in (1, 4):
-        s, cost = costed(target_step_ms=1000, prompt_spread=spread)
+def _floor_step_ms(cost: CostModel, decoders: int, pos: int) -> float:
+    """A step of ``decoders`` streams and the least prompt chunk the head always takes."""
+    return cost.predict(decode_shape([0] * decoders).plus(cost.chunk(pos, MIN_PREFILL_TOKENS)))
+
+
+def test_one_long_prompt_beside_many_streams_lengthens_their_gaps_a_little() -> None:
+    """A 600-token prompt (about 1.8 s of work in the seed model) beside 8 streams: with
+    every step run to the 1,000 ms ceiling it makes two or three gaps of up to a second; with the
+    budget following the work (one waiting, eight decoding) each gap grows only by the
+    least chunk a prompt always gets, until the step in which it can finish."""
+    steps = {}
+    for weight in (math.inf, 1.0):
+        s, cost = costed(target_step_ms=1000, first_token_weight=weight)
         decoding(s, 8)
-        s.submit(*req(1, n=200, max_tokens=5), 1.0)
-        durations[spread] = _prefill_steps(s, cost, 1)
-    assert len(durations[1]) == 1 and durations[1][0] > 600
-    decode = cost.predict(decode_shape([0] * 8))
-    work = cost.predict_extra(cost.chunk(0, 200))
-    assert 4 <= len(durations[4]) <= 5
-    assert all(d <= decode + work / 4 + 1e-6 for d in durations[4])
-    assert max(durations[4]) < durations[1][0] / 2
+        s.submit(*req(1, n=600, max_tokens=5), 1.0)
+        steps[weight] = _prefill_steps(s, cost, 1)
+    assert len(steps[math.inf]) <= 3 and steps[math.inf][0][0] > 950
+    *before_last, last = steps[1.0]
+    assert len(before_last) >= 10
+    for ms, tokens in before_last:
+        assert tokens >= MIN_PREFILL_TOKENS  # the prompt moves every step
+        assert ms <= _floor_step_ms(cost, 8, 600) + 1e-6  # and the gaps stay short
+    assert last[0] <= 1000 + 1e-6  # the step in which it can finish takes the ceiling
 
 
-def test_a_prompt_cheaper_than_a_decode_step_still_takes_one_step() -> None:
-    s, cost = costed(target_step_ms=1000, prompt_spread=4)
+def test_a_prompt_that_can_finish_within_the_ceiling_takes_one_step() -> None:
+    s, cost = costed(target_step_ms=1000, first_token_weight=1.0)
     decoding(s, 8)
-    s.submit(*req(1, n=5, max_tokens=5), 1.0)  # 5 tokens: ~18 ms, under decoding's ~30
+    s.submit(*req(1, n=60, max_tokens=5), 1.0)  # ~190 ms of work: the ceiling holds it
     assert len(_prefill_steps(s, cost, 1)) == 1
 
 
-def test_spread_prompts_that_pile_up_fill_the_target_and_never_pass_it() -> None:
-    s, cost = costed(target_step_ms=400, prompt_spread=4)
-    decoding(s, 8)
-    for rid in range(1, 9):  # 8 x ~610 ms of work: their quarters add up past the target
-        s.submit(*req(rid, n=200, max_tokens=5, start=1000 * rid), 1.0)
-    predicted = []
-    for _ in range(20):
-        plan = run_step(s, 1.0)
-        assert plan is not None
-        predicted.append(cost.predict(plan.shape))
-    assert max(predicted) <= 400 + 1e-6  # the target stays the ceiling
-    assert min(predicted[:5]) > 350  # and the backlog fills it
+def test_without_streams_a_prompt_takes_the_ceiling() -> None:
+    s, cost = costed(target_step_ms=400, first_token_weight=1.0)
+    s.submit(*req(1, n=600, max_tokens=5), 1.0)
+    first, *_ = _prefill_steps(s, cost, 1)
+    assert first[0] > 350  # nobody pays for the gap
+
+
+def test_a_backlog_grows_the_budget_to_the_ceiling_and_never_past_it() -> None:
+    """The room is the decoders' cost x weight x waiting / decoding: one waiting prompt
+    gets the floor, forty (eight prefilling, thirty-two queued) the 400 ms ceiling."""
+    predicted: dict[int, list[float]] = {}
+    for waiting in (1, 40):
+        s, cost = costed(target_step_ms=400, first_token_weight=4.0)
+        decoding(s, 8)
+        for rid in range(1, waiting + 1):  # 200 tokens each: ~600 ms, none can finish
+            s.submit(*req(rid, n=200, max_tokens=5, start=1000 * rid), 1.0)
+        predicted[waiting] = []
+        for _ in range(5):
+            plan = run_step(s, 1.0)
+            assert plan is not None
+            predicted[waiting].append(cost.predict(plan.shape))
+    decode = cost.predict(decode_shape([0] * 8))
+    assert max(predicted[1]) <= max(_floor_step_ms(cost, 8, 200), decode * (1 + 4)) + 1e-6
+    assert max(predicted[40]) <= 400 + 1e-6  # the target stays the ceiling
+    assert min(predicted[40]) > 350  # and the backlog fills it
+
+
+@pytest.mark.parametrize(("weight", "waiting"), [(1.0, 30), (4.0, 6), (4.0, 40)])
+def test_the_estimate_stays_within_the_chosen_budget(weight: float, waiting: int) -> None:
+    """The cost model's estimate of a step is within the budget chosen for it: the
+    decoders' own cost plus the room, which is that cost x weight x waiting / decoding
+    up to the ceiling."""
+    s, cost = costed(target_step_ms=400, first_token_weight=weight)
+    decoding(s, 4)
+    for rid in range(1, waiting + 1):  # 900 tokens each: none can finish in a step
+        s.submit(*req(rid, n=900, max_tokens=5, start=1000 * rid), 1.0)
+    room = s.statistics().step_prompt_room_ms
+    plan = s.plan(1.0)
+    assert plan is not None
+    decode = cost.predict(decoders_shape(s.limits, [c for c in plan.chunks if c.rid >= 100]))
+    assert room == pytest.approx(min(400 - decode, decode * weight * waiting / 4))
+    assert decode + MIN_PREFILL_TOKENS * 3 < cost.predict(plan.shape) <= decode + room + 1e-6
 
 
 # --- micro-batches: llama.cpp's split of a per-slot batch ------------------------------

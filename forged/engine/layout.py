@@ -9,9 +9,10 @@ admit, evict or preempt around it.
 Each step, every decoding sequence gets its next token first. The rest of the step
 goes to prompt chunks (chunked prefill), bounded by *time*: the step's predicted
 duration (:class:`~forged.engine.costmodel.CostModel`, refitted from every step the
-worker measures) stays within ``target_step_ms``, and its tokens within
-``step_tokens``. A step with few decoders thus takes big prompt chunks, a step with
-many takes small ones, and a step with no prompt work is as fast as decoding alone.
+worker measures) stays within a budget that follows the work (:func:`prompt_room_ms`:
+the decoders' cost weighed by how many requests wait for a first token against how
+many streams decode, up to ``target_step_ms``), and its tokens within
+``step_tokens``. A step with no prompt work is as fast as decoding alone.
 Prompt chunks go interactive before batch, then shortest remaining prompt first with
 aging (:func:`virtual_start`); prompts shorter than an aged long one take up to half
 of the step's prompt room before it (:func:`prefill_sequence`), so a one-line
@@ -78,13 +79,14 @@ def decode_chunks(running: Iterable[Running], ledger: KVLedger) -> list[Chunk]:
 
 
 def lay_out(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
-            prefilling: list[Running], running: int) -> list[Chunk]:
+            prefilling: list[Running], running: int, queued: int) -> list[Chunk]:
     """The step's chunks: ``decoders`` (from :func:`decode_chunks`), then prompt chunks
     of ``prefilling`` within the time and token room they leave. ``running``: how many
-    sequences run (the most chunks of the unified layout)."""
+    sequences run (the most chunks of the unified layout); ``queued``: how many
+    requests wait for a slot (:func:`prompt_room_ms`)."""
     chunks = list(decoders)
     cap = (limits.step_tokens if chunks else limits.batch_tokens) - len(chunks)
-    room = prompt_room_ms(limits, cost, chunks, prefilling)
+    room = prompt_room_ms(limits, cost, chunks, prefilling, len(prefilling) + queued)
     # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
     # the same number of tokens from every sequence still in it, so each distinct
     # chunk length costs one more pass over the weights (~5 ms here, measured in
@@ -136,30 +138,31 @@ def floor_tokens(cost: CostModel, pos: int, most: int) -> int:
 
 
 def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
-                   prefilling: list[Running]) -> float:
-    """Milliseconds of prompt work a step may take beside ``decoders``:
-    what the target leaves, but never less than MIN_PROMPT_SHARE of the step. With
-    ``prompt_spread`` above 1 and streams decoding, no more than the prompts'
-    allowances (:func:`allowance_ms`), nor less than decoding alone takes."""
+                   prefilling: list[Running], waiting: int) -> float:
+    """Milliseconds of prompt work a step may take beside ``decoders``, of the
+    ``prefilling`` prompts, with ``waiting`` requests (those prompts and the queued
+    requests) yet to see a first token.
+
+    The step's budget follows the work. Every millisecond of prompt work in a step is a
+    millisecond more for every decoding stream's gap; every millisecond of it put off is
+    a millisecond more for every waiting request's first token. So the room is the
+    decoders' own cost times ``first_token_weight`` times waiting ÷ decoding: one prompt
+    beside sixteen streams lengthens their gaps a little (the floors below still move it
+    every step), a backlog of prompts grows the budget to ``target_step_ms``, which is
+    the ceiling, not the usual. A step in which some prompt can finish within the
+    ceiling, or with no stream decoding, takes the ceiling's room: a short question's
+    first token is not put off, and nobody pays for a gap. Never less than
+    MIN_PROMPT_SHARE of the step."""
     decode = cost.predict(decoders_shape(limits, decoders))
-    room = max(limits.target_step_ms - decode,
-               decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
-    if decoders and limits.prompt_spread > 1:
-        room = min(room, max(allowance_ms(limits, cost, prefilling), decode))
-    return room
+    room = limits.target_step_ms - decode
+    if decoders and not _some_can_finish(cost, prefilling, room):
+        room = min(room, decode * limits.first_token_weight * waiting / len(decoders))
+    return max(room, decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
 
 
-def allowance_ms(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running]
-                 ) -> float:
-    """Each prefilling prompt's whole work divided by ``prompt_spread``, summed: a
-    prompt is computed in about that many steps. At light load a long prompt then
-    lengthens a few gaps a little, instead of one or two gaps by up to the target;
-    as prompts pile up their allowances add up to the target. The room never falls
-    below a decode step's cost, so a prompt that costs less than that (a one-line
-    question) still finishes in one step."""
-    work = sum(cost.predict_extra(cost.chunk(r.cached, len(r.req.prompt) - r.cached))
+def _some_can_finish(cost: CostModel, prefilling: list[Running], room: float) -> bool:
+    return any(cost.predict_extra(cost.chunk(r.next_prompt, r.prompt_left)) <= room
                for r in prefilling)
-    return work / limits.prompt_spread
 
 
 def prefill_sequence(limits: SchedulerLimits, cost: CostModel, prefilling: list[Running],

@@ -36,9 +36,10 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     prefill_step_tokens: int = 0
     # A step's predicted duration stays within this (inf: tokens bound it alone).
     target_step_ms: float = math.inf
-    # Steps a prompt's work is spread over while streams decode (1: as much of each
-    # step as the target leaves; forged.engine.layout.allowance_ms).
-    prompt_spread: int = 1
+    # How a request waiting for its first token weighs against a stream waiting for its
+    # next, in the step's budget (forged.engine.layout.prompt_room_ms); inf: every step
+    # with prompt work runs to target_step_ms.
+    first_token_weight: float = math.inf
     kv_headroom: int = 0
     # Decode cells reserved at admission beyond the prompt; growth past it may preempt.
     decode_reservation: int = 1 << 30
@@ -103,7 +104,7 @@ def scheduler_limits(cfg: Config, n_ctx_train: int, *,
         kv_cells=e.kv_cells, slots=e.slots, max_running=e.max_running,
         step_tokens=e.step_tokens, prefill_step_tokens=e.prefill_step_tokens,
         room=e.room, max_context=min(room, e.max_context or n_ctx_train),
-        target_step_ms=e.target_step_ms, prompt_spread=e.prompt_spread,
+        target_step_ms=e.target_step_ms, first_token_weight=e.first_token_weight,
         kv_headroom=e.kv_headroom,
         decode_reservation=e.decode_reservation, per_slot_cells=e.per_slot_cells,
         max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,

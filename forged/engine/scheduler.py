@@ -210,7 +210,7 @@ class Scheduler:
     def _layout(self) -> list[Chunk]:
         return lay_out(self.limits, self.cost,
                        decode_chunks(self._running.values(), self.cache.ledger),
-                       self._prefilling(), len(self._running))
+                       self._prefilling(), len(self._running), len(self.queue))
 
     def _swap_for(self, item: Queued) -> bool:
         """Interactive work waits for a slot that batch work holds: swap the batch
@@ -455,14 +455,18 @@ class Scheduler:
             early_rejections=self.early_rejections, prefix_holds=self.queue.prefix_holds,
             wait_estimate_s=self.wait_estimate(0, self._now), step_plan_ms=self.last_plan_ms,
             target_step_ms=min(self.limits.target_step_ms, 1e9),
-            step_prompt_room_ms=min(prompt_room_ms(
-                self.limits, self.cost, decode_chunks(
-                    self._running.values(), self.cache.ledger), self._prefilling()), 1e9),
+            step_prompt_room_ms=min(self._prompt_room_ms(), 1e9),
             micro_batches=self.micro_batches,
         )
         self.cost.report(out)
         self.cache.report(out)
         return out
+
+    def _prompt_room_ms(self) -> float:
+        prefilling = self._prefilling()
+        return prompt_room_ms(self.limits, self.cost,
+                              decode_chunks(self._running.values(), self.cache.ledger),
+                              prefilling, len(prefilling) + len(self.queue))
 
     def _active_cells(self) -> int:
         """Cells that some running sequence sees (the rest is evictable cache)."""
