@@ -155,7 +155,9 @@ def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, decoders: list[Chun
     MIN_PROMPT_SHARE of the step."""
     decode = cost.predict(decoders_shape(limits, decoders))
     room = limits.target_step_ms - decode
-    if decoders and not _some_can_finish(cost, prefilling, room):
+    # inf (the default) skips the weighing: inf x 0 waiting would be NaN.
+    weighed = decoders and limits.first_token_weight < math.inf
+    if weighed and not _some_can_finish(cost, prefilling, room):
         room = min(room, decode * limits.first_token_weight * waiting / len(decoders))
     return max(room, decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
 
