@@ -5,6 +5,7 @@ and each response says which model made it (``system_fingerprint``)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -342,8 +343,25 @@ def as_toml(cfg: fc.Config) -> str:
     tables += [("[[models]]", model) for model in raw["models"]]
     lines = []
     for header, values in tables:
-        lines += [header, *(f"{k} = {json.dumps(v)}" for k, v in values.items())]
+        lines += [header, *(f"{k} = {toml_value(v)}" for k, v in values.items())]
     return "\n".join(lines) + "\n"
+
+
+def toml_value(value: object) -> str:
+    """JSON's spelling, except for the infinite floats JSON lacks (TOML says inf)."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return json.dumps(value)
+
+
+def test_the_reload_tests_write_the_config_they_were_given(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """The reload tests rewrite a daemon's config with as_toml; the default config's
+    infinite first_token_weight once came out as JSON's Infinity, which no TOML reads."""
+    from tests.conftest import make_config
+
+    cfg = make_config(tiny_model, tmp_path)
+    assert msgspec.toml.decode(as_toml(cfg), type=fc.Config) == cfg
 
 
 def test_model_ids_must_differ_between_models(tmp_path: Path) -> None:
