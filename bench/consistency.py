@@ -1,22 +1,29 @@
 """Consistency at the load that really arrives: forged against llama-server's best
 configuration, below capacity (open loop), past it, and in closed loops. One command:
 
-    .venv/bin/python -m bench.consistency [--quick] [--set SECTION.KEY=VALUE ...]
+    .venv/bin/python -m bench.consistency [--quick] [--loads 0.3,0.5,0.8]
+                                          [--set SECTION.KEY=VALUE ...]
 
-1. Capacity: llama-server (and forged) in a closed loop of 32 callers, mixed prompts.
+The anchor is not one llama-server but the best of several (issue 34): flash attention
+on and off, ``-b``/``-ub`` 256 and llama.cpp's default batch (``ANCHORS``), each with
+16 slots. Every load is run against each of them, and forged is compared, metric by
+metric, with the best any of them reached there (lowest latency, highest rate); the
+tables name which configuration that was.
+
+1. Capacity: every server in a closed loop of 32 callers, mixed prompts. The best
    llama-server's requests/s there is "capacity" for the open-loop rates.
 2. Closed loops at 8 callers, and one caller taking turns request by request.
-3. Open loop (Poisson arrivals) at 0.5x and 0.8x of capacity, each run twice with
-   different prompts and arrivals, the servers taking turns (forged first, then
-   llama-server first), so that a slow spell of the machine reaches both.
+3. Open loop (Poisson arrivals) at each of ``--loads`` times capacity, each run twice
+   with different prompts and arrivals, the servers taking turns in an order that
+   rotates from run to run, so that a slow spell of the machine reaches all.
 4. Open loop at 1.5x capacity: what forged admits keeps its pace, what it refuses is
    answered at once with Retry-After; llama-server's latencies beside it.
-5. Where a short request's first token went, from forged's access log at 0.8x: waiting
-   for a slot, admission to first token (and how many steps), and the rest (HTTP,
-   tokenizing, delivery).
+5. Where a short request's first token went, from forged's access log at the highest
+   open-loop load: waiting for a slot, admission to first token (and how many steps),
+   and the rest (HTTP, tokenizing, delivery).
 
 Writes bench/results/consistency.json and the tables for docs/benchmarks.md
-(bench/results/consistency.md). Same model, threads and total KV for both servers.
+(bench/results/consistency.md). Same model, threads and total KV for all servers.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import trio
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from bench.run import (
-    BEST,
     CONTEXT,
     MAX_TOKENS,
     MODEL,
@@ -44,35 +50,79 @@ from bench.run import (
     LlamaServer,
     _value,
 )
-from forged.observe.loadtest import make_prompts, ratios, run_alternating, run_load
+from forged.observe.loadtest import RATIO_KEYS, make_prompts, ratios, run_alternating, run_load
 from forged.observe.stats import percentile
 
+# The configurations that could be llama-server's best on this machine kind.
+ANCHORS: dict[str, list[str]] = {
+    "fa on, b/ub 256": ["-np", "16", "-b", "256", "-ub", "256", "-fa", "on"],
+    "fa off, b/ub 256": ["-np", "16", "-b", "256", "-ub", "256", "-fa", "off"],
+    "fa on, default batch": ["-np", "16", "-fa", "on"],
+    "fa off, default batch": ["-np", "16", "-fa", "off"],
+}
+# How a metric improves: the rates up, everything else (latencies) down.
+_HIGHER = frozenset(("req_per_s", "out_tok_per_s", "decode_tok_per_s"))
 
-async def closed(forged: str, ls: str, c: int, n: int, seed: int) -> dict[str, Any]:
+
+def best_of(anchors: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The best figure any anchor reached, metric by metric, and which anchor it was.
+    Only anchors that served every request count: one that failed some is faster for
+    having done less."""
+    whole = {n: r for n, r in anchors.items() if r["ok"] == r["requests"]} or anchors
+    best: dict[str, Any] = {"errors": {}, "ok": max(r["ok"] for r in whole.values())}
+    winner: dict[str, str] = {}
+    for key in RATIO_KEYS:
+        have = {n: r[key] for n, r in whole.items() if r.get(key)}
+        if have:
+            pick = (max if key in _HIGHER else min)(have, key=lambda n: have[n])
+            best[key], winner[key] = have[pick], pick
+    return best, winner
+
+
+def _compared(out: dict[str, Any], anchors: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    best, winner = best_of(anchors)
+    out.update(anchors=anchors, llama_server=best, winner=winner,
+               ratio=ratios(out["forged"], best))
+    return out
+
+
+def _rotated(names: list[str], by: int) -> list[str]:
+    by %= len(names)
+    return names[by:] + names[:by]
+
+
+async def closed(forged: str, ls: dict[str, str], c: int, n: int, seed: int
+                 ) -> dict[str, Any]:
     prompts = make_prompts("mixed", n, MAX_TOKENS, seed=seed)
+    out: dict[str, Any] = {"kind": "closed", "concurrency": c}
+    urls = {"forged": forged, **ls}
     if c == 1:
-        a, b = await run_alternating((forged, ls), prompts, duration=900)
+        summaries = await run_alternating(tuple(urls.values()), prompts, duration=1800)
+        got = dict(zip(urls, summaries, strict=True))
     else:
-        a = await run_load(forged, prompts, concurrency=c, rate=None, duration=600,
-                           model=None, label=f"forged closed c={c}")
-        b = await run_load(ls, prompts, concurrency=c, rate=None, duration=600, model=None,
-                           label=f"llama-server closed c={c}")
-    return {"kind": "closed", "concurrency": c, "forged": a, "llama_server": b,
-            "ratio": ratios(a, b)}
+        got = {}
+        for name in _rotated(list(urls), seed):
+            got[name] = await run_load(urls[name], prompts, concurrency=c, rate=None,
+                                       duration=600, model=None,
+                                       label=f"{name} closed c={c}")
+    out["forged"] = got.pop("forged")
+    return _compared(out, got)
 
 
-async def open_loop(forged: str, ls: str, rate: float, n: int, seed: int, forged_first: bool
+async def open_loop(forged: str, ls: dict[str, str], rate: float, n: int, seed: int
                     ) -> dict[str, Any]:
     prompts = make_prompts("mixed", n, MAX_TOKENS, seed=seed)
+    urls = {"forged": forged, **ls}
+    order = _rotated(list(urls), seed)
     out: dict[str, Any] = {"kind": "open", "rate": rate, "seed": seed,
-                           "order": "forged first" if forged_first else "llama-server first"}
-    for name in (("forged", "llama_server") if forged_first else ("llama_server", "forged")):
-        url = forged if name == "forged" else ls
-        out[name] = await run_load(url, prompts, concurrency=None, rate=rate,
+                           "order": ", ".join(order)}
+    got = {}
+    for name in order:
+        got[name] = await run_load(urls[name], prompts, concurrency=None, rate=rate,
                                    duration=n / rate + 240, model=None, seed=seed,
                                    label=f"{name} open {rate:.2f}/s")
-    out["ratio"] = ratios(out["forged"], out["llama_server"])
-    return out
+    out["forged"] = got.pop("forged")
+    return _compared(out, got)
 
 
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
@@ -125,6 +175,8 @@ def _num(fields: dict[str, str], key: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer requests per run")
+    ap.add_argument("--loads", default="0.3,0.5,0.8",
+                    help="open-loop rates as fractions of capacity (each run twice)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a forged config key, e.g. engine.target_step_ms=120")
     args = ap.parse_args()
@@ -135,43 +187,54 @@ def main() -> None:
     port = free_port()
     cfg = write_config(tmp / "forged.toml", MODEL, port, **shipped_sections(args.set))
     forged = DaemonProcess(cfg, port)
-    ls = LlamaServer(binary, BEST, tmp / "llama-server.log")
+    servers = {name: LlamaServer(binary, flags, tmp / f"llama-server-{i}.log")
+               for i, (name, flags) in enumerate(ANCHORS.items())}
     n = 32 if args.quick else 48
-    result: dict[str, Any] = {"against": "llama-server " + " ".join(BEST),
-                              "overrides": args.set, "runs": []}
+    result: dict[str, Any] = {
+        "against": {name: "llama-server " + " ".join(flags) for name, flags in ANCHORS.items()},
+        "overrides": args.set, "runs": []}
 
     def keep(run: dict[str, Any]) -> None:
         result["runs"].append(run)
-        print(json.dumps({k: run[k] for k in run if k not in ("forged", "llama_server")}),
-              flush=True)
+        print(json.dumps({k: run[k] for k in run
+                          if k not in ("forged", "llama_server", "anchors")}), flush=True)
         (RESULTS / "consistency.json").write_text(json.dumps(result, indent=2))
 
     try:
         forged.wait_ready()
-        ls.wait_ready()
-        trio.run(closed, forged.url, ls.url, 16, 32, 99)  # warm-up: every slot used once
-        sat = trio.run(closed, forged.url, ls.url, 32, 2 * n, 1)
+        for server in servers.values():
+            server.wait_ready()
+        ls = {name: server.url for name, server in servers.items()}
+        trio.run(closed, forged.url, ls, 16, 32, 99)  # warm-up: every slot used once
+        sat = trio.run(closed, forged.url, ls, 32, 2 * n, 1)
         keep(sat)
         capacity = sat["llama_server"]["req_per_s"]
         result["capacity_req_per_s"] = capacity
-        keep(trio.run(closed, forged.url, ls.url, 8, n, 2))
-        keep(trio.run(closed, forged.url, ls.url, 1, n // 2, 3))
-        for seed, factor in ((10, 0.5), (11, 0.8), (12, 0.5), (13, 0.8)):
+        keep(trio.run(closed, forged.url, ls, 8, n, 2))
+        keep(trio.run(closed, forged.url, ls, 1, n // 2, 3))
+        loads = [float(f) for f in args.loads.split(",")]
+        for seed, factor in enumerate(loads + loads, 10):
             start = forged.log.stat().st_size
-            run = trio.run(open_loop, forged.url, ls.url, factor * capacity, n, seed,
-                           seed < 12)
+            run = trio.run(open_loop, forged.url, ls, factor * capacity, n, seed)
             run["factor"] = factor
-            if factor == 0.8:
+            if factor == max(loads):
                 run["forged_short_ttft_breakdown"] = breakdown(forged.log, start)
             keep(run)
-        run = trio.run(open_loop, forged.url, ls.url, 1.5 * capacity, n, 20, True)
+        run = trio.run(open_loop, forged.url, ls, 1.5 * capacity, n, 20)
         run["factor"] = 1.5
         keep(run)
     finally:
         forged.stop()
-        ls.stop()
+        for server in servers.values():
+            server.stop()
     (RESULTS / "consistency.md").write_text(tables(result))
     print(tables(result))
+
+
+# The metrics whose winner the second table names: header, key.
+_WON = {"short TTFT p50": "short_ttft_p50", "short TTFT p99": "short_ttft_p99",
+        "ITL p50": "itl_p50", "ITL p99": "itl_p99", "ITL max": "itl_max",
+        "out tok/s": "out_tok_per_s"}
 
 
 def _r(v: float | None) -> str:
@@ -185,29 +248,43 @@ def _pair(run: dict[str, Any], key: str, unit: str = "s") -> str:
     return f"{a:.2f} / {b:.2f}" + (f" {unit}" if unit else "")
 
 
+def _load(run: dict[str, Any]) -> str:
+    if run["kind"] == "closed":
+        return f"closed, {run['concurrency']} caller" + ("s" if run["concurrency"] > 1 else "")
+    return f"open {run['factor']}x ({run['rate']:.2f} req/s, seed {run['seed']})"
+
+
+def _errors(run: dict[str, Any]) -> str:
+    failed = {name: r["errors"] for name, r in run["anchors"].items() if r["errors"]}
+    return f"{run['forged']['errors'] or '-'}; {failed or '-'}"
+
+
 def tables(result: dict[str, Any]) -> str:
-    lines = [f"Against {result['against']}; capacity (its req/s at 32 callers) "
-             f"{result.get('capacity_req_per_s', 0):.3f} req/s. Cells: forged / llama-server, "
-             "then the ratio.", "",
+    anchors = result["against"]
+    lines = ["The anchors: " + "; ".join(f"{name} (`{cmd}`)" for name, cmd in anchors.items())
+             + f". Capacity (the best anchor's req/s at 32 callers) "
+             f"{result.get('capacity_req_per_s', 0):.3f} req/s. Cells: forged / the best "
+             "anchor at that load and metric, then the ratio.", "",
              "| load | short TTFT p50 | short TTFT p99 | ITL p50 | ITL p99 | ITL p99.9 | "
-             "ITL max | out tok/s | ratios (TTFT p50, p99, ITL p50, p99, tok/s) | "
-             "errors (forged; llama-server) |",
+             "ITL max | out tok/s | ratios (TTFT p50, p99, ITL p50, p99, max, tok/s) | "
+             "errors (forged; anchors) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
-        if run["kind"] == "closed":
-            load = f"closed, {run['concurrency']} caller" + ("s" if run["concurrency"] > 1
-                                                            else "")
-        else:
-            load = f"open {run['factor']}x ({run['rate']:.2f} req/s, {run['order']})"
         r = run["ratio"]
         lines.append(
-            f"| {load} | {_pair(run, 'short_ttft_p50')} | {_pair(run, 'short_ttft_p99')} | "
+            f"| {_load(run)} | {_pair(run, 'short_ttft_p50')} | "
+            f"{_pair(run, 'short_ttft_p99')} | "
             f"{_pair(run, 'itl_p50')} | {_pair(run, 'itl_p99')} | "
             f"{_pair(run, 'itl_p99_9')} | {_pair(run, 'itl_max')} | "
             f"{_pair(run, 'out_tok_per_s', '')} | {_r(r.get('short_ttft_p50'))}, "
             f"{_r(r.get('short_ttft_p99'))}, {_r(r.get('itl_p50'))}, {_r(r.get('itl_p99'))}, "
-            f"{_r(r.get('out_tok_per_s'))} | {run['forged']['errors'] or '-'}; "
-            f"{run['llama_server']['errors'] or '-'} |")
+            f"{_r(r.get('itl_max'))}, {_r(r.get('out_tok_per_s'))} | {_errors(run)} |")
+    lines += ["", "Which anchor was best, by load and metric:", "",
+              "| load | " + " | ".join(_WON) + " |", "|---|" + "---|" * len(_WON)]
+    for run in result["runs"]:
+        won = run["winner"]
+        lines.append(f"| {_load(run)} | " + " | ".join(won.get(k, "-") for k in _WON.values())
+                     + " |")
     over = [r for r in result["runs"] if r.get("factor") == 1.5]
     if over:
         f = over[0]["forged"]

@@ -239,25 +239,29 @@ async def run_load(base: str, prompts: list[Prompt], *, concurrency: int | None,
     return summarise(samples, time.monotonic() - t0)
 
 
-async def run_alternating(bases: tuple[str, str], prompts: list[Prompt], *, duration: float,
-                          models: tuple[str | None, str | None] = (None, None),
+async def run_alternating(bases: tuple[str, ...], prompts: list[Prompt], *, duration: float,
+                          models: tuple[str | None, ...] | None = None,
                           headers: dict[str, str] | None = None,
-                          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One caller, two servers, taking turns request by request (first one, then the
-    other, then the other again): at one caller a drift in the machine's speed then
-    reaches both alike, where two back-to-back runs would each see a different part of
-    it. Each server's rates are over the time it spent answering."""
-    samples: tuple[list[Sample], list[Sample]] = ([], [])
-    busy = [0.0, 0.0]
+                          ) -> tuple[dict[str, Any], ...]:
+    """One caller, several servers, taking turns request by request (each prompt goes
+    to every server, the first of them rotating from prompt to prompt): at one caller
+    a drift in the machine's speed then reaches all alike, where back-to-back runs
+    would each see a different part of it. Each server's rates are over the time it
+    spent answering."""
+    k = len(bases)
+    names = models if models is not None else (None,) * k
+    samples: list[list[Sample]] = [[] for _ in bases]
+    busy = [0.0] * k
     async with httpx.AsyncClient(timeout=httpx.Timeout(duration + 60, connect=30),
                                  headers=headers) as client:
         with trio.move_on_after(duration):
             for i, p in enumerate(prompts):
-                for k in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    s = await one_request(client, bases[k], models[k], p)
-                    samples[k].append(s)
-                    busy[k] += s.e2e
-    return summarise(samples[0], busy[0]), summarise(samples[1], busy[1])
+                for j in range(k):
+                    at = (i + j) % k
+                    s = await one_request(client, bases[at], names[at], p)
+                    samples[at].append(s)
+                    busy[at] += s.e2e
+    return tuple(summarise(samples[j], busy[j]) for j in range(k))
 
 
 async def _closed_loop(client: httpx.AsyncClient, base: str, model: str | None,
