@@ -79,3 +79,21 @@ def test_status_names_each_index_and_its_age() -> None:
                     {"name": "new", "files": 0, "chunks": 0, "updated_at": None}]})
     assert "index       backend: 12 files, 40 chunks, updated 1h 01m 40s ago" in shown
     assert "index       new: 0 files, 0 chunks, never updated" in shown
+
+
+async def test_taking_turns_rotates_the_first_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One caller among several servers: every prompt goes to each, the first of them
+    rotating, so that a drift of the machine reaches all servers alike."""
+    order: list[str] = []
+
+    async def answered(client: object, base: str, model: object, prompt: object
+                       ) -> loadtest.Sample:
+        order.append(base)
+        return loadtest.Sample("short", 200, e2e=1.0)
+
+    monkeypatch.setattr(loadtest, "one_request", answered)
+    prompts = loadtest.make_prompts("mixed", 3, 8, seed=1)
+    got = await loadtest.run_alternating(("a", "b", "c"), prompts, duration=60)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [s["requests"] for s in got] == [3, 3, 3]
+    assert [s["wall_s"] for s in got] == [3.0, 3.0, 3.0]
