@@ -50,7 +50,14 @@ from bench.run import (
     LlamaServer,
     _value,
 )
-from forged.observe.loadtest import RATIO_KEYS, make_prompts, ratios, run_alternating, run_load
+from forged.observe.loadtest import (
+    RATIO_KEYS,
+    Prompt,
+    make_prompts,
+    ratios,
+    run_alternating,
+    run_load,
+)
 from forged.observe.stats import percentile
 
 # The configurations that could be llama-server's best on this machine kind.
@@ -79,10 +86,12 @@ def best_of(anchors: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[st
     return best, winner
 
 
-def _compared(out: dict[str, Any], anchors: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _compared(out: dict[str, Any], got: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``out`` with forged's figures (``got``'s "forged"), the anchors' and their best."""
+    anchors = {name: r for name, r in got.items() if name != "forged"}
     best, winner = best_of(anchors)
-    out.update(anchors=anchors, llama_server=best, winner=winner,
-               ratio=ratios(out["forged"], best))
+    out.update(forged=got["forged"], anchors=anchors, llama_server=best, winner=winner,
+               ratio=ratios(got["forged"], best))
     return out
 
 
@@ -91,22 +100,24 @@ def _rotated(names: list[str], by: int) -> list[str]:
     return names[by:] + names[:by]
 
 
+async def _in_turn(urls: dict[str, str], order: list[str], prompts: list[Prompt],
+                   label: str, **load: Any) -> dict[str, dict[str, Any]]:
+    """The same load on each server in ``order``, one after the other."""
+    return {name: await run_load(urls[name], prompts, model=None, label=f"{name} {label}",
+                                 **load) for name in order}
+
+
 async def closed(forged: str, ls: dict[str, str], c: int, n: int, seed: int
                  ) -> dict[str, Any]:
     prompts = make_prompts("mixed", n, MAX_TOKENS, seed=seed)
-    out: dict[str, Any] = {"kind": "closed", "concurrency": c}
     urls = {"forged": forged, **ls}
     if c == 1:
         summaries = await run_alternating(tuple(urls.values()), prompts, duration=1800)
         got = dict(zip(urls, summaries, strict=True))
     else:
-        got = {}
-        for name in _rotated(list(urls), seed):
-            got[name] = await run_load(urls[name], prompts, concurrency=c, rate=None,
-                                       duration=600, model=None,
-                                       label=f"{name} closed c={c}")
-    out["forged"] = got.pop("forged")
-    return _compared(out, got)
+        got = await _in_turn(urls, _rotated(list(urls), seed), prompts, f"closed c={c}",
+                             concurrency=c, rate=None, duration=600)
+    return _compared({"kind": "closed", "concurrency": c}, got)
 
 
 async def open_loop(forged: str, ls: dict[str, str], rate: float, n: int, seed: int
@@ -114,15 +125,10 @@ async def open_loop(forged: str, ls: dict[str, str], rate: float, n: int, seed: 
     prompts = make_prompts("mixed", n, MAX_TOKENS, seed=seed)
     urls = {"forged": forged, **ls}
     order = _rotated(list(urls), seed)
-    out: dict[str, Any] = {"kind": "open", "rate": rate, "seed": seed,
-                           "order": ", ".join(order)}
-    got = {}
-    for name in order:
-        got[name] = await run_load(urls[name], prompts, concurrency=None, rate=rate,
-                                   duration=n / rate + 240, model=None, seed=seed,
-                                   label=f"{name} open {rate:.2f}/s")
-    out["forged"] = got.pop("forged")
-    return _compared(out, got)
+    got = await _in_turn(urls, order, prompts, f"open {rate:.2f}/s", concurrency=None,
+                         rate=rate, duration=n / rate + 240, seed=seed)
+    return _compared({"kind": "open", "rate": rate, "seed": seed, "order": ", ".join(order)},
+                     got)
 
 
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')

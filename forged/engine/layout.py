@@ -86,7 +86,7 @@ def lay_out(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
     requests wait for a slot (:func:`prompt_room_ms`)."""
     chunks = list(decoders)
     cap = (limits.step_tokens if chunks else limits.batch_tokens) - len(chunks)
-    room = prompt_room_ms(limits, cost, chunks, prefilling, len(prefilling) + queued)
+    room = prompt_room_ms(limits, cost, chunks, prefilling, queued)
     # Per-slot streams: llama.cpp splits such a batch into micro-batches that take
     # the same number of tokens from every sequence still in it, so each distinct
     # chunk length costs one more pass over the weights (~5 ms here, measured in
@@ -138,10 +138,10 @@ def floor_tokens(cost: CostModel, pos: int, most: int) -> int:
 
 
 def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, decoders: list[Chunk],
-                   prefilling: list[Running], waiting: int) -> float:
+                   prefilling: list[Running], queued: int) -> float:
     """Milliseconds of prompt work a step may take beside ``decoders``, of the
-    ``prefilling`` prompts, with ``waiting`` requests (those prompts and the queued
-    requests) yet to see a first token.
+    ``prefilling`` prompts, with ``queued`` requests waiting for a slot: those and the
+    prompts are the requests yet to see a first token.
 
     The step's budget follows the work. Every millisecond of prompt work in a step is a
     millisecond more for every decoding stream's gap; every millisecond of it put off is
@@ -158,6 +158,7 @@ def prompt_room_ms(limits: SchedulerLimits, cost: CostModel, decoders: list[Chun
     # inf (the default) skips the weighing: inf x 0 waiting would be NaN.
     weighed = decoders and limits.first_token_weight < math.inf
     if weighed and not _some_can_finish(cost, prefilling, room):
+        waiting = len(prefilling) + queued
         room = min(room, decode * limits.first_token_weight * waiting / len(decoders))
     return max(room, decode * MIN_PROMPT_SHARE / (1 - MIN_PROMPT_SHARE))
 

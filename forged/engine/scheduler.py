@@ -463,10 +463,9 @@ class Scheduler:
         return out
 
     def _prompt_room_ms(self) -> float:
-        prefilling = self._prefilling()
         return prompt_room_ms(self.limits, self.cost,
                               decode_chunks(self._running.values(), self.cache.ledger),
-                              prefilling, len(prefilling) + len(self.queue))
+                              self._prefilling(), len(self.queue))
 
     def _active_cells(self) -> int:
         """Cells that some running sequence sees (the rest is evictable cache)."""
