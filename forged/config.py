@@ -78,7 +78,8 @@ class ServerConfig(_Section, frozen=True):
     # get the others unless engine.cpus places them (forged.placement). []: every CPU.
     door_cpus: list[Annotated[int, msgspec.Meta(ge=0)]] = []
     # GET /health and GET /v1/models in their plainest form answered off the socket,
-    # without Quart (forged.http.hotdoor): the same bytes at a fraction of the CPU.
+    # without Quart (forged.http.hotdoor), and streams' frames written straight to the
+    # socket by the pool's reader (forged.http.direct): the same bytes, less CPU.
     hot_door: bool = True
     # Milliseconds a streamed token may wait to share a write with the next ones, when
     # a stream's tokens come faster than that (0: a write per step).

@@ -124,6 +124,11 @@ class RequestStream:
         self.arrived = 0.0
         self.gap = math.inf
         self._last = -math.inf
+        # The door's writer for this stream, which may take an event as it arrives and
+        # write it at once (forged.http.direct): True when it did, and then the event
+        # is not queued. It takes none while events are queued, so order holds.
+        self.sink: Callable[[Event], bool] | None = None
+        self._nudged = False
 
     def push(self, ev: Event) -> None:
         if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \
@@ -141,7 +146,15 @@ class RequestStream:
         if not self._events:
             self.arrived, self.gap = now, now - self._last
         self._last = now
+        if self.sink is not None and not self._events and self.sink(ev):
+            return
         self._events.append(ev)
+        self._wake.set()
+
+    def nudge(self) -> None:
+        """Wake the receiver without an event: its sink needs it (a write to finish).
+        ``receive()`` then returns what is queued, perhaps nothing."""
+        self._nudged = True
         self._wake.set()
 
     def fail(self, error: ForgedError) -> None:
@@ -156,11 +169,12 @@ class RequestStream:
 
     async def receive(self) -> list[Event]:
         """Wait for at least one event. Raises the stream's error once events run out."""
-        while not self._events:
+        while not self._events and not self._nudged:
             if self._error is not None:
                 raise self._error
             await self._wake.wait()
             self._wake = trio.Event()
+        self._nudged = False
         return self.take()
 
     def take(self) -> list[Event]:

@@ -28,6 +28,7 @@ from forged.engine.groups import ModelGroup
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import sse
+from forged.http.direct import ChunkWriter, StepSink
 from forged.http.lifetime import Call, call
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.schemas import GenerationFields
@@ -172,7 +173,8 @@ async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
     out = fmt(model=req.model or group.model_id, created=int(time.time()), n=request.n)
     outcome.prompt_tokens = len(request.prompt)
     outcome.completion_id = out.id
-    held = call().held
+    c = call()
+    held = c.held
     try:
         held.enter_context(state.drain.generation())
         rs = outcome.rs = await held.enter_async_context(group.pool.open_request(request))
@@ -184,7 +186,8 @@ async def generate(state: AppState, group: ModelGroup, req: GenerationFields,
             await state.holds.at("admitted")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream(state, rs, first, out, include_usage, outcome)
+            sock = c.connection if state.cfg.server.hot_door else None
+            body = _stream(state, rs, first, out, include_usage, outcome, sock)
             return Response(body, content_type=out.content_type,
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         whole = await _collect(state, rs, first, out, outcome, keep=req.n)
@@ -226,14 +229,17 @@ async def _until_admitted(rs: RequestStream, outcome: Outcome) -> list[Event]:
             return events
 
 
-async def _next_events(drain: DrainDeadlines, rs: RequestStream, pace: Pace | None = None
-                       ) -> list[Event] | None:
+async def _next_events(drain: DrainDeadlines, rs: RequestStream, pace: Pace | None = None,
+                       sink: StepSink | None = None) -> list[Event] | None:
     """The request's next events (with ``pace``, those that arrive soon after them
-    too), or None once the drain's deadline has passed."""
+    too), or None once the drain's deadline has passed. A direct stream's ``sink``
+    holds from the moment they are taken: later events queue behind them."""
     scope = drain.wait_scope()
     try:
         with scope:
             events = await rs.receive()
+            if sink is not None:
+                sink.held = True
             return events + await pace.gather(rs) if pace is not None else events
         return None
     finally:
@@ -382,15 +388,19 @@ def _finish(out: sse.Format, ev: Done, dones: dict[int, Done] | None,
 
 
 async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None,
-                  out: sse.Format, include_usage: bool, outcome: Outcome
-                  ) -> AsyncIterator[bytes]:
-    """The SSE body: the frames of the events that arrived together in one write. It
+                  out: sse.Format, include_usage: bool, outcome: Outcome,
+                  sock: trio.SocketStream | None) -> AsyncIterator[bytes]:
+    """The SSE body: the frames of the events that arrived together in one write; with
+    ``sock``, written there directly (:func:`_direct`), and nothing yielded. It
     releases nothing: the request's resources do, also when the client goes away
     before this body has started."""
     if state.holds is not None:
         await state.holds.at("streaming")
     frames = _Frames(outcome, out, include_usage)
     pace = Pace(state.cfg.server.stream_coalesce_ms / 1000)
+    if sock is not None:
+        await _direct(state, rs, events, frames, pace, sock)
+        return
     try:
         if head := out.start():
             yield head
@@ -410,6 +420,44 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
         yield out.error(from_exception(exc))
 
 
+async def _direct(state: AppState, rs: RequestStream, events: list[Event] | None,
+                  frames: _Frames, pace: Pace, sock: trio.SocketStream) -> None:
+    """``_stream``'s loop on a direct stream (forged.http.direct): the pool's reader
+    writes the text events it can; this task writes the rest (the start, the
+    coalesced, the end and the errors), each of its writes drained before it waits
+    again."""
+    writer = ChunkWriter(sock)
+    sink = StepSink(frames, writer, rs.nudge, lambda: pace.waits(rs))
+    rs.sink = sink
+    out, outcome = frames.out, frames.outcome
+    try:
+        writer.send(out.start())
+        while events is not None and not writer.broken:
+            sink.raise_error()
+            last = frames.read(events)
+            writer.send(frames.take())
+            await writer.drain()
+            if last:
+                outcome.end = "ok"  # the last frame went out
+                return
+            sink.held = False
+            events = await _next_events(state.drain, rs, pace, sink)
+        if events is None:
+            outcome.end = "drain"
+            writer.send(out.error(http_error(
+                503, "the server is shutting down; the stream was cut short",
+                "server_error", None, "draining", state.cfg.limits.retry_after)))
+    except e.ForgedError as exc:
+        outcome.end = "error"
+        writer.send(out.error(from_exception(exc)))
+    finally:
+        rs.sink = None
+        try:
+            await writer.drain()
+        finally:
+            writer.close()
+
+
 class Pace:
     """Tokens per write: when a stream's events come less than half ``budget_s``
     apart (an engine faster than a useful write cadence, or a door running behind),
@@ -422,9 +470,13 @@ class Pace:
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
 
+    def waits(self, rs: RequestStream) -> bool:
+        """Whether the events pending on ``rs`` wait for more to share their write."""
+        return 2 * rs.gap < self.budget_s and not rs.finished  # budget 0: never
+
     async def gather(self, rs: RequestStream) -> list[Event]:
         """After ``rs.receive()``: the events to write with those it returned."""
-        if 2 * rs.gap >= self.budget_s or rs.finished:  # budget 0: never
+        if not self.waits(rs):
             return []
         await trio.sleep(max(0.0, rs.arrived + self.budget_s - rs.clock()))
         return rs.take()

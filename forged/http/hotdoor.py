@@ -26,6 +26,7 @@ from typing import NamedTuple
 import trio
 
 from forged.http.access import count_request, log_access, request_id
+from forged.http.direct import CONNECTION
 from forged.http.modellist import model_list
 from forged.http.responses import encode_json
 from forged.http.state import AppState
@@ -197,6 +198,7 @@ class HotDoor:
                     return
         finally:
             handoff.idle.busy(stream)
+        CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
         await handoff.serve(Prefixed(stream, buf[start:]))
 
 

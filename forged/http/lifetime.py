@@ -30,6 +30,7 @@ from quart import request
 
 from forged.auth import KeyEntry
 from forged.http.access import request_id
+from forged.http.direct import CONNECTION
 
 if TYPE_CHECKING:
     from forged.http.generate import Outcome
@@ -54,6 +55,9 @@ class Call:
     hold: KeyHold | None = None  # its places in its key's limits
     # A generation's (or an embedding's) record, which logs its own access-log line.
     outcome: Outcome | None = None
+    # The socket of its plain HTTP/1.1 connection through the hot door, which a stream
+    # may write to directly (forged.http.direct); None otherwise.
+    connection: trio.SocketStream | None = None
 
     @property
     def key_name(self) -> str:
@@ -72,6 +76,8 @@ class RequestResources:
             await self.app(scope, receive, send)
             return
         this = Call()
+        if scope["http_version"] == "1.1":  # h2 has its own framing; 1.0 no chunks
+            this.connection = CONNECTION.get()
         cast(dict[str, Any], scope)[_KEY] = this  # Quart's request keeps this scope
         try:
             await self.app(scope, receive, send)
