@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.door [--seconds 10] [--stream-seconds 20]
 
-About 6 minutes on 2 cores; every server runs in turn, alone, with the same model and
+About 10 minutes on 2 cores; every server runs in turn, alone, with the same model and
 threads. Three parts:
 
 1. **Trivial requests.** Debian's ``wrk`` (one thread, 256 connections, ``--seconds``)
@@ -15,7 +15,9 @@ threads. Three parts:
    the serving stack's own cost. 16 and 64 closed-loop callers stream 256 tokens each:
    output tok/s, inter-token latency p50/p99 as the callers see it, and the door's CPU
    per streamed token (forged's daemon process alone, and with its workers), for forged
-   with ``server.stream_coalesce_ms`` 5 (the default) and 0, and llama-server.
+   with ``server.stream_coalesce_ms`` 5 (the default) and 0, forged with its streams
+   through Quart, hypercorn and h11 (``server.hot_door = false``: no direct streams),
+   and llama-server.
 3. **Door traffic during decoding.** 16 SmolLM2 streams of 64 tokens alone, then
    beside 64 ``wrk`` connections on ``/v1/models``: ITL p99 with the traffic over
    ITL p99 without (tok/s counts whole streams only: read text events/s); for
@@ -256,6 +258,8 @@ def main() -> None:
     result["standin"] = [] if "standin" not in parts else _in_turn([
         lambda: start_forged(tmp, tiny, "forged-tiny"),
         lambda: start_forged(tmp, tiny, "forged-tiny-nocoalesce", stream_coalesce_ms=0),
+        # Streams through Quart, hypercorn and h11, as before direct streams.
+        lambda: start_forged(tmp, tiny, "forged-tiny-general", hot_door=False),
         lambda: start_llama(binary, tmp, tiny, "llama-server-tiny")], stream_runs)
 
     def traffic_runs(server: Server) -> list[dict[str, Any]]:
