@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import trio
 
-from forged.engine.events import Delta, Done, Event
+from forged.engine.events import Delta, Done, Event, Failed
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import sse
@@ -270,3 +270,13 @@ async def test_an_error_in_a_frame_the_reader_made_is_raised_in_the_streams_task
     assert raised.group_contains(ValueError, match="cannot be made", depth=1)
     assert len(raised.value.exceptions) == 1  # the stream's alone
     assert rs.sink is None
+
+
+async def test_a_stream_that_fails_midway_ends_with_the_general_paths_error_frame(
+        autojump_clock: trio.testing.MockClock) -> None:
+    events: list[Event] = [*_events()[:50], Failed(rid=1, code="engine_error",
+                                                   message="the worker's step failed")]
+    general = await _general(events)
+    direct, _ = await _direct_body(events, full=False)
+    assert direct == general
+    assert b"the worker's step failed" in _chunked(direct)[-1]
