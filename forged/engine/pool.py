@@ -168,7 +168,8 @@ class RequestStream:
             raise self._error
 
     async def receive(self) -> list[Event]:
-        """Wait for at least one event. Raises the stream's error once events run out."""
+        """Wait for at least one event, or a ``nudge``. Raises the stream's error once
+        events run out."""
         while not self._events and not self._nudged:
             if self._error is not None:
                 raise self._error
