@@ -412,12 +412,17 @@ async def _stream(state: AppState, rs: RequestStream, events: list[Event] | None
                 return
             events = await _next_events(state.drain, rs, pace)
         outcome.end = "drain"
-        yield out.error(http_error(
-            503, "the server is shutting down; the stream was cut short",
-            "server_error", None, "draining", state.cfg.limits.retry_after))
+        yield _cut_short(state, out)
     except e.ForgedError as exc:
         outcome.end = "error"
         yield out.error(from_exception(exc))
+
+
+def _cut_short(state: AppState, out: sse.Format) -> bytes:
+    """A stream's last frame when the drain's deadline passes before its end."""
+    return out.error(http_error(503, "the server is shutting down; the stream was cut short",
+                                "server_error", None, "draining",
+                                state.cfg.limits.retry_after))
 
 
 async def _direct(state: AppState, rs: RequestStream, events: list[Event] | None,
@@ -444,9 +449,7 @@ async def _direct(state: AppState, rs: RequestStream, events: list[Event] | None
             events = await _next_events(state.drain, rs, pace, sink)
         if events is None:
             outcome.end = "drain"
-            writer.send(out.error(http_error(
-                503, "the server is shutting down; the stream was cut short",
-                "server_error", None, "draining", state.cfg.limits.retry_after)))
+            writer.send(_cut_short(state, out))
     except e.ForgedError as exc:
         outcome.end = "error"
         writer.send(out.error(from_exception(exc)))
