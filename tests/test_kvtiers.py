@@ -12,11 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from forged.engine import kvtiers
 from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
 from forged.engine.events import Admitted, Delta, Done, Event
 from forged.engine.kvdisk import MAGIC, DiskStore
-from forged.engine.kvtiers import MIN_SAVED_TOKENS, Entry, Tier, Tiers
+from forged.engine.kvtiers import MIN_SAVED_TOKENS, Drop, Entry, Tier, Tiers, common_prefix
 from forged.engine.plan import SeqLoad, SeqRm, SeqSave
 from tests.test_core import EOS, Clock, FakeBackend, assert_nothing_left, of, run, submit
 from tests.test_scheduler import limits
@@ -375,3 +376,73 @@ def test_memory_ops_save_before_they_free_and_restore_before_truncating() -> Non
     last = plan.ops[-1]
     assert isinstance(last, SeqRm) and last.p0 == LONG
     assert plan.chunks[0].pos == LONG
+
+
+def _brute_longest(tiers: Tiers, tenant: str, prompt: list[int], limit: int) -> int:
+    return max((min(common_prefix(e.tokens, prompt), limit) for t in Tier
+                for e in tiers.entries(t) if e.tenant == tenant), default=0)
+
+
+def test_the_prefix_index_matches_what_comparing_every_entry_finds() -> None:
+    """Random saves, restores, drops and demotions over a small alphabet (so prompts
+    share prefixes of every length, and tie): the index's match is as long as the
+    best of all the tenant's entries, in RAM whenever one in RAM is as long, and a
+    save drops exactly the entries it extends and those of its session."""
+    rng = random.Random(5)
+    tiers = Tiers(ram_bytes=40 * 30, disk_bytes=1 << 30)
+
+    def tokens() -> list[int]:
+        return [rng.randrange(3) for _ in range(rng.randint(MIN_SAVED_TOKENS, 44))]
+
+    for _ in range(600):
+        tenant, session = rng.choice("ab"), rng.choice([None, "s1", "s2"])
+        new = tokens() if rng.random() < 0.7 else (
+            tokens()[:4] + [1] * MIN_SAVED_TOKENS)
+        before = [e for t in Tier for e in tiers.entries(t)]
+        want = {e.eid for e in before if e.tenant == tenant and (
+            common_prefix(e.tokens, new) == len(e.tokens)
+            or (session is not None and e.session == session))}
+        entry, ops = tiers.save(new, tenant, session)
+        assert {op.entry.eid for op in ops if isinstance(op, Drop)} == want
+        tiers.sized(entry.eid, 30)  # over budget: sessions go to disk, others drop
+        prompt, limit = tokens(), rng.randint(1, 44)
+        for who in "ab":
+            found, n = tiers.longest(who, prompt, limit)
+            assert n == _brute_longest(tiers, who, prompt, limit)
+            if n:
+                assert found is not None and found.tenant == who
+                assert min(common_prefix(found.tokens, prompt), limit) == n
+                in_ram = [e for e in tiers.entries(Tier.RAM) if e.tenant == who
+                          and min(common_prefix(e.tokens, prompt), limit) == n]
+                assert (found.tier is Tier.RAM) == bool(in_ram)
+                if rng.random() < 0.3:
+                    tiers.take(found, keep=rng.random() < 0.5)
+
+
+def test_a_match_costs_the_same_beside_thousands_of_saved_states() -> None:
+    """The default RAM tier holds about 1,800 states of SmolLM2, each beginning with
+    the same chat template. A match compared the prompt with every one of them (about
+    4 ms a match, twice a request, the worker decoding nothing meanwhile); with the
+    index, a handful of compares whatever the count."""
+    rng = random.Random(1)
+    header = [rng.randrange(49152) for _ in range(40)]
+    tiers = Tiers(ram_bytes=1 << 40)
+    for _ in range(2000):
+        tiers.save(header + [rng.randrange(49152) for _ in range(60)], "", None)
+    calls = 0
+    real = kvtiers.common_prefix
+
+    def counted(a: list[int], b: list[int]) -> int:
+        nonlocal calls
+        calls += 1
+        return real(a, b)
+
+    kvtiers.common_prefix = counted  # type: ignore[assignment]
+    try:
+        prompt = header + [rng.randrange(49152) for _ in range(60)]
+        found, n = tiers.longest("", prompt, len(prompt) - 1)
+        assert found is not None and n >= len(header)
+        tiers.save(prompt, "", None)
+    finally:
+        kvtiers.common_prefix = real  # type: ignore[assignment]
+    assert calls <= 16, calls

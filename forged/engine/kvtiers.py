@@ -28,8 +28,10 @@ decisions, and it never holds a blob.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -138,6 +140,86 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class PrefixIndex:
+    """Each tenant's entries in the lexicographic order of their tokens, so that a
+    match costs a few binary searches and slice compares, not one compare per entry.
+    The default RAM tier holds about 1,800 states of SmolLM2; scanning them all cost
+    about 4 ms a match (the scheduler makes two a request, plus one a save) while the
+    worker decoded nothing (docs/benchmarks.md, "One caller").
+
+    Two facts of that order carry it. The entry sharing the longest prefix with a
+    prompt is one of the prompt's two neighbours, and those sharing as much lie
+    around them. Every entry between a prefix of the prompt and the prompt itself
+    extends that prefix, so the prefixes are found by jumping, not by walking."""
+
+    def __init__(self) -> None:
+        # (tokens, eid, entry): the eid makes equal token lists distinct and ordered.
+        self._sorted: dict[str, list[tuple[list[int], int, Entry]]] = {}
+        self._sessions: dict[tuple[str, str], dict[int, Entry]] = {}
+
+    def add(self, e: Entry) -> None:
+        bisect.insort(self._sorted.setdefault(e.tenant, []), (e.tokens, e.eid, e))
+        if e.session is not None:
+            self._sessions.setdefault((e.tenant, e.session), {})[e.eid] = e
+
+    def remove(self, e: Entry) -> None:
+        keys = self._sorted[e.tenant]
+        del keys[bisect.bisect_left(keys, (e.tokens, e.eid))]
+        if not keys:
+            del self._sorted[e.tenant]
+        if e.session is not None:
+            same = self._sessions[(e.tenant, e.session)]
+            del same[e.eid]
+            if not same:
+                del self._sessions[(e.tenant, e.session)]
+
+    def of_session(self, tenant: str, session: str) -> list[Entry]:
+        return list(self._sessions.get((tenant, session), {}).values())
+
+    def longest(self, tenant: str, prompt: list[int], limit: int) -> tuple[Entry | None, int]:
+        """An entry sharing the most of ``prompt``'s first ``limit`` tokens, and how
+        many; of those, one in RAM if any is."""
+        keys = self._sorted.get(tenant, [])
+        at = bisect.bisect_left(keys, (prompt,))
+
+        def shared(j: int) -> int:
+            return min(common_prefix(keys[j][0], prompt), limit)
+
+        best = max((shared(j) for j in (at - 1, at) if 0 <= j < len(keys)), default=0)
+        if best <= 0:
+            return None, 0
+        found: Entry | None = None
+        for side in (range(at - 1, -1, -1), range(at, len(keys))):
+            for j in side:
+                if shared(j) < best:
+                    break
+                entry = keys[j][2]
+                if entry.tier is Tier.RAM:
+                    return entry, best
+                if found is None:
+                    found = entry
+        return found, best
+
+    def prefixes(self, tenant: str, tokens: list[int]) -> list[Entry]:
+        """The entries whose tokens begin ``tokens`` (equal ones included)."""
+        keys = self._sorted.get(tenant, [])
+        at = bisect.bisect_left(keys, (tokens,))
+        out = [k[2] for k in itertools.takewhile(lambda k: k[0] == tokens,
+                                                 itertools.islice(keys, at, None))]
+        j = at - 1
+        while j >= 0:
+            have = keys[j][0]
+            n = common_prefix(have, tokens)
+            if n == len(have):
+                out.append(keys[j][2])
+                j -= 1
+            elif n == 0:
+                break
+            else:  # keys[j] extends tokens[:n]: the next prefix is at most that long
+                j = bisect.bisect_right(keys, (tokens[:n], math.inf), 0, j) - 1
+        return out
+
+
 @dataclass
 class Tiers:
     ram_bytes: int = 0
@@ -150,6 +232,7 @@ class Tiers:
     # Disk entries being read for a restore, and those read (their bytes in memory).
     staging: set[int] = field(default_factory=set)
     staged: dict[int, None] = field(default_factory=dict)  # oldest first
+    _index: PrefixIndex = field(default_factory=PrefixIndex)
 
 
     def entries(self, tier: Tier) -> list[Entry]:
@@ -177,11 +260,12 @@ class Tiers:
              session: str | None) -> tuple[Entry, list[TierOp]]:
         """Index a state about to be saved to RAM; what it makes redundant goes."""
         entry = Entry(next(self._ids), list(tokens), tenant, session)
-        ops: list[TierOp] = [self._remove(e) for t in Tier for e in self.entries(t)
-               if e.tenant == tenant and (
-                   common_prefix(e.tokens, tokens) == len(e.tokens)
-                   or (session is not None and e.session == session))]
+        extended = self._index.prefixes(tenant, entry.tokens)
+        same = self._index.of_session(tenant, session) if session is not None else []
+        ops: list[TierOp] = [self._remove(e) for e in
+                             {e.eid: e for e in extended + same}.values()]
         self._lru[Tier.RAM][entry.eid] = entry
+        self._index.add(entry)
         self.stats.saves += 1
         return entry, ops
 
@@ -198,6 +282,7 @@ class Tiers:
         for e in found:
             e.eid, e.tier = next(self._ids), Tier.DISK
             self._lru[Tier.DISK][e.eid] = e
+            self._index.add(e)
         return self._fit(Tier.DISK)
 
     def refit(self, tier: Tier) -> list[TierOp]:
@@ -264,13 +349,15 @@ class Tiers:
     def _remove(self, e: Entry) -> Drop:
         self.unstage(e.eid)
         del self._lru[e.tier][e.eid]
+        self._index.remove(e)
         self.stats.drops += 1
         return Drop(e, e.tier)
 
     def lost(self, e: Entry) -> None:
         """``e``'s bytes are gone (a disk write or read failed): forget it."""
         self.unstage(e.eid)
-        self._lru[e.tier].pop(e.eid, None)
+        if self._lru[e.tier].pop(e.eid, None) is not None:
+            self._index.remove(e)
 
     def set_budgets(self, ram_bytes: int, disk_bytes: int) -> list[TierOp]:
         self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
@@ -281,14 +368,7 @@ class Tiers:
     def longest(self, tenant: str, prompt: list[int], limit: int) -> tuple[Entry | None, int]:
         """The entry of ``tenant`` sharing the longest prefix with ``prompt`` (at most
         ``limit`` tokens of it), RAM before disk on a tie."""
-        best, best_n = None, 0
-        for tier in Tier:
-            for e in self._lru[tier].values():
-                if e.tenant != tenant:
-                    continue  # never across tenants
-                if (n := min(common_prefix(e.tokens, prompt), limit)) > best_n:
-                    best, best_n = e, n
-        return best, best_n
+        return self._index.longest(tenant, prompt, limit)  # never across tenants
 
     def take(self, entry: Entry, keep: bool = False) -> None:
         """``entry`` is being restored into a slot: it leaves the index, unless
@@ -298,6 +378,7 @@ class Tiers:
             self._lru[entry.tier].move_to_end(entry.eid)
         else:
             del self._lru[entry.tier][entry.eid]
+            self._index.remove(entry)
         if entry.tier is Tier.RAM:
             self.stats.restores_ram += 1
         else:
