@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.door [--seconds 10] [--stream-seconds 20]
 
-About 10 minutes on 2 cores; every server runs in turn, alone, with the same model and
-threads. Three parts:
+About 12 minutes on 2 cores; every server runs in turn, alone, with the same model and
+threads. Four parts:
 
 1. **Trivial requests.** Debian's ``wrk`` (one thread, 256 connections, ``--seconds``)
    on ``GET /health`` and ``GET /v1/models``: forged with the hot door, forged without
@@ -18,7 +18,11 @@ threads. Three parts:
    with ``server.stream_coalesce_ms`` 5 (the default) and 0, forged with its streams
    through Quart, hypercorn and h11 (``server.hot_door = false``: no direct streams),
    and llama-server.
-3. **Door traffic during decoding.** 16 SmolLM2 streams of 64 tokens alone, then
+3. **Short generations** (``short``): 16 closed-loop callers on the stand-in, each
+   streaming a 16-token chat answer, as an editor's completions come: requests a
+   second and the door's CPU per request (the HTTP request, routing, the chat template
+   and tokenizing, admission, the frames and the log: per request, not per token).
+4. **Door traffic during decoding.** 16 SmolLM2 streams of 64 tokens alone, then
    beside 64 ``wrk`` connections on ``/v1/models``: ITL p99 with the traffic over
    ITL p99 without (tok/s counts whole streams only: read text events/s); for
    forged as configured by default and placed (``server.door_cpus = [0]``, the
@@ -54,6 +58,7 @@ from forged.observe.stats import percentile
 CONNECTIONS = 256
 STREAM_TOKENS = 256  # the stand-in's; SmolLM2's streams (part 3) are shorter
 TRAFFIC_TOKENS = 64
+SHORT_TOKENS = 16  # an editor's completion
 WORDS = ["value", "items", "index", "buffer", "parse", "route", "token", "stream", "cache",
          "query"]
 
@@ -177,6 +182,7 @@ def streams(server: Server, callers: int, seconds: float, traffic: str | None = 
     cpu = cpu_seconds(server.pid) - cpu0
     worker_cpu = sum(cpu_seconds(w) for w in workers) - workers0
     made = max(1, m.completed * tokens)
+    requests = max(1, m.completed)
     return {"server": server.name, "callers": callers, "traffic": traffic,
             "tok_s": round(m.completed * tokens / seconds), "errors": m.errors,
             "pieces_s": round(m.pieces / seconds),
@@ -184,6 +190,9 @@ def streams(server: Server, callers: int, seconds: float, traffic: str | None = 
             "itl_p99_9_ms": _pct_ms(m.itl, 99.9), "itl_max_ms": _pct_ms(m.itl, 100),
             # forged: its door alone (the daemon process); llama-server: all of it.
             "server_cpu_us_per_token": round(cpu / made * 1e6, 1),
+            "req_s": round(m.completed / seconds, 1),
+            "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
+            "total_cpu_us_per_request": round((cpu + worker_cpu) / requests * 1e6, 1),
             "total_cpu_us_per_token": round((cpu + worker_cpu) / made * 1e6, 1),
             "client_cpu_s": round(time.process_time() - client0, 2)}
 
@@ -230,7 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0, help="each wrk run")
     ap.add_argument("--stream-seconds", type=float, default=20.0, help="each stream run")
-    ap.add_argument("--parts", default="trivial,standin,traffic",
+    ap.add_argument("--parts", default="trivial,standin,short,traffic",
                     help="which parts to run (comma-separated)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -262,6 +271,14 @@ def main() -> None:
         lambda: start_forged(tmp, tiny, "forged-tiny-general", hot_door=False),
         lambda: start_llama(binary, tmp, tiny, "llama-server-tiny")], stream_runs)
 
+    def short_runs(server: Server) -> list[dict[str, Any]]:
+        return [streams(server, 16, args.stream_seconds, tokens=SHORT_TOKENS)]
+
+    result["short"] = [] if "short" not in parts else _in_turn([
+        lambda: start_forged(tmp, tiny, "forged-tiny"),
+        lambda: start_forged(tmp, tiny, "forged-tiny-general", hot_door=False),
+        lambda: start_llama(binary, tmp, tiny, "llama-server-tiny")], short_runs)
+
     def traffic_runs(server: Server) -> list[dict[str, Any]]:
         return [streams(server, 16, args.stream_seconds, tokens=TRAFFIC_TOKENS),
                 streams(server, 16, args.stream_seconds, "/v1/models", TRAFFIC_TOKENS)]
@@ -271,7 +288,7 @@ def main() -> None:
         # The door on CPU 0, the worker's one thread on the other (server.door_cpus).
         lambda: start_forged(tmp, MODEL, "forged-traffic-placed", threads=1, door_cpus=[0]),
         lambda: start_llama(binary, tmp, MODEL, "llama-server-traffic")], traffic_runs)
-    write_results("door" if len(parts) == 3 else "door-" + "-".join(parts), result,
+    write_results("door" if len(parts) == 4 else "door-" + "-".join(parts), result,
                   tables(result))
 
 
@@ -291,6 +308,12 @@ def tables(result: dict[str, Any]) -> str:
               f"| {r['server_cpu_us_per_token']} | {r['total_cpu_us_per_token']} "
               f"| {r['client_cpu_s']} |"
               for r in result["standin"] + result["traffic"]]
+    lines += ["", "| server | callers | tokens a request | req/s | door CPU µs/request "
+              "| all CPU µs/request | errors | client CPU s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['server']} | {r['callers']} | {SHORT_TOKENS} | {r['req_s']} "
+              f"| {r['server_cpu_us_per_request']} "
+              f"| {r['total_cpu_us_per_request']} | {r['errors']} "
+              f"| {r['client_cpu_s']} |" for r in result.get("short", [])]
     return "\n".join(lines) + "\n"
 
 
