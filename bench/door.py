@@ -275,9 +275,9 @@ def main() -> None:
         return [streams(server, 16, args.stream_seconds, tokens=SHORT_TOKENS)]
 
     result["short"] = [] if "short" not in parts else _in_turn([
-        lambda: start_forged(tmp, tiny, "forged-tiny"),
-        lambda: start_forged(tmp, tiny, "forged-tiny-general", hot_door=False),
-        lambda: start_llama(binary, tmp, tiny, "llama-server-tiny")], short_runs)
+        lambda: start_forged(tmp, tiny, "forged-tiny-short"),
+        lambda: start_forged(tmp, tiny, "forged-tiny-general-short", hot_door=False),
+        lambda: start_llama(binary, tmp, tiny, "llama-server-tiny-short")], short_runs)
 
     def traffic_runs(server: Server) -> list[dict[str, Any]]:
         return [streams(server, 16, args.stream_seconds, tokens=TRAFFIC_TOKENS),
