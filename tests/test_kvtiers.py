@@ -384,7 +384,7 @@ def _brute_longest(tiers: Tiers, tenant: str, prompt: list[int], limit: int) -> 
 
 
 def test_the_prefix_index_matches_what_comparing_every_entry_finds() -> None:
-    """Random saves, restores, drops and demotions over a small alphabet (so prompts
+    """Random saves, restores, losses, drops and demotions over a small alphabet (so prompts
     share prefixes of every length, and tie): the index's match is as long as the
     best of all the tenant's entries, in RAM whenever one in RAM is as long, and a
     save drops exactly the entries it extends and those of its session."""
@@ -417,6 +417,10 @@ def test_the_prefix_index_matches_what_comparing_every_entry_finds() -> None:
                 assert (found.tier is Tier.RAM) == bool(in_ram)
                 if rng.random() < 0.3:
                     tiers.take(found, keep=rng.random() < 0.5)
+                elif rng.random() < 0.1:
+                    tiers.lost(found)  # a disk write or read failed
+    indexed = sorted(eid for keys in tiers._index._sorted.values() for _, eid, _ in keys)
+    assert indexed == sorted(e.eid for t in Tier for e in tiers.entries(t))
 
 
 def test_a_match_costs_the_same_beside_thousands_of_saved_states() -> None:

@@ -164,7 +164,10 @@ class PrefixIndex:
 
     def remove(self, e: Entry) -> None:
         keys = self._sorted[e.tenant]
-        del keys[bisect.bisect_left(keys, (e.tokens, e.eid))]
+        at = bisect.bisect_left(keys, (e.tokens, e.eid))
+        if at == len(keys) or keys[at][1] != e.eid:
+            raise KeyError(e.eid)  # never: every entry of the tiers is indexed once
+        del keys[at]
         if not keys:
             del self._sorted[e.tenant]
         if e.session is not None:
