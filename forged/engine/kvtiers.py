@@ -145,7 +145,8 @@ class PrefixIndex:
     match costs a few binary searches and slice compares, not one compare per entry.
     The default RAM tier holds about 1,800 states of SmolLM2; scanning them all cost
     about 4 ms a match (the scheduler makes two a request, plus one a save) while the
-    worker decoded nothing (docs/benchmarks.md, "One caller").
+    worker decoded nothing (docs/benchmarks.md: "A match beside thousands of saved
+    states").
 
     Two facts of that order carry it. The entry sharing the longest prefix with a
     prompt is one of the prompt's two neighbours, and those sharing as much lie
