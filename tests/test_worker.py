@@ -12,8 +12,9 @@ import trio
 
 from forged import config as fc
 from forged.engine import frames as fr
-from forged.engine.channel import Outbox
+from forged.engine.channel import Outbox, read_steps
 from forged.engine.decoding import DecodeError, NoKVSpace, run_isolating
+from forged.engine.events import Delta
 from forged.engine.limits import scheduler_limits
 from forged.engine.plan import Chunk
 from forged.engine.pool import EnginePool, retry_after_seconds
@@ -134,3 +135,23 @@ def test_a_reload_sends_the_whole_new_limits_and_a_worker_refuses_a_new_geometry
     assert sched.limits.max_queued == 7
     with pytest.raises(ValueError, match="restart"):
         sched.set_limits(msgspec.structs.replace(frame.limits, slots=4))
+
+
+async def test_a_step_longer_than_a_read_reaches_the_pool_whole() -> None:
+    """The reader asks the socket for READ_SIZE bytes at a time (below glibc's mmap
+    threshold, so that no read maps and unmaps a buffer): a frame several times that
+    long, beside short ones, arrives whole and in order."""
+    ours, theirs = trio.socket.socketpair()
+    texts = ["a", "b" * (3 * fr.READ_SIZE + 7), "c"]
+    frames = [fr.Step(events=[Delta(rid=i, text=t)], stats=None) for i, t in enumerate(texts)]
+    got: list[str] = []
+
+    def on_step(step: fr.Step) -> None:
+        got.extend(e.text for e in step.events if isinstance(e, Delta))
+
+    async with trio.SocketStream(ours) as reader, trio.open_nursery() as nursery:
+        nursery.start_soon(read_steps, reader, fr.FrameBuffer(), 10.0, on_step)
+        async with trio.SocketStream(theirs) as writer:  # then its end closes: EOF
+            for frame in frames:
+                await writer.send_all(fr.encode(frame))
+    assert got == texts

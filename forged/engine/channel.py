@@ -86,7 +86,7 @@ async def read_steps(stream: trio.SocketStream, buf: fr.FrameBuffer, silence: fl
     ``TooSlowError`` when it sends nothing (not even a heartbeat) for ``silence`` s."""
     while True:
         with trio.move_on_after(silence) as silent:
-            data = await stream.receive_some(1 << 20)
+            data = await stream.receive_some(fr.READ_SIZE)
         if silent.cancelled_caught:
             raise trio.TooSlowError("no heartbeat from the worker")
         if not data:

@@ -22,6 +22,10 @@ from forged.engine.stats import WorkerStats
 STATS_INTERVAL = 0.05
 
 MAX_FRAME = 64 * 1024 * 1024
+# Bytes asked of the socket per read, on both sides. Below glibc's mmap threshold (128
+# KiB): a larger buffer is mapped and unmapped around every read (the daemon's reader
+# made five memory syscalls a streamed token with 1 MiB); a longer frame takes more reads.
+READ_SIZE = 64 * 1024
 _LEN = struct.Struct(">I")
 
 

@@ -77,7 +77,7 @@ class WorkerShell:
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             return []
-        data = self.sock.recv(1 << 20)
+        data = self.sock.recv(fr.READ_SIZE)
         if not data:  # the daemon went away: nothing left to serve
             self.running = False
             return []
