@@ -155,3 +155,27 @@ async def test_a_step_longer_than_a_read_reaches_the_pool_whole() -> None:
             for frame in frames:
                 await writer.send_all(fr.encode(frame))
     assert got == texts
+
+
+async def test_a_worker_heard_in_time_is_kept_and_a_silent_one_is_not(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The reader's one scope moves its deadline on with each read: five frames 0.6 s
+    apart pass a 1 s silence limit, and the limit trips 1 s after the last one."""
+    ours, theirs = trio.socket.socketpair()
+    heard: list[float] = []
+
+    async def speak(writer: trio.SocketStream) -> None:
+        for _ in range(5):
+            await writer.send_all(fr.encode(fr.Step(events=[], stats=None)))
+            await trio.sleep(0.6)
+
+    async with (trio.SocketStream(ours) as reader, trio.SocketStream(theirs) as writer,
+                trio.open_nursery() as nursery):
+        nursery.start_soon(speak, writer)
+        t0 = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            await read_steps(reader, fr.FrameBuffer(), 1.0,
+                             lambda _: heard.append(trio.current_time() - t0))
+        gave_up = trio.current_time() - t0
+    assert heard == pytest.approx([0.0, 0.6, 1.2, 1.8, 2.4], abs=0.01)
+    assert gave_up == pytest.approx(3.4, abs=0.01)
