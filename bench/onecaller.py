@@ -17,6 +17,9 @@ threads, 16 slots of 2,048 cells:
    step and again at once: what the worker's own Python costs once the step has
    filled the caches with weights.
 
+``--forged-only``: part 1 for forged alone, printed, nothing written: to set two
+commits side by side (run it in each checkout, in turn, a few times).
+
 Results: bench/results/onecaller.json and onecaller.md.
 """
 
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from bench.frontdoor import children, cpu_seconds
+from bench.frontdoor import cpu_seconds
 from bench.run import CONTEXT, MODEL, ROOT, THREADS, LlamaServer, write_results
 from forged.engine.backend import ContextParams, Llama
 from forged.engine.costmodel import CostModel, decode_shape
@@ -83,12 +86,10 @@ def forged_served(reps: int) -> dict[str, Any]:
     d.wait_ready(120)
     try:
         out = served("forged", port, d.proc.pid, reps, door=True)
-        workers = children(d.proc.pid)
         status = subprocess.run([str(ROOT / ".venv" / "bin" / "forged"), "status", "--admin",
                                  f"unix:{tmp}/admin.sock"], capture_output=True, text=True)
         attention = re.search(r"flash attention[^\n]*", status.stdout)
         out["flash_attention"] = attention[0] if attention else "?"
-        out["workers"] = len(workers)
         return out
     finally:
         d.stop()
@@ -144,7 +145,14 @@ def batched_bench(binary: str, fa: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="streams per server")
+    ap.add_argument("--forged-only", action="store_true",
+                    help="only forged's served streams: TTFT, ITL p50, door CPU a token")
     args = ap.parse_args()
+    if args.forged_only:
+        r = forged_served(args.reps)
+        print(f"forged: TTFT {r['ttft_median_ms']} ms, ITL p50 {r['itl_p50_median_ms']} ms, "
+              f"door CPU {r['door_cpu_us_per_token']} µs a token")
+        return
     binary = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"threads": THREADS, "tokens": TOKENS, "depth": DEPTH,

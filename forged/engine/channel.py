@@ -64,7 +64,7 @@ async def handshake(stream: trio.SocketStream, init: fr.Init
     buf = fr.FrameBuffer()
     frames: list[fr.FromWorker] = []
     while len(frames) < 2:
-        data = await stream.receive_some(1 << 16)
+        data = await stream.receive_some(fr.READ_SIZE)
         if not data:
             raise ValueError("the worker exited while loading the model")
         frames += [fr.from_worker_decoder.decode(b) for b in buf.feed(data)]

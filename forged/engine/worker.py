@@ -198,7 +198,7 @@ def renice(nice: int) -> None:
 def _read_init(sock: socket.socket) -> fr.Init:
     buf = fr.FrameBuffer()
     while True:
-        data = sock.recv(1 << 16)
+        data = sock.recv(fr.READ_SIZE)
         if not data:
             raise SystemExit(0)
         bodies = buf.feed(data)
