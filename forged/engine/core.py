@@ -73,8 +73,8 @@ _STAGE_WAIT_S = 1.0
 class DiskTier(Protocol):
     """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
 
-    def write(self, entry: Entry, state: bytearray) -> bool:
-        """Store ``state`` now, naming the file in ``entry.key``; False if it failed."""
+    def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        """Store ``state`` now: the file's key and size; None if it failed."""
 
     def write_later(self, entry: Entry, state: bytearray) -> bool:
         """Hand ``state`` to a writer beside the decode loop; False if it is busy."""
@@ -303,10 +303,10 @@ class WorkerCore:
             self.sched.cache.tiers.lost(e)
         elif later and self.disk.write_later(e, state):
             self.writing[e.eid] = state
-        elif not self.disk.write(e, state):
+        elif (written := self.disk.write(e, state)) is None:
             self.sched.cache.tiers.lost(e)
         else:  # the file's size is known now (its header adds to the state)
-            self._tier_ops(self.sched.cache.tiers.refit(Tier.DISK))
+            self._tier_ops(self.sched.cache.tiers.resized(e, written[1], written[0]))
 
     def account_disk(self) -> None:
         """Account for the disk writes and reads that ended (each step does, first),
@@ -331,8 +331,7 @@ class WorkerCore:
         elif not w.key:
             self.sched.cache.tiers.lost(w.entry)
         else:
-            w.entry.key, w.entry.nbytes = w.key, w.nbytes
-            self._tier_ops(self.sched.cache.tiers.refit(Tier.DISK))
+            self._tier_ops(self.sched.cache.tiers.resized(w.entry, w.nbytes, w.key))
 
     def persist(self) -> None:
         """Before the worker exits (a drain, a restart): sessions' states go to disk."""

@@ -148,13 +148,10 @@ class DiskStore:
             tmp.unlink(missing_ok=True)  # a write the last run did not finish
         return [e for _, e in sorted(found, key=lambda f: f[0])]
 
-    def write(self, entry: Entry, state: bytearray) -> bool:
-        """Write ``state`` now, naming the file in ``entry``; False if it failed."""
-        written = self._write_file(entry, state)
-        if written is None:
-            return False
-        entry.key, entry.nbytes = written
-        return True
+    def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        """Write ``state`` now: the file's key and size, or None (logged) if it failed.
+        The entry is the tiers' to update (Tiers.resized): they account its bytes."""
+        return self._write_file(entry, state)
 
     def _write_file(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
         """The file's key and size, or None (logged) if it could not be written."""
