@@ -4,6 +4,7 @@ router's memory; and the pool submitting again what a lost worker had not admitt
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -117,6 +118,27 @@ def test_digests_are_sent_when_they_change_most_recent_first_and_bounded() -> No
     assert many[:2] == first  # the slot first; the least recent entries fell off
     assert block_hashes("t", entries[0][2])[0] in many
     assert block_hashes("t", entries[-1][2])[0] not in many
+
+
+def test_digests_never_look_past_their_bound() -> None:
+    """A full RAM tier holds thousands of states; the worker built the digests of every
+    one of them each DIGEST_INTERVAL (6 ms at 3,000, no stream decoding meanwhile),
+    though only the most recent MAX_DIGESTS hashes are sent. The entries past the
+    bound are now never read (nor hashed), and the digests are the same."""
+    entries = [(eid, "t", [eid] * (2 * BLOCK)) for eid in range(1, 3001)]
+    read = 0
+
+    def counted() -> Iterator[tuple[int, str, list[int]]]:
+        nonlocal read
+        for e in entries:
+            read += 1
+            yield e
+
+    got = DigestBuilder().build([("t", SYSTEM)], counted())
+    want = [h for tenant, tokens in [("t", SYSTEM)] + [(t, k) for _, t, k in entries]
+            for h in block_hashes(tenant, tokens)][:MAX_DIGESTS]
+    assert got == want
+    assert read <= MAX_DIGESTS // 2 + 1, read
 
 
 # --- the pool: a lost worker's requests ------------------------------------------------

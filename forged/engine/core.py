@@ -545,7 +545,7 @@ class WorkerCore:
         self._last_digests = now
         return self._digests.build(
             self.sched.cache.cached_slots(),
-            [(e.eid, e.tenant, e.tokens) for e in self.sched.cache.tiers.recent_first()])
+            ((e.eid, e.tenant, e.tokens) for e in self.sched.cache.tiers.recent_first()))
 
     def close(self) -> None:
         for rid in list(self.streams):

@@ -33,7 +33,7 @@ import enum
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from forged.engine.stats import WorkerStats
@@ -249,9 +249,10 @@ class Tiers:
     def entries(self, tier: Tier) -> list[Entry]:
         return list(self._lru[tier].values())
 
-    def recent_first(self) -> list[Entry]:
-        """Every entry, most recently used first, RAM before disk."""
-        return [e for t in Tier for e in reversed(self._lru[t].values())]
+    def recent_first(self) -> Iterator[Entry]:
+        """Every entry, most recently used first, RAM before disk, as they are read
+        (the digests stop at their bound)."""
+        return itertools.chain.from_iterable(reversed(self._lru[t].values()) for t in Tier)
 
     @property
     def on_disk(self) -> bool:

@@ -199,15 +199,19 @@ class DigestBuilder:
     def build(self, slots: Iterable[tuple[str, list[int]]],
               entries: Iterable[tuple[int, str, list[int]]]) -> list[int] | None:
         """The digests of ``slots`` (tenant, tokens) and tier ``entries`` (id, tenant,
-        tokens), most recently used first, up to MAX_DIGESTS; None when unchanged."""
+        tokens), most recently used first, up to MAX_DIGESTS; None when unchanged.
+        The entries past the bound are never looked at: a full RAM tier holds
+        thousands, and the worker builds this every DIGEST_INTERVAL between steps."""
         out: dict[int, None] = {}  # ordered, without duplicates
         seen: dict[int, list[int]] = {}
         for tenant, tokens in slots:
             out.update(dict.fromkeys(block_hashes(tenant, tokens)))
         for eid, tenant, tokens in entries:
+            if len(out) >= MAX_DIGESTS:
+                break
             hashes = seen[eid] = self._entries.get(eid) or block_hashes(tenant, tokens)
             out.update(dict.fromkeys(hashes))
-        self._entries = seen  # entries that left the tiers are forgotten
+        self._entries = seen  # entries that left the tiers (or the bound) are forgotten
         digests = list(out)[:MAX_DIGESTS]
         now = frozenset(digests)
         if now == self._last:
