@@ -31,6 +31,10 @@ threads. Four parts:
 The stream callers are a lean client (raw sockets, no JSON parsing) in this process;
 its CPU is reported apart. Results: bench/results/door.json and door.md (the table for
 docs/benchmarks.md).
+
+``--forged-only``: each part's first server alone (forged as shipped), its rows
+printed and nothing written: to set two commits side by side (run it in each, in
+turn, a few times; the machine's slow spells move a single run by a fifth).
 """
 
 from __future__ import annotations
@@ -241,6 +245,8 @@ def main() -> None:
     ap.add_argument("--stream-seconds", type=float, default=20.0, help="each stream run")
     ap.add_argument("--parts", default="trivial,standin,short,traffic",
                     help="which parts to run (comma-separated)")
+    ap.add_argument("--forged-only", action="store_true",
+                    help="only forged as shipped in each part, printed, nothing written")
     args = ap.parse_args()
     parts = args.parts.split(",")
     if shutil.which("wrk") is None:
@@ -256,7 +262,10 @@ def main() -> None:
     def trivial_runs(server: Server) -> list[dict[str, Any]]:
         return [trivial(server, path, args.seconds) for path in ("/health", "/v1/models")]
 
-    result["trivial"] = [] if "trivial" not in parts else _in_turn([
+    def in_turn(starts: list[Any], run: Any) -> list[dict[str, Any]]:
+        return _in_turn(starts[:1] if args.forged_only else starts, run)
+
+    result["trivial"] = [] if "trivial" not in parts else in_turn([
         lambda: start_forged(tmp, MODEL, "forged"),
         lambda: start_forged(tmp, MODEL, "forged-general", hot_door=False),
         lambda: start_llama(binary, tmp, MODEL, "llama-server")], trivial_runs)
@@ -264,7 +273,7 @@ def main() -> None:
     def stream_runs(server: Server) -> list[dict[str, Any]]:
         return [streams(server, c, args.stream_seconds) for c in (16, 64)]
 
-    result["standin"] = [] if "standin" not in parts else _in_turn([
+    result["standin"] = [] if "standin" not in parts else in_turn([
         lambda: start_forged(tmp, tiny, "forged-tiny"),
         lambda: start_forged(tmp, tiny, "forged-tiny-nocoalesce", stream_coalesce_ms=0),
         # Streams through Quart, hypercorn and h11, as before direct streams.
@@ -274,7 +283,7 @@ def main() -> None:
     def short_runs(server: Server) -> list[dict[str, Any]]:
         return [streams(server, 16, args.stream_seconds, tokens=SHORT_TOKENS)]
 
-    result["short"] = [] if "short" not in parts else _in_turn([
+    result["short"] = [] if "short" not in parts else in_turn([
         lambda: start_forged(tmp, tiny, "forged-tiny-short"),
         lambda: start_forged(tmp, tiny, "forged-tiny-general-short", hot_door=False),
         lambda: start_llama(binary, tmp, tiny, "llama-server-tiny-short")], short_runs)
@@ -283,11 +292,16 @@ def main() -> None:
         return [streams(server, 16, args.stream_seconds, tokens=TRAFFIC_TOKENS),
                 streams(server, 16, args.stream_seconds, "/v1/models", TRAFFIC_TOKENS)]
 
-    result["traffic"] = [] if "traffic" not in parts else _in_turn([
+    result["traffic"] = [] if "traffic" not in parts else in_turn([
         lambda: start_forged(tmp, MODEL, "forged-traffic"),
         # The door on CPU 0, the worker's one thread on the other (server.door_cpus).
         lambda: start_forged(tmp, MODEL, "forged-traffic-placed", threads=1, door_cpus=[0]),
         lambda: start_llama(binary, tmp, MODEL, "llama-server-traffic")], traffic_runs)
+    if args.forged_only:
+        for part in ("trivial", "standin", "short", "traffic"):
+            for row in result[part]:
+                print(part, row)
+        return
     write_results("door" if len(parts) == 4 else "door-" + "-".join(parts), result,
                   tables(result))
 
