@@ -280,7 +280,7 @@ async def test_records_past_retention_are_pruned_every_interval(
 
 async def test_records_are_gathered_into_one_transaction_and_none_is_lost_at_a_stop(
         tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
-    """A transaction for each request's records cost the door about 1.5 ms of CPU a
+    """A transaction for each request's records cost the door about 0.5 ms of CPU a
     request. Records arriving within WRITE_INTERVAL of a first one share its
     transaction, which is written by then; what was gathered when the daemon stops
     is written once, not lost and not twice."""

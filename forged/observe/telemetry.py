@@ -23,9 +23,10 @@ Resource handling: records travel from request handlers to one writer task throu
 bounded channel (``QUEUE``). When it is full, a record is dropped and counted
 (``forged_telemetry_dropped_total``) rather than making a request wait on the disk.
 The writer gathers what arrives for ``WRITE_INTERVAL`` after a first record and writes
-it as one transaction (a few, past ``BATCH`` records), in a thread. A transaction for
-each request's records cost the daemon about 1.5 ms of CPU a request, a third of a
-short generation's (docs/benchmarks.md); gathered, a busy door commits twice a second.
+it as one transaction (a few, past ``BATCH`` records), in a thread. A transaction (and
+a thread hop) for each request's records cost the door about 0.5 ms of CPU a request,
+a tenth of a short generation's (docs/benchmarks.md); gathered, a busy door commits
+twice a second.
 When cancelled (the daemon stopping) it writes what is left, shielded, for at most
 ``FLUSH_TIMEOUT``; a crash loses at most the last ``WRITE_INTERVAL``.
 The same task prunes the file, in a thread, when it starts and every
