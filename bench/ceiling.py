@@ -18,6 +18,9 @@ both phases) is the ceiling; the goal is forged at 95% of it or more. llama-serv
 the comparison's best configuration, serves the same closed loop for the same time,
 so that the ceiling's distance from serving is seen on the peer too. The table goes
 to bench/results/ceiling.md, the figures to ceiling.json.
+
+``--forged-only``: forged's loop alone, printed, nothing written: to set two settings
+(``--set``) or two commits side by side, run in turn.
 """
 
 from __future__ import annotations
@@ -146,8 +149,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an [engine] key for forged, e.g. target_step_ms=1000")
+    ap.add_argument("--forged-only", action="store_true",
+                    help="only forged's closed loop, printed, nothing written")
     args = ap.parse_args()
     engine_set = {k: _value(v) for k, _, v in (item.partition("=") for item in args.set)}
+    if args.forged_only:
+        f = forged_saturated(args.seconds, engine_set)
+        print(f"forged {engine_set}: {f['computed_tok_per_s']:.1f} computed tok/s, "
+              f"{f['tokens_per_step']:.1f} a step, {f['requests']} requests answered")
+        return
     server = subprocess.run([str(ROOT / "bench" / "build-llama-server.sh")], check=True,
                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
     binary = Path(server).parent / "llama-batched-bench"
