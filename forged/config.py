@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -121,7 +122,9 @@ class ModelConfig(_Section, frozen=True):
 
 class EngineConfig(_Section, frozen=True):
     workers: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
-    threads: Annotated[int, msgspec.Meta(ge=1, le=512)] = 2
+    # llama.cpp threads per worker; 0: the physical cores of the CPUs the worker runs
+    # on, shared evenly by every worker that runs on the same CPUs (Config.for_model).
+    threads: Annotated[int, msgspec.Meta(ge=0, le=512)] = 0
     # Total KV cells per worker, shared by every sequence (unified KV cache).
     kv_cells: Annotated[int, msgspec.Meta(ge=256)] = 32768
     # Longest prompt + completion one request may use; 0 means the model's training context,
@@ -310,11 +313,32 @@ class Config(_Section, frozen=True):
 
     def for_model(self, model: ModelConfig) -> Config:
         """This config as ``model``'s workers see it: [engine] with the model's own
-        settings over it (checked at load: see ``_check``)."""
+        settings over it (checked at load: see ``_check``), its threads resolved."""
+        engine = self._engine_of(model)
+        if not engine.threads:
+            engine = msgspec.structs.replace(engine, threads=self._auto_threads(model))
+        return self if engine is self.engine else msgspec.structs.replace(self, engine=engine)
+
+    def _engine_of(self, model: ModelConfig) -> EngineConfig:
         if not model.engine:
-            return self
+            return self.engine
         merged = {**msgspec.to_builtins(self.engine), **model.engine}
-        return msgspec.structs.replace(self, engine=msgspec.convert(merged, EngineConfig))
+        return msgspec.convert(merged, EngineConfig)
+
+    def _auto_threads(self, model: ModelConfig) -> int:
+        """``engine.threads = 0``: the physical cores of the CPUs ``model``'s workers run
+        on, divided evenly among every worker of every model served on the same CPUs
+        (an embedding model's too), at least one each. llama.cpp's threads spin while
+        they wait for each other, so two workers whose threads outnumber the cores
+        slow each other down (docs/operations.md, "CPUs: the door and the workers")."""
+        def cpus(m: ModelConfig) -> frozenset[int]:
+            return frozenset(worker_cpus(self._engine_of(m).cpus, self.server.door_cpus)
+                             ) or STARTED_ON
+
+        mine = cpus(model)
+        served = self.served if model in self.served else [*self.served, model]
+        sharing = sum(self._engine_of(m).workers for m in served if cpus(m) == mine)
+        return max(1, physical_cores(mine) // max(1, sharing))
 
     @property
     def node_name(self) -> str:
@@ -375,6 +399,33 @@ def check_model_engine(path: Path, key: str, cfg: Config, model: ModelConfig) ->
 # reload still checks against them, and its workers can be given the others
 # (forged.placement).
 STARTED_ON = frozenset(os.sched_getaffinity(0))
+_SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def worker_cpus(engine_cpus: list[int], door_cpus: list[int]) -> list[int]:
+    """A worker's CPUs: its model's ``engine.cpus``; else, with ``server.door_cpus``,
+    every CPU forged was started on but the door's (all of them, if the door took
+    every one); else [], which keeps the worker where it was started."""
+    if engine_cpus:
+        return sorted(engine_cpus)
+    if door_cpus:
+        return sorted((STARTED_ON - set(door_cpus)) or STARTED_ON)
+    return []
+
+
+def physical_cores(cpus: Iterable[int], root: Path | None = None) -> int:
+    """How many physical cores ``cpus`` (logical CPUs) belong to: hyperthreads of one
+    core count once, as llama.cpp counts its default threads. A CPU whose topology
+    cannot be read counts as a core of its own."""
+    cores: set[tuple[str, str] | int] = set()
+    for cpu in cpus:
+        topology = (root or _SYS_CPU) / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(cpu)
+    return len(cores)
 
 
 def _check_cpus(path: Path, key: str, cpus: list[int]) -> None:

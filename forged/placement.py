@@ -5,7 +5,8 @@ On one machine the door (the daemon process: HTTP, SSE, the pool) and the worker
 each other, so a door that takes one of their cores for a moment stalls the whole
 step, and every stream's next token with it. With ``server.door_cpus`` the daemon
 keeps to its own cores and the workers, unless ``engine.cpus`` places them, get the
-rest; ``engine.threads`` should then be the number of their cores.
+rest (``forged.config.worker_cpus``), and ``engine.threads = 0`` (the default) gives
+each worker its share of their physical cores (``Config.for_model``).
 
 Linux keeps a CPU mask per thread, so each is applied to every thread of the process
 (as ``renice`` does for nice values): new threads inherit their creator's mask.
@@ -16,19 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-
-from forged.config import STARTED_ON
-
-
-def worker_cpus(engine_cpus: list[int], door_cpus: list[int]) -> list[int]:
-    """A worker's CPUs: its model's ``engine.cpus``; else, with ``server.door_cpus``,
-    every CPU forged was started on but the door's (all of them, if the door took
-    every one); else [], which keeps the worker where it was started."""
-    if engine_cpus:
-        return sorted(engine_cpus)
-    if door_cpus:
-        return sorted((STARTED_ON - set(door_cpus)) or STARTED_ON)
-    return []
 
 
 def keep_to(cpus: list[int]) -> None:

@@ -122,3 +122,48 @@ def test_every_command_explains_itself_with_an_example() -> None:
                 continue
             assert action.help, (parser.prog, action.dest)
         assert "``" not in parser.format_help(), parser.prog
+
+
+def _fake_cpus(root: Path, cores: dict[int, int]) -> None:
+    """A sysfs CPU tree: logical CPU -> its core (one package)."""
+    for cpu, core in cores.items():
+        top = root / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text("0\n")
+        (top / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_count_hyperthreads_once(tmp_path: Path) -> None:
+    _fake_cpus(tmp_path, {0: 0, 1: 0, 2: 1, 3: 1, 4: 2})
+    assert fc.physical_cores([0, 1, 2, 3, 4], tmp_path) == 3
+    assert fc.physical_cores([1, 3], tmp_path) == 2
+    assert fc.physical_cores([0, 9], tmp_path) == 2  # no topology: a core of its own
+
+
+def test_threads_default_to_the_workers_share_of_their_cores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.threads = 0: the physical cores of the workers' CPUs, shared evenly by
+    every worker of every model on the same CPUs; a number set is kept."""
+    _fake_cpus(tmp_path, {cpu: cpu // 2 for cpu in range(16)})  # 8 cores, 2 threads each
+    monkeypatch.setattr(fc, "_SYS_CPU", tmp_path)
+    monkeypatch.setattr(fc, "STARTED_ON", frozenset(range(16)))
+
+    def threads(cfg: fc.Config, model: fc.ModelConfig | None = None) -> int:
+        return cfg.for_model(model or cfg.model).engine.threads
+
+    def config(engine: dict[str, object] | None = None, server: dict[str, object] | None
+               = None, models: list[dict[str, object]] | None = None) -> fc.Config:
+        return msgspec.convert({"engine": engine or {}, "server": server or {},
+                                "models": models or []}, fc.Config)
+
+    assert fc.Config().engine.threads == 0
+    assert threads(config()) == 8
+    assert threads(config({"workers": 3})) == 2  # 8 cores for 3 workers
+    assert threads(config(server={"door_cpus": [0, 1]})) == 7  # the door's core is not theirs
+    assert threads(config({"threads": 5, "workers": 3})) == 5  # set: kept
+    # A second model on the same CPUs shares them; one with CPUs of its own does not.
+    shared = config(models=[{"path": "b.gguf", "engine": {"workers": 2}}])
+    assert threads(shared) == 2 and threads(shared, shared.models[0]) == 2
+    apart = config(models=[{"path": "b.gguf", "engine": {"cpus": [12, 13, 14, 15]}}])
+    assert threads(apart) == 8 and threads(apart, apart.models[0]) == 2
+    assert threads(config({"workers": 16})) == 1  # at least one each

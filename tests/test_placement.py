@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from forged import config as fc
-from forged.config import STARTED_ON
-from forged.placement import worker_cpus
+from forged.config import STARTED_ON, worker_cpus
 from tests.daemonproc import free_port, serve, write_config
 
 TWO = len(STARTED_ON) >= 2

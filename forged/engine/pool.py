@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from forged.config import Config, ModelConfig
+from forged.config import Config, ModelConfig, worker_cpus
 from forged.engine import frames as fr
 from forged.engine.channel import Outbox
 from forged.engine.events import Admitted, Delta, Done, Event, Failed
@@ -54,7 +54,6 @@ from forged.errors import (
     Unavailable,
     WorkerLost,
 )
-from forged.placement import worker_cpus
 
 # A prompt that was running in two worker crashes is refused from then on.
 CRASHES_TO_REFUSE = 2
@@ -496,7 +495,8 @@ class EnginePool:
                 {"index": w.index, "pid": w.pid, "ready": w.ready, "restarts": w.restarts,
                  "pending": len(self.pending[w.index]), "digests": self.router.held(w.index),
                  "heard_ago": now - w.last_heard if w.ready else None, "stats": w.stats,
-                 "flash_attn": w.attention[0], "flash_attn_why": w.attention[1]}
+                 "flash_attn": w.attention[0], "flash_attn_why": w.attention[1],
+                 "threads": self.cfg.engine.threads}
                 for w in self.workers
             ],
             "totals": self.totals(),

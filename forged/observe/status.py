@@ -121,7 +121,8 @@ def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
     if s.nice:  # a swap's new model not yet (or not allowed) back at 0
         ready += f" at nice {int(s.nice)}"
     model = f" ({w['model']})" if several_models else ""
-    return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
+    threads = f"{w['threads']} threads, " if w.get("threads") else ""  # older daemons: none
+    return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, {threads}"
             f"{w['pending']} requests, {w['restarts']} restarts, "
             f"{w.get('digests', 0)} prefix digests", *_attention(w), *_steps(s)]
 
