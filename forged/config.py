@@ -316,8 +316,14 @@ class Config(_Section, frozen=True):
         settings over it (checked at load: see ``_check``), its threads resolved."""
         engine = self._engine_of(model)
         if not engine.threads:
-            engine = msgspec.structs.replace(engine, threads=self._auto_threads(model))
+            engine = msgspec.structs.replace(engine, threads=self._auto_threads(model)[0])
         return self if engine is self.engine else msgspec.structs.replace(self, engine=engine)
+
+    def threads_why(self, model: ModelConfig) -> str:
+        """Why ``model``'s workers run the threads they do, for ``forged status``."""
+        if self._engine_of(model).threads:
+            return "set in the config"
+        return self._auto_threads(model)[1]
 
     def _engine_of(self, model: ModelConfig) -> EngineConfig:
         if not model.engine:
@@ -325,7 +331,7 @@ class Config(_Section, frozen=True):
         merged = {**msgspec.to_builtins(self.engine), **model.engine}
         return msgspec.convert(merged, EngineConfig)
 
-    def _auto_threads(self, model: ModelConfig) -> int:
+    def _auto_threads(self, model: ModelConfig) -> tuple[int, str]:
         """``engine.threads = 0``: the physical cores of the CPUs ``model``'s workers run
         on, divided evenly among every worker of every model served on the same CPUs
         (an embedding model's too), at least one each. llama.cpp's threads spin while
@@ -337,8 +343,10 @@ class Config(_Section, frozen=True):
 
         mine = cpus(model)
         served = self.served if model in self.served else [*self.served, model]
-        sharing = sum(self._engine_of(m).workers for m in served if cpus(m) == mine)
-        return max(1, physical_cores(mine) // max(1, sharing))
+        sharing = max(1, sum(self._engine_of(m).workers for m in served if cpus(m) == mine))
+        cores = physical_cores(mine)
+        return max(1, cores // sharing), (f"engine.threads = 0: {cores} physical cores for "
+                                          f"{sharing} worker{'s' * (sharing > 1)}")
 
     @property
     def node_name(self) -> str:

@@ -167,3 +167,7 @@ def test_threads_default_to_the_workers_share_of_their_cores(
     apart = config(models=[{"path": "b.gguf", "engine": {"cpus": [12, 13, 14, 15]}}])
     assert threads(apart) == 8 and threads(apart, apart.models[0]) == 2
     assert threads(config({"workers": 16})) == 1  # at least one each
+    # forged status says why
+    assert config({"workers": 3}).threads_why(fc.ModelConfig()) == \
+        "engine.threads = 0: 8 physical cores for 3 workers"
+    assert config({"threads": 5}).threads_why(fc.ModelConfig()) == "set in the config"

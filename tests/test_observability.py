@@ -154,7 +154,9 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     assert "model tiny" in out and "ready" in out
     assert "(4 requests)" in out
     assert "TTFT        p50" in out and "worker 0" in out
-    assert re.search(r"worker 0 +pid \d+ ready, \d+ threads, ", out), out
+    # engine.threads = 0 (the default): the workers' share of their physical cores
+    assert re.search(r"\n  threads   \d+ \(engine.threads = 0: \d+ physical cores for 1 "
+                     r"worker\)\n", out), out
     # flash_attn = "auto" (the default): the worker timed both and says what it found
     assert re.search(r"attention flash attention (on|off): measured [\d.]+ ms with flash "
                      r"attention, [\d.]+ ms without", out), out

@@ -54,6 +54,7 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
     file is a ConfigError here. Its workers get [engine] with the model's own engine
     settings over it. Blocking: run it in a thread. Its caller closes it (it is a
     context manager), or hands it to the swapper, which does when it is retired."""
+    threads_why = cfg.threads_why(model)
     cfg = cfg.for_model(model)
     with contextlib.ExitStack() as opened:  # closed unless the group is made
         prompter = opened.enter_context(open_prompter(config_path, model, model_key(place)))
@@ -66,7 +67,8 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
                                  f"cannot open: {exc.strerror}") from exc
         pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
                           cache_dir=kv_cache_dir(cfg.server.state_dir, file),
-                          model_fd=file.fd, embedding=prompter.embedding)
+                          model_fd=file.fd, embedding=prompter.embedding,
+                          threads_why=threads_why)
         group = ModelGroup(number, model, prompter, pool, file,
                            memory=memory_bytes(prompter, model.path, cfg.engine))
         opened.pop_all()  # the group closes them now

@@ -191,8 +191,9 @@ class EnginePool:
 
     def __init__(self, cfg: Config, model: ModelConfig, n_ctx_train: int, *,
                  cache_dir: Path, model_fd: int = -1, test_hooks: bool = False,
-                 embedding: bool = False) -> None:
+                 embedding: bool = False, threads_why: str = "") -> None:
         self.cfg = cfg
+        self.threads_why = threads_why  # for forged status (Config.threads_why)
         self.model = model
         self.cache_dir = cache_dir
         self.model_fd = model_fd
@@ -496,7 +497,7 @@ class EnginePool:
                  "pending": len(self.pending[w.index]), "digests": self.router.held(w.index),
                  "heard_ago": now - w.last_heard if w.ready else None, "stats": w.stats,
                  "flash_attn": w.attention[0], "flash_attn_why": w.attention[1],
-                 "threads": self.cfg.engine.threads}
+                 "threads": self.cfg.engine.threads, "threads_why": self.threads_why}
                 for w in self.workers
             ],
             "totals": self.totals(),

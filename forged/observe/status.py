@@ -121,10 +121,18 @@ def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
     if s.nice:  # a swap's new model not yet (or not allowed) back at 0
         ready += f" at nice {int(s.nice)}"
     model = f" ({w['model']})" if several_models else ""
-    threads = f"{w['threads']} threads, " if w.get("threads") else ""  # older daemons: none
-    return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, {threads}"
+    return [f"worker {w['index']}{model}    pid {w['pid']} {ready}, "
             f"{w['pending']} requests, {w['restarts']} restarts, "
-            f"{w.get('digests', 0)} prefix digests", *_attention(w), *_steps(s)]
+            f"{w.get('digests', 0)} prefix digests", *_threads(w), *_attention(w),
+            *_steps(s)]
+
+
+def _threads(w: dict[str, Any]) -> list[str]:
+    """llama.cpp's threads in the worker, and why that many (absent from older daemons)."""
+    if not w.get("threads"):
+        return []
+    why = f" ({w['threads_why']})" if w.get("threads_why") else ""
+    return [f"  threads   {w['threads']}{why}"]
 
 
 def _attention(w: dict[str, Any]) -> list[str]:
