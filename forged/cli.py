@@ -186,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fatal(str(exc))
         return fc.EX_CANTCREAT
     daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
-    keep_to(cfg.server.door_cpus)  # its workers get theirs in their Init
+    keep_to(cfg.door_cpus)  # its workers get theirs in their Init
     try:
         trio.run(daemon.run)
     except (Exception, BaseExceptionGroup) as exc:

@@ -76,8 +76,10 @@ class ServerConfig(_Section, frozen=True):
     door_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     door_timeout: Seconds = 10.0
     # CPUs the daemon process (the door: HTTP, SSE, the pool) keeps to; the workers then
-    # get the others unless engine.cpus places them (forged.placement). []: every CPU.
-    door_cpus: list[Annotated[int, msgspec.Meta(ge=0)]] = []
+    # get the others unless engine.cpus places them (forged.placement). []: every CPU,
+    # shared. "auto": one physical core's CPUs (the core of the lowest CPU) where forged
+    # may use at least AUTO_DOOR_CORES physical cores, else shared (Config.door_cpus).
+    door_cpus: list[Annotated[int, msgspec.Meta(ge=0)]] | Literal["auto"] = "auto"
     # GET /health and GET /v1/models in their plainest form answered off the socket,
     # without Quart (forged.http.hotdoor), and streams' frames written straight to the
     # socket by the pool's reader (forged.http.direct): the same bytes, less CPU.
@@ -319,6 +321,11 @@ class Config(_Section, frozen=True):
             engine = msgspec.structs.replace(engine, threads=self._auto_threads(model)[0])
         return self if engine is self.engine else msgspec.structs.replace(self, engine=engine)
 
+    @property
+    def door_cpus(self) -> list[int]:
+        """The CPUs the door keeps to, ``server.door_cpus`` resolved ([]: every CPU)."""
+        return door_placement(self.server.door_cpus)[0]
+
     def threads_why(self, model: ModelConfig) -> str:
         """Why ``model``'s workers run the threads they do, for ``forged status``."""
         if self._engine_of(model).threads:
@@ -338,7 +345,7 @@ class Config(_Section, frozen=True):
         they wait for each other, so two workers whose threads outnumber the cores
         slow each other down (docs/operations.md, "CPUs: the door and the workers")."""
         def cpus(m: ModelConfig) -> frozenset[int]:
-            return frozenset(worker_cpus(self._engine_of(m).cpus, self.server.door_cpus)
+            return frozenset(worker_cpus(self._engine_of(m).cpus, self.door_cpus)
                              ) or STARTED_ON
 
         mine = cpus(model)
@@ -385,7 +392,8 @@ def _check(path: Path, cfg: Config) -> None:
         _parse_listen(path, "server.metrics_listen", cfg.server.metrics_listen)
     _check_agent_listen(path, cfg.server)
     _check_model_ids(path, cfg)
-    _check_cpus(path, "server.door_cpus", cfg.server.door_cpus)
+    if cfg.server.door_cpus != "auto":
+        _check_cpus(path, "server.door_cpus", cfg.server.door_cpus)
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: server.tls_cert and server.tls_key: set both (TLS) "
                           "or neither (plain HTTP)")
@@ -425,15 +433,48 @@ def physical_cores(cpus: Iterable[int], root: Path | None = None) -> int:
     """How many physical cores ``cpus`` (logical CPUs) belong to: hyperthreads of one
     core count once, as llama.cpp counts its default threads. A CPU whose topology
     cannot be read counts as a core of its own."""
-    cores: set[tuple[str, str] | int] = set()
-    for cpu in cpus:
+    return len(core_groups(cpus, root))
+
+
+def core_groups(cpus: Iterable[int], root: Path | None = None
+                ) -> dict[tuple[str, str] | int, list[int]]:
+    """``cpus`` by the physical core each belongs to (see :func:`physical_cores`)."""
+    cores: dict[tuple[str, str] | int, list[int]] = {}
+    for cpu in sorted(cpus):
         topology = (root or _SYS_CPU) / f"cpu{cpu}" / "topology"
+        core: tuple[str, str] | int
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(),
-                       (topology / "core_id").read_text().strip()))
+            core = ((topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip())
         except OSError:
-            cores.add(cpu)
-    return len(cores)
+            core = cpu
+        cores.setdefault(core, []).append(cpu)
+    return cores
+
+
+# server.door_cpus = "auto" gives the door a core of its own from this many physical
+# cores up. Below it a decode thread is worth more than the isolation: on 2 cores,
+# placing the door took half the threads and made quiet gaps 1.7x longer, while door
+# traffic stalled streams only under a flood (docs/benchmarks.md, "The front door's
+# cost"); with 8, one core is an eighth of the threads, and a batch's decode on a
+# larger model is bound by memory bandwidth more than by the last core.
+AUTO_DOOR_CORES = 8
+
+
+def door_placement(setting: list[int] | Literal["auto"]) -> tuple[list[int], str]:
+    """The CPUs the door keeps to for ``server.door_cpus`` ([]: every CPU), and why
+    (forged status). "auto" takes the core of the lowest CPU forged may use, with its
+    hyperthreads: CPU 0 usually takes the machine's housekeeping interrupts, which a
+    door's event loop absorbs and llama.cpp's threads, spinning in step, would all wait
+    for."""
+    if setting != "auto":
+        return sorted(setting), "set in the config"
+    groups = core_groups(STARTED_ON)
+    if len(groups) < AUTO_DOOR_CORES:
+        return [], (f'server.door_cpus = "auto": {len(groups)} physical cores, fewer than '
+                    f"{AUTO_DOOR_CORES}: the door shares them")
+    first = min(groups.values())
+    return first, (f'server.door_cpus = "auto": one of {len(groups)} physical cores')
 
 
 def _check_cpus(path: Path, key: str, cpus: list[int]) -> None:

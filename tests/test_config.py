@@ -153,11 +153,15 @@ def test_threads_default_to_the_workers_share_of_their_cores(
 
     def config(engine: dict[str, object] | None = None, server: dict[str, object] | None
                = None, models: list[dict[str, object]] | None = None) -> fc.Config:
-        return msgspec.convert({"engine": engine or {}, "server": server or {},
-                                "models": models or []}, fc.Config)
+        # The door shares the CPUs unless a test says otherwise (the default, "auto",
+        # would take a core of these 8: see the test below).
+        shared: dict[str, object] = {"door_cpus": []}
+        return msgspec.convert({"engine": engine or {}, "models": models or [],
+                                "server": shared if server is None else server}, fc.Config)
 
     assert fc.Config().engine.threads == 0
     assert threads(config()) == 8
+    assert threads(config(server={})) == 7  # "auto": the door took a core
     assert threads(config({"workers": 3})) == 2  # 8 cores for 3 workers
     assert threads(config(server={"door_cpus": [0, 1]})) == 7  # the door's core is not theirs
     assert threads(config({"threads": 5, "workers": 3})) == 5  # set: kept
@@ -171,3 +175,29 @@ def test_threads_default_to_the_workers_share_of_their_cores(
     assert config({"workers": 3}).threads_why(fc.ModelConfig()) == \
         "engine.threads = 0: 8 physical cores for 3 workers"
     assert config({"threads": 5}).threads_why(fc.ModelConfig()) == "set in the config"
+
+
+def test_the_door_takes_a_core_of_its_own_from_eight_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """server.door_cpus = "auto" (the default): with at least 8 physical cores the door
+    keeps to the core of the lowest CPU forged may use, hyperthreads included, and the
+    workers get the rest; with fewer it shares them; a list set is kept."""
+    assert fc.Config().server.door_cpus == "auto"
+    _fake_cpus(tmp_path, {cpu: cpu % 8 for cpu in range(16)})  # siblings: 0 and 8, ...
+    monkeypatch.setattr(fc, "_SYS_CPU", tmp_path)
+
+    def placed(started_on: range, setting: object = "auto") -> tuple[list[int], str, int]:
+        monkeypatch.setattr(fc, "STARTED_ON", frozenset(started_on))
+        cfg = msgspec.convert({"server": {"door_cpus": setting}}, fc.Config)
+        cpus, why = fc.door_placement(cfg.server.door_cpus)
+        assert cfg.door_cpus == cpus
+        return cpus, why, cfg.for_model(cfg.model).engine.threads
+
+    assert placed(range(16)) == (
+        [0, 8], 'server.door_cpus = "auto": one of 8 physical cores', 7)
+    # systemd's CPUAffinity= left CPUs 0 and 8 out: the lowest core forged may use
+    assert placed(range(1, 16))[0] == [1, 9]
+    assert placed(range(4)) == ([], 'server.door_cpus = "auto": 4 physical cores, fewer '
+                                    "than 8: the door shares them", 4)
+    assert placed(range(16), [3]) == ([3], "set in the config", 8)
+    assert placed(range(16), [])[0] == []

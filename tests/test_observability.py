@@ -157,6 +157,8 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     # engine.threads = 0 (the default): the workers' share of their physical cores
     assert re.search(r"\n  threads   \d+ \(engine.threads = 0: \d+ physical cores for 1 "
                      r"worker\)\n", out), out
+    # server.door_cpus = "auto" (the default): a core of its own from 8 cores up
+    assert re.search(r"\ndoor        (every CPU|[\d, ]+) \(server.door_cpus = \"auto\": ", out), out
     # flash_attn = "auto" (the default): the worker timed both and says what it found
     assert re.search(r"attention flash attention (on|off): measured [\d.]+ ms with flash "
                      r"attention, [\d.]+ ms without", out), out

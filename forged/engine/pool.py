@@ -243,7 +243,7 @@ class EnginePool:
                        heartbeat_interval=e.heartbeat_interval,
                        limits=self.limits, test_hooks=self.test_hooks, cache_dir=cache_dir,
                        nice=self.nice, embedding=self.embedding,
-                       cpus=worker_cpus(e.cpus, self.cfg.server.door_cpus))
+                       cpus=worker_cpus(e.cpus, self.cfg.door_cpus))
 
     def supervisor(self, index: int) -> WorkerSupervisor:
         return self.workers[index]

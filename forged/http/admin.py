@@ -20,7 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import __version__
-from forged.config import ServerConfig
+from forged.config import ServerConfig, door_placement
 from forged.engine import testhooks
 from forged.engine.groups import ModelGroup
 from forged.errors import ModelNotFound, SwapRefused
@@ -179,6 +179,12 @@ def _engine(state: AppState) -> dict[str, object]:
             "parked": sum(s["parked"] for _, s in each)}  # type: ignore[misc]
 
 
+def _door(state: AppState) -> dict[str, object]:
+    """The CPUs the door keeps to ([]: every CPU), and why."""
+    cpus, why = door_placement(state.cfg.server.door_cpus)
+    return {"cpus": cpus, "why": why}
+
+
 def _status(state: AppState) -> dict[str, object]:
     return {
         "version": __version__,
@@ -190,6 +196,7 @@ def _status(state: AppState) -> dict[str, object]:
         "draining": state.leaving or state.draining,
         "agent": state.agent_reply().strip(),
         "open_streams": len(state.drain),
+        "door": _door(state),
         "limits": msgspec.to_builtins(state.cfg.limits),
         "last_minute": state.metrics.last_minute(),
         "completions": state.metrics.editor_totals(),

@@ -105,6 +105,7 @@ def render(stats: dict[str, Any]) -> str:
     ]
     if "agent" in stats:
         lines.append(f"agent       {stats['agent']}")
+    lines += _door(stats)
     for w in eng["workers"]:
         lines += _worker(w, several_models=len(stats.get("models", [])) > 1)
     return "\n".join(lines)
@@ -125,6 +126,14 @@ def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
             f"{w['pending']} requests, {w['restarts']} restarts, "
             f"{w.get('digests', 0)} prefix digests", *_threads(w), *_attention(w),
             *_steps(s)]
+
+
+def _door(stats: dict[str, Any]) -> list[str]:
+    """The CPUs the door keeps to, and why (absent from older daemons)."""
+    if "door" not in stats:
+        return []
+    cpus = ", ".join(map(str, stats["door"]["cpus"])) or "every CPU"
+    return [f"door        {cpus} ({stats['door']['why']})"]
 
 
 def _threads(w: dict[str, Any]) -> list[str]:
