@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.door [--seconds 10] [--stream-seconds 20]
 
-About 12 minutes on 2 cores; every server runs in turn, alone, with the same model and
+About 14 minutes on 2 cores; every server runs in turn, alone, with the same model and
 threads. Four parts:
 
 1. **Trivial requests.** Debian's ``wrk`` (one thread, 256 connections, ``--seconds``)
@@ -12,7 +12,8 @@ threads. Four parts:
    which is the door; the workers apart) and wrk's own CPU apart.
 2. **Streams on an accelerator's stand-in.** A tiny random-weight GGUF
    (bench/tinymodel.py) whose decode step costs about a millisecond, so what is left is
-   the serving stack's own cost. 16 and 64 closed-loop callers stream 256 tokens each:
+   the serving stack's own cost. 4, 16 and 64 closed-loop callers stream 256 tokens
+   each (steps of about 1, 3 and 13 ms here):
    output tok/s, inter-token latency p50/p99 as the callers see it, and the door's CPU
    per streamed token (forged's daemon process alone, and with its workers), for forged
    with ``server.stream_coalesce_ms`` 5 (the default) and 0, forged with its streams
@@ -63,6 +64,8 @@ CONNECTIONS = 256
 STREAM_TOKENS = 256  # the stand-in's; SmolLM2's streams (part 3) are shorter
 TRAFFIC_TOKENS = 64
 SHORT_TOKENS = 16  # an editor's completion
+# The stand-in's callers: at 4 its steps are faster than a useful write cadence.
+STANDIN_CALLERS = (4, 16, 64)
 WORDS = ["value", "items", "index", "buffer", "parse", "route", "token", "stream", "cache",
          "query"]
 
@@ -271,7 +274,7 @@ def main() -> None:
         lambda: start_llama(binary, tmp, MODEL, "llama-server")], trivial_runs)
 
     def stream_runs(server: Server) -> list[dict[str, Any]]:
-        return [streams(server, c, args.stream_seconds) for c in (16, 64)]
+        return [streams(server, c, args.stream_seconds) for c in STANDIN_CALLERS]
 
     result["standin"] = [] if "standin" not in parts else in_turn([
         lambda: start_forged(tmp, tiny, "forged-tiny"),
