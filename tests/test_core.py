@@ -466,3 +466,72 @@ def test_digests_of_what_the_slots_hold_ride_with_the_statistics_when_changed() 
     assert later is not None and later.digests == block_hashes("", prompt[:BLOCK])
     again = core.frame(2.0, force=True)
     assert again is not None and again.digests is None  # unchanged
+
+
+def _held(step_ms: float, steps: int, hold_ms: float = 5.0) -> list[tuple[float, list[Event]]]:
+    """One request streaming with decode steps ``step_ms`` apart: each frame sent, with
+    when, as the worker's loop asks after every step (``hold``)."""
+    core, _ = core_with({5: [1] * (steps + 5)}, hold_ms=hold_ms)
+    submit(core, 1, [5], max_tokens=steps)
+    sent: list[tuple[float, list[Event]]] = []
+    now = 0.0
+    for _ in range(steps + 2):
+        core.step(now)
+        frame = core.frame(now, hold=True)
+        if frame is not None:
+            sent.append((now, frame.events))
+        now += step_ms / 1000
+    return sent
+
+
+def _made_at(sent: list[tuple[float, list[Event]]], step_ms: float) -> list[float]:
+    """How long each text event waited in the worker: its frame's time less its step's."""
+    waits, step = [], 0
+    for at, events in sent:
+        for ev in events:
+            if isinstance(ev, (Delta, Done)):
+                step += 1
+                waits.append(at - (step - 1) * step_ms / 1000)
+    return waits
+
+
+def test_tokens_wait_for_the_next_steps_within_the_budget_and_first_tokens_never_do() -> None:
+    """server.stream_coalesce_ms (hold_ms): at 1 ms steps a frame carries the tokens of
+    about five steps, none older than the budget; the first token and the end go at
+    once; steps slower than the budget, or no budget, send every step."""
+    sent = _held(1.0, 40)
+    kinds = [[type(e) for e in events] for _, events in sent]
+    assert kinds[0] == [Admitted, Delta]  # the first token at once
+    assert kinds[-1][-1] is Done and sent[-1][0] == pytest.approx(0.039)  # the end at once
+    assert len(sent) <= 1 + 40 / 4  # about five tokens a frame
+    waits = _made_at(sent, 1.0)
+    assert len(waits) == 40 and max(waits) <= 0.005 + 1e-9  # none past the budget
+    # 3 ms steps: two steps a frame at most (3 + 3 > 5)
+    assert max(len(events) for _, events in _held(3.0, 20)[1:]) <= 2
+    for step_ms, hold_ms in ((6.0, 5.0), (1.0, 0.0)):
+        every = _held(step_ms, 10, hold_ms)
+        assert [len(events) for _, events in every] == [2] + [1] * 9
+
+
+def test_held_tokens_go_before_a_step_that_computes_a_prompt() -> None:
+    """A step with prompt work may take the whole step target: what is held is sent
+    before its decode, not after it."""
+    core, backend = core_with({5: [1] * 30, 6: [2] * 5}, hold_ms=5.0)
+    submit(core, 1, [5], max_tokens=30)
+    submit(core, 2, [6] + [7] * 99, max_tokens=5)  # its prompt takes several steps
+    flushed: list[tuple[list[type], int, int]] = []
+    now = 0.0
+    for _ in range(8):
+        before = len(backend.batches)
+
+        def flush(before: int = before, now: float = now) -> None:
+            frame = core.frame(now)
+            assert frame is not None
+            flushed.append(([type(e) for e in frame.events], before, len(backend.batches)))
+
+        core.step(now, flush=flush)
+        core.frame(now, hold=True)
+        now += 0.001
+    tokens_only = [f for f in flushed if set(f[0]) == {Delta}]
+    assert tokens_only  # held tokens, flushed by a prompt step (no admission in it)
+    assert all(before == at for _, before, at in tokens_only)  # before its decode

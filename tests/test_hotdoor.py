@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
-from forged.engine.events import Delta
+from forged.engine.events import Delta, Event
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import hotdoor
@@ -251,6 +251,32 @@ async def test_fast_tokens_share_writes_within_the_budget_and_slow_ones_go_at_on
         assert all(written == pushed for write in slow for pushed, written in write)
     off = await _paced([0.001] * 50, budget_s=0.0)  # stream_coalesce_ms = 0
     assert all(written == pushed for write in off for pushed, written in write)
+
+
+async def test_a_frame_of_several_steps_tokens_is_paced_by_the_gap_before_it(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A worker holding tokens (WorkerCore.frame) sends several steps' in one frame,
+    5 ms apart: they arrive together. A direct stream's sink asks the pace at each of
+    them; reading the nothing between them as the stream's gap, it would decline them
+    and the stream's task would wait another budget (a double delay)."""
+    rs = RequestStream(1, Request(prompt=[1], max_tokens=20), clock=trio.current_time)
+    pace, asked = Pace(0.005), []
+
+    def sink(ev: Event) -> bool:
+        asked.append(pace.waits(rs))
+        return True
+
+    rs.sink = sink
+    for delivery in (1, 2, 3):
+        await trio.sleep(0.005)
+        for _ in range(4):
+            rs.push(Delta(rid=1, text="x"), delivery)
+    assert asked == [False] * 12
+    asked.clear()
+    await trio.sleep(0.005)
+    for _ in range(4):  # events that each came on their own, at once: a fast stream
+        rs.push(Delta(rid=1, text="x"))
+    assert asked == [False, True, True, True]
 
 
 async def test_a_request_that_asks_connection_close_gets_its_answer_then_the_close(

@@ -218,8 +218,9 @@ class EmbedCore:
             running=sum(1 for j in self.jobs.values() if j.admitted_at),
             wait_estimate_s=self.wait_estimate())
 
-    def frame(self, now: float, force: bool = False) -> fr.Step | None:
-        """As WorkerCore's: the events since the last frame, with statistics when due."""
+    def frame(self, now: float, force: bool = False, hold: bool = False) -> fr.Step | None:
+        """As WorkerCore's: the events since the last frame, with statistics when due
+        (nothing is held: an embedding is one event)."""
         if not self.events and not force:
             return None
         fresh = force or now - self._last_stats >= fr.STATS_INTERVAL or bool(self.events)

@@ -60,6 +60,9 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     # Evicted slots' states kept in host RAM (0: none), and sessions' states on disk.
     cache_ram_bytes: int = 0
     cache_disk_bytes: int = 0
+    # Milliseconds a streamed token may wait to go with the next step's in one frame,
+    # when steps are that fast (server.stream_coalesce_ms; WorkerCore.frame); 0: none.
+    hold_ms: float = 0.0
 
     @property
     def per_slot(self) -> bool:
@@ -110,4 +113,5 @@ def scheduler_limits(cfg: Config, n_ctx_train: int, *,
         max_queued=lim.max_queued, max_queued_tokens=lim.max_queued_tokens,
         overtake_window=lim.overtake_window, session_ttl=lim.session_ttl,
         cache_ram_bytes=e.cache_ram_mib << 20, cache_disk_bytes=e.cache_disk_mib << 20,
+        hold_ms=cfg.server.stream_coalesce_ms,
     )

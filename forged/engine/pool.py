@@ -123,13 +123,18 @@ class RequestStream:
         self.arrived = 0.0
         self.gap = math.inf
         self._last = -math.inf
+        self._delivery = 0  # the pool's delivery the last event came in
         # The door's writer for this stream, which may take an event as it arrives and
         # write it at once (forged.http.direct): True when it did, and then the event
         # is not queued. It takes none while events are queued, so order holds.
         self.sink: Callable[[Event], bool] | None = None
         self._nudged = False
 
-    def push(self, ev: Event) -> None:
+    def push(self, ev: Event, delivery: int = 0) -> None:
+        """One event of the worker's frame number ``delivery`` (0: of none). A worker
+        may send several steps' tokens in one frame (WorkerCore.frame's hold): they
+        arrive together, so the gap that paces the door's writes (``gap``) is the one
+        before their frame, not the nothing between them."""
         if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \
                 and ev.index == 0:
             self.delta_times.append(self.clock())
@@ -141,10 +146,11 @@ class RequestStream:
         elif isinstance(ev, Failed):
             self.fail(failure(ev, self.retry_after))
             return
-        now = self.clock()
-        if not self._events:
-            self.arrived, self.gap = now, now - self._last
-        self._last = now
+        if not delivery or delivery != self._delivery:
+            now = self.clock()
+            if not self._events:
+                self.arrived, self.gap = now, now - self._last
+            self._last, self._delivery = now, delivery
         if self.sink is not None and not self._events and self.sink(ev):
             return
         self._events.append(ev)
@@ -209,6 +215,7 @@ class EnginePool:
         self.workers = [self._supervisor(i) for i in range(cfg.engine.workers)]
         self.router = Router(cfg.engine.workers, routing_policy(cfg))
         self._rids = itertools.count(1)
+        self._deliveries = itertools.count(1)  # the frames delivered (RequestStream.push)
         self._started_at = time.monotonic()
         # Prompt fingerprint -> worker crashes it was running in (bounded, LRU).
         self.suspects: OrderedDict[int, int] = OrderedDict()
@@ -278,11 +285,12 @@ class EnginePool:
         if step.digests is not None:
             self.router.reported(index, step.digests)
         pending = self.pending[index]
+        delivery = next(self._deliveries)
         for ev in step.events:
             rs = pending.get(ev.rid)
             if rs is None:
                 continue  # the caller left already
-            rs.push(ev)
+            rs.push(ev, delivery)
             if rs.finished:
                 del pending[ev.rid]
 

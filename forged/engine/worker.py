@@ -98,9 +98,9 @@ class WorkerShell:
             case _:
                 pass  # a hook frame without test hooks, or a second Init: ignored
 
-    def send(self, force: bool) -> None:
+    def send(self, force: bool, hold: bool = False) -> None:
         now = time.monotonic()
-        frame = self.core.frame(now, force)
+        frame = self.core.frame(now, force, hold)
         if frame is not None:
             if frame.stats:  # a worker left nicer than asked (no RLIMIT_NICE) shows it
                 frame.stats.nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -114,12 +114,16 @@ class WorkerShell:
         hb = self.init.heartbeat_interval
         while self.running:
             idle_for = max(0.0, hb - (time.monotonic() - self._last_send))
+            if not self.core.busy:
+                self._flush()  # nothing held while the loop sleeps
             frames = self._read_frames(0.0 if self.core.busy else idle_for)
             for frame in frames:
                 self._handle(frame)
             self.core.step(time.monotonic(), flush=self._flush)
             # After a cancel the statistics change with no event: send them at once.
-            self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb)
+            # A step's tokens may wait for the next step's (WorkerCore.frame's hold).
+            self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb,
+                      hold=True)
 
     def close(self) -> None:
         try:
