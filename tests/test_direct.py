@@ -151,6 +151,37 @@ async def test_through_a_full_socket_every_frame_arrives_in_order(
     assert wakes > 1  # the task finished the writes the socket did not take
 
 
+async def test_the_tokens_of_one_frame_go_out_in_one_write(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A worker holding tokens sends several steps' in one frame: the pool pushes its
+    events, then says it is delivered, and the stream writes them as one chunk; the
+    bytes are the general path's."""
+    events, rs, body = _events(), _stream_of(), b""
+
+    async def engine() -> None:
+        for delivery, (start, end) in enumerate([(0, 5), (5, 10)], 1):
+            await trio.sleep(0.01)
+            for ev in events[start:end]:
+                rs.push(ev, delivery)
+            rs.delivered()
+        await _engine(rs, events[10:])  # then one event at a time
+
+    async def stream() -> None:
+        await _direct(_state(), rs, [], _frames(), Pace(0.0), server)
+        await server.send_eof()
+
+    a, b = trio.socket.socketpair()
+    async with trio.SocketStream(a) as server, trio.SocketStream(b) as client, \
+            trio.open_nursery() as nursery:
+        nursery.start_soon(engine)
+        nursery.start_soon(stream)
+        while data := await client.receive_some(65536):
+            body += data
+    chunks = _chunked(body)
+    assert [c.count(b"data: ") for c in chunks[:4]] == [1, 5, 5, 1]  # the role; 5; 5; 1
+    assert b"".join(chunks) == b"".join(_chunked(await _general(events)))
+
+
 async def _post_stream(d: RunningDaemon, body: bytes) -> tuple[bytes, list[bytes]]:
     """A streamed chat on a raw connection: the response's head and its chunks."""
     host, port = d.url.removeprefix("http://").rsplit(":", 1)

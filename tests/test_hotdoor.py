@@ -262,11 +262,15 @@ async def test_a_frame_of_several_steps_tokens_is_paced_by_the_gap_before_it(
     rs = RequestStream(1, Request(prompt=[1], max_tokens=20), clock=trio.current_time)
     pace, asked = Pace(0.005), []
 
-    def sink(ev: Event) -> bool:
-        asked.append(pace.waits(rs))
-        return True
+    class Asking:
+        def __call__(self, ev: Event) -> bool:
+            asked.append(pace.waits(rs))
+            return True
 
-    rs.sink = sink
+        def delivered(self) -> None:
+            pass
+
+    rs.sink = Asking()
     for delivery in (1, 2, 3):
         await trio.sleep(0.005)
         for _ in range(4):

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
 import trio
 
@@ -92,6 +93,16 @@ def failure(ev: Failed, retry_after: int) -> ForgedError:
             return EngineError(ev.message)
 
 
+class Sink(Protocol):
+    """The door's writer of a stream (forged.http.direct.StepSink)."""
+
+    def __call__(self, ev: Event) -> bool:
+        """Take ``ev`` to write (True), or leave it to the stream's task (False)."""
+
+    def delivered(self) -> None:
+        """Write what was taken from the frame just delivered."""
+
+
 class RequestStream:
     """Events of one request, coalesced: ``receive()`` returns all that arrived. A
     ``Failed`` event never comes out: once the events before it are taken,
@@ -125,9 +136,10 @@ class RequestStream:
         self._last = -math.inf
         self._delivery = 0  # the pool's delivery the last event came in
         # The door's writer for this stream, which may take an event as it arrives and
-        # write it at once (forged.http.direct): True when it did, and then the event
-        # is not queued. It takes none while events are queued, so order holds.
-        self.sink: Callable[[Event], bool] | None = None
+        # write it with the others its frame brings (forged.http.direct): True when it
+        # did, and then the event is not queued. It takes none while events are
+        # queued, so order holds.
+        self.sink: Sink | None = None
         self._nudged = False
 
     def push(self, ev: Event, delivery: int = 0) -> None:
@@ -152,9 +164,16 @@ class RequestStream:
                 self.arrived, self.gap = now, now - self._last
             self._last, self._delivery = now, delivery
         if self.sink is not None and not self._events and self.sink(ev):
+            if not delivery:
+                self.sink.delivered()
             return
         self._events.append(ev)
         self._wake.set()
+
+    def delivered(self) -> None:
+        """The worker's frame has been pushed whole: what the sink took goes out."""
+        if self.sink is not None:
+            self.sink.delivered()
 
     def nudge(self) -> None:
         """Wake the receiver without an event: its sink needs it (a write to finish).
@@ -286,13 +305,19 @@ class EnginePool:
             self.router.reported(index, step.digests)
         pending = self.pending[index]
         delivery = next(self._deliveries)
+        # A stream's events of one frame (several steps' tokens, when the worker held
+        # them) go to its socket in one write, once the frame is pushed whole.
+        streams: dict[int, RequestStream] = {}
         for ev in step.events:
             rs = pending.get(ev.rid)
             if rs is None:
                 continue  # the caller left already
             rs.push(ev, delivery)
+            streams[ev.rid] = rs
             if rs.finished:
                 del pending[ev.rid]
+        for rs in streams.values():
+            rs.delivered()
 
     def lose_worker(self, index: int, why: str) -> None:
         """Worker ``index``'s process is gone: count the crash against every prompt it

@@ -1,5 +1,6 @@
-"""Streams written straight to their sockets: one write per stream per step, by the
-pool's reader, without waking the stream's task.
+"""Streams written straight to their sockets: one write per stream per worker frame
+(a step's tokens, or several steps' when the worker held them), by the pool's reader,
+without waking the stream's task.
 
 Through Quart, hypercorn and h11, each streamed frame cost a wake of the stream's task,
 a generator step, an ASGI message, h11's framing and a locked, shielded write: with
@@ -8,8 +9,9 @@ the socket write itself, about 100 µs of the door's CPU per token
 accelerator. So on a plain HTTP/1.1 connection that came through the hot door
 (forged.http.hotdoor), a stream's body after its headers is written here:
 
-- As the pool delivers a step, the request's :class:`StepSink` formats each text event
-  and writes its chunk to the socket at once (``RequestStream.sink``). The stream's
+- As the pool delivers a worker's frame, the request's :class:`StepSink` formats each
+  text event, and writes their chunk to the socket once the frame is pushed whole
+  (``RequestStream.sink``, ``RequestStream.delivered``). The stream's
   task sleeps through the whole stream but for what only it does: the end, an error,
   a write the socket did not take whole, and a stream whose tokens come faster than
   ``server.stream_coalesce_ms`` (the task gathers those into one write, as before).
@@ -98,8 +100,9 @@ class Framer(Protocol):
 class StepSink:
     """The pool reader's side of one direct stream: ``RequestStream.push`` offers it
     each event as it arrives. It takes a text event when it may write it in order,
-    writes its frame, and wakes the stream's task (``nudge``) only if that task must
-    finish the write or raise what went wrong."""
+    makes its frame, writes the frames of a worker's frame together once it is
+    delivered, and wakes the stream's task (``nudge``) only if that task must finish
+    the write or raise what went wrong."""
 
     def __init__(self, framer: Framer, writer: ChunkWriter, nudge: Callable[[], None],
                  coalesces: Callable[[], bool]) -> None:
@@ -109,10 +112,10 @@ class StepSink:
         # The task holds events it has not written yet: later ones queue behind them.
         self.held = True
         self.error: Exception | None = None
+        self._taken = False  # events taken from the frame being delivered
 
     def __call__(self, ev: Event) -> bool:
-        writer = self.writer
-        if (type(ev) is not Delta or self.held or writer.pending or writer.broken
+        if (type(ev) is not Delta or self.held or self.writer.pending or self.writer.broken
                 or self.error is not None or self._coalesces()):
             return False
         # The frame is made here, in the pool's reader: an error in it must not end
@@ -120,12 +123,25 @@ class StepSink:
         # in this stream's own task.
         try:
             self.framer.read([ev])  # a text event: never the stream's last
+            self._taken = True
+        except Exception as exc:
+            self.error = exc
+            self._nudge()
+        return True
+
+    def delivered(self) -> None:
+        """The worker's frame is pushed whole: the frames of the events taken from it
+        go in one write (a worker holding tokens sends several steps' in one frame)."""
+        if not self._taken:
+            return
+        self._taken = False
+        writer = self.writer
+        try:
             writer.send(self.framer.take())
         except Exception as exc:
             self.error = exc
         if writer.pending or writer.broken or self.error is not None:
             self._nudge()
-        return True
 
     def raise_error(self) -> None:
         if self.error is not None:
