@@ -86,7 +86,7 @@ class ServerConfig(_Section, frozen=True):
     hot_door: bool = True
     # Milliseconds a streamed token may wait to share a frame from the worker and a
     # write with the next ones, when steps come faster than that (0: each step at once;
-    # WorkerCore.frame, generate.Pace).
+    # forged.engine.hold, generate.Pace).
     stream_coalesce_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 5.0
     status_interval: Seconds = 5.0
     # Where forged keeps state; checked to be writable at startup (exit 73 if not).

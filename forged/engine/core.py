@@ -42,6 +42,7 @@ from forged.engine.decoding import (
     run_isolating,
 )
 from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
+from forged.engine.hold import TokenHold
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
@@ -158,13 +159,7 @@ class WorkerCore:
         # the step ran, but they end here, by rid, with why.
         self._undrawn: dict[int, str] = {}
         self._last_stats = _NEVER
-        # Holding a step's tokens to send them with the next step's (``frame``'s
-        # ``hold_s``): when the oldest held one was made, when ``frame`` was last asked
-        # (the steps' pace), and the choices whose first text has gone out (a first
-        # token is never held: it is the request's time to first token).
-        self._held_since: float | None = None
-        self._asked_at = _NEVER
-        self._announced: set[tuple[int, int]] = set()
+        self._hold = TokenHold()  # a step's tokens sent with the next step's
         self._digests = DigestBuilder()
         self._last_digests = _NEVER
         self._step_ms = 0.0
@@ -214,7 +209,7 @@ class WorkerCore:
         stream = self.streams.pop(rid, None)
         for index, choice in enumerate(stream.choices if stream is not None else ()):
             choice.close()
-            self._announced.discard((rid, index))
+            self._hold.forget(rid, index)
 
     # --- one step -------------------------------------------------------------------------
 
@@ -239,8 +234,7 @@ class WorkerCore:
                                 plan.shape)
         admitted = self._scheduler_events()
         if plan is not None and plan.chunks:
-            # Held tokens go before a step that computes a prompt too: it may take
-            # up to the step target, far past any holding budget.
+            # Held tokens go before a prompt's decode too: it may take the step target.
             if admitted or (self.events and plan.shape.prompt_tokens):
                 flush()
             self._decode(plan)
@@ -513,7 +507,7 @@ class WorkerCore:
         choice = stream.choices[index]
         self.sched.complete(rid, index)
         choice.close()
-        self._announced.discard((rid, index))
+        self._hold.forget(rid, index)
         if all(c.done for c in stream.choices):
             del self.streams[rid]
         self.events.append(Done(
@@ -536,12 +530,11 @@ class WorkerCore:
     def frame(self, now: float, force: bool = False, hold: bool = False) -> fr.Step | None:
         """The ``Step`` frame to send now, if any: the events since the last one, with
         statistics when ``force``d, when something other than tokens happened, or at
-        most every fr.STATS_INTERVAL while only tokens flow. With ``hold``, tokens of
-        streams already streaming may wait to go with the next step's
-        (:meth:`_holds`)."""
+        most every fr.STATS_INTERVAL while only tokens flow; with ``hold``, text of
+        streams already streaming may wait for the next step's (forged.engine.hold)."""
         if not self.events and not force:
             return None
-        if not force and self._holds(now, self.sched.limits.hold_ms / 1000 if hold else 0.0):
+        if not force and self._hold.holds(self.events, now, hold * self.sched.limits.hold_ms):
             return None
         fresh = (force or now - self._last_stats >= fr.STATS_INTERVAL
                  or any(not isinstance(e, Delta) for e in self.events))
@@ -549,27 +542,9 @@ class WorkerCore:
             self._last_stats = now
         step = fr.Step(events=self.events, stats=self.statistics() if fresh else None,
                        digests=self._due_digests(now))
-        self._announced.update((e.rid, e.index) for e in self.events if type(e) is Delta)
+        self._hold.sent(self.events)
         self.events = []
-        self._held_since = None
         return step
-
-    def _holds(self, now: float, hold_s: float) -> bool:
-        """Whether the events so far may wait for the next step's, to go in one frame:
-        one wake of the daemon's reader and one write to each stream's socket for
-        several tokens, where steps are faster than a useful write cadence
-        (``server.stream_coalesce_ms``). Only text of choices already streaming waits,
-        and only while the next step, predicted to take as long as the last one,
-        ends within ``hold_s`` of the oldest event held; anything else goes at once."""
-        step_s, self._asked_at = now - self._asked_at, now
-        if hold_s <= 0 or any(type(e) is not Delta or (e.rid, e.index) not in self._announced
-                              for e in self.events):
-            return False
-        since = now if self._held_since is None else self._held_since
-        if now - since + step_s >= hold_s:
-            return False
-        self._held_since = since
-        return True
 
     def _due_digests(self, now: float) -> list[int] | None:
         """What the caches hold, for the daemon's routing, when it changed and the last

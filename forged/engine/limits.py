@@ -61,7 +61,7 @@ class SchedulerLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     cache_ram_bytes: int = 0
     cache_disk_bytes: int = 0
     # Milliseconds a streamed token may wait to go with the next step's in one frame,
-    # when steps are that fast (server.stream_coalesce_ms; WorkerCore.frame); 0: none.
+    # when steps are that fast (server.stream_coalesce_ms; forged.engine.hold); 0: none.
     hold_ms: float = 0.0
 
     @property

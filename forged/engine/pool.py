@@ -144,7 +144,7 @@ class RequestStream:
 
     def push(self, ev: Event, delivery: int = 0) -> None:
         """One event of the worker's frame number ``delivery`` (0: of none). A worker
-        may send several steps' tokens in one frame (WorkerCore.frame's hold): they
+        may send several steps' tokens in one frame (forged.engine.hold): they
         arrive together, so the gap that paces the door's writes (``gap``) is the one
         before their frame, not the nothing between them."""
         if (isinstance(ev, Delta) or (isinstance(ev, Done) and ev.text)) \

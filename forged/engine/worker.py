@@ -121,7 +121,7 @@ class WorkerShell:
                 self._handle(frame)
             self.core.step(time.monotonic(), flush=self._flush)
             # After a cancel the statistics change with no event: send them at once.
-            # A step's tokens may wait for the next step's (WorkerCore.frame's hold).
+            # A step's tokens may wait for the next step's (forged.engine.hold).
             self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb,
                       hold=True)
 

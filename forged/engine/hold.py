@@ -1,0 +1,55 @@
+"""Holding a step's tokens to send them with the next step's (sans-IO).
+
+Where steps are faster than a useful write cadence (an accelerator, a small model, a
+few streams), a frame a step costs the daemon a wake-up a step: the read, the frame's
+decoding and its delivery cost more than the socket writes they lead to
+(docs/benchmarks.md, "Tokens held in the worker"). So the worker may keep a step's
+events back and send them with the next step's, within ``server.stream_coalesce_ms``
+of the oldest, and the daemon wakes, reads and writes once for several steps.
+
+Only text of choices already streaming waits: a first token is the request's time to
+first token, and anything but text (an admission, an end, an error, statistics the
+daemon acts on) goes at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from forged.engine.events import Delta, Event
+
+
+class TokenHold:
+    """Whether the events so far may wait for the next step's (:meth:`holds`), asked
+    once a step by the worker's loop; ``sent`` and ``forget`` keep its record of the
+    choices whose first text has gone out."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # when the oldest held event was made
+        self._asked_at = -math.inf  # when holds() was last asked: the steps' pace
+        self._announced: set[tuple[int, int]] = set()  # (rid, index) streaming
+
+    def holds(self, events: Sequence[Event], now: float, hold_ms: float) -> bool:
+        """True while ``events`` are only text of choices already streaming and the
+        next step, predicted to take as long as the last, ends within ``hold_ms`` of
+        the oldest of them (``now`` in seconds)."""
+        step_s, self._asked_at = now - self._asked_at, now
+        hold_s = hold_ms / 1000
+        if hold_s <= 0 or any(type(e) is not Delta or (e.rid, e.index) not in self._announced
+                              for e in events):
+            return False
+        since = now if self._since is None else self._since
+        if now - since + step_s >= hold_s:
+            return False
+        self._since = since
+        return True
+
+    def sent(self, events: Sequence[Event]) -> None:
+        """``events`` went out: their choices are streaming, nothing is held."""
+        self._announced.update((e.rid, e.index) for e in events if type(e) is Delta)
+        self._since = None
+
+    def forget(self, rid: int, index: int) -> None:
+        """Choice ``index`` of ``rid`` ended."""
+        self._announced.discard((rid, index))
