@@ -255,7 +255,7 @@ async def test_fast_tokens_share_writes_within_the_budget_and_slow_ones_go_at_on
 
 async def test_a_frame_of_several_steps_tokens_is_paced_by_the_gap_before_it(
         autojump_clock: trio.testing.MockClock) -> None:
-    """A worker holding tokens (WorkerCore.frame) sends several steps' in one frame,
+    """A worker holding tokens (forged.engine.hold) sends several steps' in one frame,
     5 ms apart: they arrive together. A direct stream's sink asks the pace at each of
     them; reading the nothing between them as the stream's gap, it would decline them
     and the stream's task would wait another budget (a double delay)."""
@@ -281,6 +281,15 @@ async def test_a_frame_of_several_steps_tokens_is_paced_by_the_gap_before_it(
     for _ in range(4):  # events that each came on their own, at once: a fast stream
         rs.push(Delta(rid=1, text="x"))
     assert asked == [False, True, True, True]
+    # n > 1: every 20 ms step's frame brings a token of each choice, back to back.
+    # Before, choice 1's token read as a stream 0 ms after choice 0's: held, and the
+    # stream's task woke to write it 5 ms later, every step.
+    asked.clear()
+    for delivery in (4, 5, 6):
+        await trio.sleep(0.020)
+        for index in (0, 1, 2):
+            rs.push(Delta(rid=1, text="x", index=index), delivery)
+    assert asked == [False] * 9
 
 
 async def test_a_request_that_asks_connection_close_gets_its_answer_then_the_close(
