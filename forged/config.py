@@ -7,6 +7,7 @@ message names the file and the key; the CLI turns it into exit status 78 (EX_CON
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -437,12 +438,19 @@ def physical_cores(cpus: Iterable[int], root: Path | None = None) -> int:
     return len(core_groups(cpus, root))
 
 
-def core_groups(cpus: Iterable[int], root: Path | None = None
-                ) -> dict[tuple[str, str] | int, list[int]]:
-    """``cpus`` by the physical core each belongs to (see :func:`physical_cores`)."""
+def core_groups(cpus: Iterable[int], root: Path | None = None) -> list[list[int]]:
+    """``cpus`` by the physical core each belongs to (see :func:`physical_cores`),
+    each group's CPUs in order."""
+    return [list(group) for group in _core_groups(frozenset(cpus), root or _SYS_CPU)]
+
+
+@functools.lru_cache(maxsize=64)
+def _core_groups(cpus: frozenset[int], root: Path) -> tuple[tuple[int, ...], ...]:
+    """Read once: the topology does not change while forged runs, and ``forged
+    status`` asks for the door's placement (door_placement) on every call."""
     cores: dict[tuple[str, str] | int, list[int]] = {}
     for cpu in sorted(cpus):
-        topology = (root or _SYS_CPU) / f"cpu{cpu}" / "topology"
+        topology = root / f"cpu{cpu}" / "topology"
         core: tuple[str, str] | int
         try:
             core = ((topology / "physical_package_id").read_text().strip(),
@@ -450,7 +458,7 @@ def core_groups(cpus: Iterable[int], root: Path | None = None
         except OSError:
             core = cpu
         cores.setdefault(core, []).append(cpu)
-    return cores
+    return tuple(tuple(group) for group in cores.values())
 
 
 # server.door_cpus = "auto" gives the door a core of its own from this many physical
@@ -474,7 +482,7 @@ def door_placement(setting: list[int] | Literal["auto"]) -> tuple[list[int], str
     if len(groups) < AUTO_DOOR_CORES:
         return [], (f'server.door_cpus = "auto": {len(groups)} physical cores, fewer than '
                     f"{AUTO_DOOR_CORES}: the door shares them")
-    first = min(groups.values())
+    first = min(groups)
     return first, (f'server.door_cpus = "auto": one of {len(groups)} physical cores')
 
 

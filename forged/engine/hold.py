@@ -14,6 +14,7 @@ daemon acts on) goes at once.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -27,6 +28,7 @@ class TokenHold:
 
     def __init__(self) -> None:
         self._since: float | None = None  # when the oldest held event was made
+        self._checked = 0  # the held events already found holdable
         self._asked_at = -math.inf  # when holds() was last asked: the steps' pace
         self._announced: set[tuple[int, int]] = set()  # (rid, index) streaming
 
@@ -36,19 +38,21 @@ class TokenHold:
         the oldest of them (``now`` in seconds)."""
         step_s, self._asked_at = now - self._asked_at, now
         hold_s = hold_ms / 1000
+        # Only the events that came since the last ask: the others were held already.
         if hold_s <= 0 or any(type(e) is not Delta or (e.rid, e.index) not in self._announced
-                              for e in events):
+                              for e in itertools.islice(events, self._checked, None)):
             return False
         since = now if self._since is None else self._since
         if now - since + step_s >= hold_s:
             return False
-        self._since = since
+        self._since, self._checked = since, len(events)
         return True
 
     def sent(self, events: Sequence[Event]) -> None:
-        """``events`` went out: their choices are streaming, nothing is held."""
+        """``events`` went out (the caller sends whenever :meth:`holds` says no): their
+        choices are streaming, nothing is held."""
         self._announced.update((e.rid, e.index) for e in events if type(e) is Delta)
-        self._since = None
+        self._since, self._checked = None, 0
 
     def forget(self, rid: int, index: int) -> None:
         """Choice ``index`` of ``rid`` ended."""
