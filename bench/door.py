@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.door [--seconds 10] [--stream-seconds 20]
 
-About 14 minutes on 2 cores; every server runs in turn, alone, with the same model and
-threads. Four parts:
+About 16 minutes on 2 cores; every server runs in turn, alone, with the same model and
+threads. Five parts:
 
 1. **Trivial requests.** Debian's ``wrk`` (one thread, 256 connections, ``--seconds``)
    on ``GET /health`` and ``GET /v1/models``: forged with the hot door, forged without
@@ -28,6 +28,12 @@ threads. Four parts:
    ITL p99 without (tok/s counts whole streams only: read text events/s); for
    forged as configured by default and placed (``server.door_cpus = [0]``, the
    worker's one thread on the other core), and llama-server.
+
+5. **Door processes** (``doors``): forged with ``server.door_processes`` 0 (the
+   daemon accepts), 1 and 2, the CPUs shared: ``/health`` as in part 1, with the
+   daemon's and the doors' CPU per request apart and the share of a core each door
+   used; then part 3's short generations, each on a new connection that a door hands
+   to the daemon.
 
 The stream callers are a lean client (raw sockets, no JSON parsing) in this process;
 its CPU is reported apart. Results: bench/results/door.json and door.md (the table for
@@ -66,6 +72,8 @@ TRAFFIC_TOKENS = 64
 SHORT_TOKENS = 16  # an editor's completion
 # The stand-in's callers: at 4 its steps are faster than a useful write cadence.
 STANDIN_CALLERS = (4, 16, 64)
+PARTS = ("trivial", "standin", "short", "traffic", "doors")
+DOOR_PROCESSES = (0, 1, 2)
 WORDS = ["value", "items", "index", "buffer", "parse", "route", "token", "stream", "cache",
          "query"]
 
@@ -101,13 +109,25 @@ def _ms(out: str, pct: str) -> float:
     return round(float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit], 2)
 
 
+def door_processes(pid: int) -> list[int]:
+    """forged's door processes (server.door_processes); its other children are workers."""
+    return [c for c in children(pid)
+            if b"forged.daemon.doorproc" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def trivial(server: Server, path: str, seconds: float) -> dict[str, Any]:
-    """wrk on ``path``, with the server's CPU per request."""
+    """wrk on ``path``, with the server's CPU per request (forged's door processes
+    apart, if it runs any)."""
     _wrk(server.url + path, 1, 32)  # warm: connections, caches
-    cpu0 = cpu_seconds(server.pid)
+    doors = door_processes(server.pid)
+    cpu0, doors0 = cpu_seconds(server.pid), [cpu_seconds(d) for d in doors]
     run = _wrk(server.url + path, seconds, CONNECTIONS)
     cpu = cpu_seconds(server.pid) - cpu0
+    door_cpu = [cpu_seconds(d) - c for d, c in zip(doors, doors0, strict=True)]
     run["server_cpu_us_per_request"] = round(cpu / max(1, run["requests"]) * 1e6, 1)
+    run["door_processes"] = len(doors)
+    run["doors_cpu_us_per_request"] = round(sum(door_cpu) / max(1, run["requests"]) * 1e6, 1)
+    run["doors_busy"] = [round(c / seconds, 2) for c in door_cpu]  # cores each door used
     return {"server": server.name, "path": path, **run}
 
 
@@ -174,9 +194,11 @@ def streams(server: Server, callers: int, seconds: float, traffic: str | None = 
     """``callers`` closed-loop streams for ``seconds``; with ``traffic``, beside wrk's
     64 connections on that path."""
     trio.run(_streams, server.url, callers, 2.0, tokens)  # warm: caches, the cost model
-    workers = children(server.pid)  # forged's worker processes; none for llama-server
+    doors = door_processes(server.pid)
+    workers = [c for c in children(server.pid) if c not in doors]  # none: llama-server
     cpu0, client0 = cpu_seconds(server.pid), time.process_time()
     workers0 = sum(cpu_seconds(w) for w in workers)
+    doors0 = sum(cpu_seconds(d) for d in doors)
     wrk = None
     if traffic is not None:
         wrk = subprocess.Popen(["wrk", "-t1", "-c64", f"-d{seconds + 2:g}s",
@@ -188,6 +210,7 @@ def streams(server: Server, callers: int, seconds: float, traffic: str | None = 
             wrk.wait(timeout=seconds + 60)
     cpu = cpu_seconds(server.pid) - cpu0
     worker_cpu = sum(cpu_seconds(w) for w in workers) - workers0
+    door_cpu = sum(cpu_seconds(d) for d in doors) - doors0
     made = max(1, m.completed * tokens)
     requests = max(1, m.completed)
     return {"server": server.name, "callers": callers, "traffic": traffic,
@@ -199,8 +222,10 @@ def streams(server: Server, callers: int, seconds: float, traffic: str | None = 
             "server_cpu_us_per_token": round(cpu / made * 1e6, 1),
             "req_s": round(m.completed / seconds, 1),
             "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
-            "total_cpu_us_per_request": round((cpu + worker_cpu) / requests * 1e6, 1),
-            "total_cpu_us_per_token": round((cpu + worker_cpu) / made * 1e6, 1),
+            "doors_cpu_us_per_request": round(door_cpu / requests * 1e6, 1),
+            "total_cpu_us_per_request": round((cpu + door_cpu + worker_cpu) / requests * 1e6,
+                                              1),
+            "total_cpu_us_per_token": round((cpu + door_cpu + worker_cpu) / made * 1e6, 1),
             "client_cpu_s": round(time.process_time() - client0, 2)}
 
 
@@ -246,7 +271,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0, help="each wrk run")
     ap.add_argument("--stream-seconds", type=float, default=20.0, help="each stream run")
-    ap.add_argument("--parts", default="trivial,standin,short,traffic",
+    ap.add_argument("--parts", default=",".join(PARTS),
                     help="which parts to run (comma-separated)")
     ap.add_argument("--forged-only", action="store_true",
                     help="only forged as shipped in each part, printed, nothing written")
@@ -300,12 +325,22 @@ def main() -> None:
         # The door on CPU 0, the worker's one thread on the other (server.door_cpus).
         lambda: start_forged(tmp, MODEL, "forged-traffic-placed", threads=1, door_cpus=[0]),
         lambda: start_llama(binary, tmp, MODEL, "llama-server-traffic")], traffic_runs)
+    def door_runs(server: Server) -> list[dict[str, Any]]:
+        return [trivial(server, "/health", args.seconds),
+                {"part": "short", **streams(server, 16, args.stream_seconds,
+                                            tokens=SHORT_TOKENS)}]
+
+    # Door processes (server.door_processes): the daemon alone, then one and two doors;
+    # the CPUs shared in each (door_cpus = []), so that only the processes differ.
+    result["doors"] = [] if "doors" not in parts else _in_turn([
+        lambda n=n: start_forged(tmp, tiny, f"forged-doors-{n}", door_cpus=[],
+                                 door_processes=n) for n in DOOR_PROCESSES], door_runs)
     if args.forged_only:
-        for part in ("trivial", "standin", "short", "traffic"):
+        for part in ("trivial", "standin", "short", "traffic", "doors"):
             for row in result[part]:
                 print(part, row)
         return
-    write_results("door" if len(parts) == 4 else "door-" + "-".join(parts), result,
+    write_results("door" if parts == list(PARTS) else "door-" + "-".join(parts), result,
                   tables(result))
 
 
@@ -331,7 +366,23 @@ def tables(result: dict[str, Any]) -> str:
               f"| {r['server_cpu_us_per_request']} "
               f"| {r['total_cpu_us_per_request']} | {r['errors']} "
               f"| {r['client_cpu_s']} |" for r in result.get("short", [])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _doors_table(result.get("doors", []))) + "\n"
+
+
+def _doors_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Part 5: each forged run's /health row, then its short generations' row."""
+    lines = ["", "| door processes | `/health` req/s | p99 ms | daemon CPU µs/request "
+             "| doors' CPU µs/request | cores each door used | short generations req/s "
+             "| daemon CPU µs/request | doors' CPU µs/request | all CPU µs/request |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for health, short in zip(rows[::2], rows[1::2], strict=True):
+        lines.append(
+            f"| {health['door_processes']} | {health['rps']} | {health['p99_ms']} "
+            f"| {health['server_cpu_us_per_request']} | {health['doors_cpu_us_per_request']} "
+            f"| {', '.join(map(str, health['doors_busy'])) or '-'} | {short['req_s']} "
+            f"| {short['server_cpu_us_per_request']} | {short['doors_cpu_us_per_request']} "
+            f"| {short['total_cpu_us_per_request']} |")
+    return lines
 
 
 if __name__ == "__main__":

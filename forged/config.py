@@ -81,6 +81,11 @@ class ServerConfig(_Section, frozen=True):
     # shared. "auto": one physical core's CPUs (the core of the lowest CPU) where forged
     # may use at least AUTO_DOOR_CORES physical cores, else shared (Config.door_cpus).
     door_cpus: list[Annotated[int, msgspec.Meta(ge=0)]] | Literal["auto"] = "auto"
+    # Processes that accept the API's plain-TCP connections and answer the hot routes
+    # (forged.daemon.doors), handing every other connection to the daemon. 0: the
+    # daemon accepts them itself. "auto": one for each physical core of door_cpus past
+    # the first, which the daemon keeps (Config.door_processes).
+    door_processes: Annotated[int, msgspec.Meta(ge=0, le=64)] | Literal["auto"] = "auto"
     # GET /health and GET /v1/models in their plainest form answered off the socket,
     # without Quart (forged.http.hotdoor), and streams' frames written straight to the
     # socket by the pool's reader (forged.http.direct): the same bytes, less CPU.
@@ -327,6 +332,20 @@ class Config(_Section, frozen=True):
     def door_cpus(self) -> list[int]:
         """The CPUs the door keeps to, ``server.door_cpus`` resolved ([]: every CPU)."""
         return door_placement(self.server.door_cpus)[0]
+
+    @property
+    def door_processes(self) -> tuple[int, str]:
+        """How many door processes accept the API's connections (0: the daemon does),
+        ``server.door_processes`` resolved, and why (forged status)."""
+        setting = self.server.door_processes
+        if setting != "auto":
+            return setting, "set in the config"
+        cores = len(core_groups(self.door_cpus)) if self.door_cpus else 0
+        if cores < 2:
+            return 0, ('server.door_processes = "auto": the door has '
+                       f"{'one core' if cores else 'no core of its own'}: the daemon accepts")
+        return cores - 1, (f'server.door_processes = "auto": one for each of the door\'s '
+                           f"{cores} physical cores but the daemon's")
 
     def threads_why(self, model: ModelConfig) -> str:
         """Why ``model``'s workers run the threads they do, for ``forged status``."""
@@ -652,6 +671,7 @@ RESTART_KEYS = (
     "engine.workers", "engine.threads", "engine.kv_cells", "engine.slots",
     "engine.max_context", "engine.step_tokens", "engine.prefill_step_tokens",
     "engine.flash_attn", "engine.max_running", "engine.cpus", "server.door_cpus",
+    "server.door_processes",
     "engine.kv_layout", "engine.kv_headroom", "engine.heartbeat_interval",
     "engine.cache_disk_mib",
     "retrieval.search_threads", "server.door_threads",

@@ -33,7 +33,11 @@ from hypercorn.typing import (
 )
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
-from forged.http.hotdoor import Handoff, HotDoor, IdleConnections
+from forged.daemon.doors import Doors
+from forged.daemon.doorwire import Counted, View
+from forged.http.access import count_requests
+from forged.http.direct import CONNECTION
+from forged.http.hotdoor import Handoff, HotDoor, HubView, IdleConnections, Prefixed
 from forged.http.state import AppState
 
 log = logging.getLogger("forged.http")
@@ -72,7 +76,7 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
             general = partial(TCPServer, wrapped, hc, context,
                               ConnectionState(lifespan_state.copy()))
             idle = IdleConnections(lambda: float(hc.keep_alive_timeout))
-            listeners, binds = _listeners(hc, general, state, idle)
+            listeners, binds, doors = _listeners(hc, general, state, idle, server_nursery)
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
@@ -81,12 +85,16 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
                     nursery.start_soon(idle.sweep)
                     for listener, handler in listeners:
                         nursery.start_soon(_accept, listener, handler, server_nursery)
+                    if doors is not None:
+                        nursery.start_soon(doors.run)
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, other = error.split((ShutdownError, KeyboardInterrupt))
                 if other is not None:
                     raise other from None
             finally:
+                if doors is not None:
+                    doors.close()
                 await context.terminated.set()
                 await idle.close_all()
                 server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
@@ -124,10 +132,10 @@ async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Han
     if isinstance(listener, trio.abc.Listener):  # TLS: trio's loop, as hypercorn's
         await trio.serve_listeners(handler, [listener], handler_nursery=nursery)
     else:
-        await _accept_bursts(listener, handler, nursery)
+        await accept_bursts(listener, handler, nursery)
 
 
-async def _accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nursery) -> None:
+async def accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nursery) -> None:
     """Accept every connection waiting at each wake, not one per turn of the event loop
     as ``trio.serve_listeners`` does: with the loop busy, 256 connections opened at once
     waited up to a second for their turn to be accepted, which was the door's p99."""
@@ -147,12 +155,12 @@ async def _accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nu
                     await trio.sleep(0.1)
                     break
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
-                nursery.start_soon(_connection, stream, handler)
+                nursery.start_soon(connection, stream, handler)
     finally:
         sock.close()
 
 
-async def _connection(stream: trio.SocketStream, handler: Handler) -> None:
+async def connection(stream: trio.SocketStream, handler: Handler) -> None:
     try:
         await handler(stream)
     finally:
@@ -160,8 +168,10 @@ async def _connection(stream: trio.SocketStream, handler: Handler) -> None:
 
 
 def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppState | None,
-               idle: IdleConnections) -> tuple[list[Listening], list[str]]:
-    """Each bound socket's listener and the handler of its connections; the binds."""
+               idle: IdleConnections, nursery: trio.Nursery,
+               ) -> tuple[list[Listening], list[str], Doors | None]:
+    """Each bound socket's listener and the handler of its connections; the binds; the
+    door processes that accept the plain-TCP connections instead, if any."""
     sockets = hc.create_sockets()
     out: list[Listening] = []
     binds = []
@@ -176,13 +186,46 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
         out.append((trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
                                      ssl_context, https_compatible=True), hypercorn))
         binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
-    plain = hypercorn
-    if state is not None:
-        door = HotDoor(state, ResponseTail(hc))
-        handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
-        plain = partial(door.serve, handoff=handoff)
     for sock in sockets.insecure_sockets:
         sock.listen(hc.backlog)
-        out.append((sock, plain))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    return out, binds
+    plain = list(sockets.insecure_sockets)
+    if state is None:
+        return out + [(sock, hypercorn) for sock in plain], binds, None
+    hub = HubView(state)
+    if plain and (n := state.cfg.door_processes[0]):
+        return out, binds, _doors(n, plain, hub, hc, partial(_after_door, hypercorn, nursery))
+    door = HotDoor(hub, ResponseTail(hc))
+    handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
+    return out + [(sock, partial(door.serve, handoff=handoff)) for sock in plain], binds, None
+
+
+def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
+           serve_handed: Callable[[trio.SocketStream, bytes], None]) -> Doors:
+    state = hub.state
+
+    def view() -> View:
+        status, body = hub.health()
+        return View(on=hub.on, health_status=status, health=body, models=hub.models(),
+                    keys=list(hub.keys.by_hash.values()),
+                    keep_alive_s=float(hc.keep_alive_timeout),
+                    max_requests=int(hc.keep_alive_max_requests))
+
+    def counted(message: Counted) -> None:
+        for rule, status, key_name, count in message.counts:
+            count_requests(state.metrics, rule, status, "none", key_name, "-", count)
+
+    doors = Doors(n, sockets, view, serve_handed, counted, state.cfg.log.level)
+    state.door_report = doors.report
+    return doors
+
+
+def _after_door(serve_general: Handler, nursery: trio.Nursery, stream: trio.SocketStream,
+                data: bytes) -> None:
+    """Serve a connection a door process handed over, as the hot door hands one to
+    hypercorn here (the door read ``data`` from it)."""
+    async def serve(stream: trio.SocketStream) -> None:
+        CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
+        await serve_general(Prefixed(stream, data))
+
+    nursery.start_soon(connection, stream, serve)

@@ -24,8 +24,13 @@ def request_id() -> str:
 
 def count_request(metrics: Metrics, rule: str, status: int, priority: str,
                   key: KeyEntry | None, model_id: str) -> None:
-    metrics.requests.labels(rule, str(status), priority, key.name if key else "-",
-                                  model_id).inc()
+    count_requests(metrics, rule, status, priority, key.name if key else "-", model_id)
+
+
+def count_requests(metrics: Metrics, rule: str, status: int, priority: str, key_name: str,
+                   model_id: str, n: int = 1) -> None:
+    """``n`` requests of one kind: a door process's answers arrive counted."""
+    metrics.requests.labels(rule, str(status), priority, key_name, model_id).inc(n)
 
 
 def log_access(rule: str, status: int, request_id: str, key: KeyEntry | None,

@@ -180,9 +180,11 @@ def _engine(state: AppState) -> dict[str, object]:
 
 
 def _door(state: AppState) -> dict[str, object]:
-    """The CPUs the door keeps to ([]: every CPU), and why."""
+    """The CPUs the door keeps to ([]: every CPU), and why; its processes, and why."""
     cpus, why = door_placement(state.cfg.server.door_cpus)
-    return {"cpus": cpus, "why": why}
+    count, processes_why = state.cfg.door_processes
+    return {"cpus": cpus, "why": why, "processes": count, "processes_why": processes_why,
+            "process": state.door_report()}
 
 
 def _status(state: AppState) -> dict[str, object]:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import trio
 
+from forged.auth import KeyEntry, KeyStore
 from forged.http.access import count_request, log_access, request_id
 from forged.http.direct import CONNECTION
 from forged.http.modellist import model_list
@@ -32,7 +33,7 @@ from forged.http.responses import encode_json
 from forged.http.state import AppState
 
 MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
-_READ = 65536
+READ_SIZE = 65536  # a read of a connection
 # Headers whose presence means the general path must answer: a body, a connection
 # option, a protocol switch, a CORS origin's or a dialect's shape (Anthropic's
 # anthropic-version on /v1/models).
@@ -128,45 +129,82 @@ def parse_head(raw: bytes) -> Head | None:
         return None
 
 
-class HotDoor:
-    """The hot routes of one API listener, and the loop that serves a connection."""
+class HotView(Protocol):
+    """What the hot door answers from: the daemon's own state (:class:`HubView`), or
+    in a door process the copy of it that the daemon sends (forged.daemon.doors)."""
 
-    def __init__(self, state: AppState, response_headers: Callable[[], bytes]) -> None:
-        """``response_headers``: the header lines hypercorn adds to every response
-        (``date``, ``server``), each ending in CRLF."""
+    @property
+    def on(self) -> bool:
+        """The hot routes are answered here (``server.hot_door``, and no CORS)."""
+
+    @property
+    def keys(self) -> KeyStore: ...
+
+    def health(self) -> tuple[int, bytes]: ...
+
+    def models(self) -> bytes: ...
+
+    def count(self, rule: str, status: int, key: KeyEntry | None) -> None: ...
+
+
+class HubView:
+    """The hot door's view of the daemon, read at each request: a reload applies."""
+
+    def __init__(self, state: AppState) -> None:
         self.state = state
-        self._tail = response_headers
-        self._routes: dict[str, tuple[str, Callable[[], tuple[int, bytes]]]] = {
-            "/health": ("/health", self._health),
-            "/v1/models": ("/v1/models", self._models),
-        }
 
-    def _health(self) -> tuple[int, bytes]:
+    @property
+    def on(self) -> bool:
+        server = self.state.cfg.server
+        return server.hot_door and not server.cors_origins
+
+    @property
+    def keys(self) -> KeyStore:
+        return self.state.keys
+
+    def health(self) -> tuple[int, bytes]:
         status, body = self.state.health()
         return status, encode_json(body)
 
-    def _models(self) -> tuple[int, bytes]:
-        return 200, encode_json(model_list(self.state.models, int(self.state.started)))
+    def models(self) -> bytes:
+        return encode_json(model_list(self.state.models, int(self.state.started)))
+
+    def count(self, rule: str, status: int, key: KeyEntry | None) -> None:
+        count_request(self.state.metrics, rule, status, "none", key, "-")
+
+
+class HotDoor:
+    """The hot routes of one API listener, and the loop that serves a connection."""
+
+    def __init__(self, view: HotView, response_headers: Callable[[], bytes]) -> None:
+        """``response_headers``: the header lines hypercorn adds to every response
+        (``date``, ``server``), each ending in CRLF."""
+        self.view = view
+        self._tail = response_headers
+        self._routes: dict[str, tuple[str, Callable[[], tuple[int, bytes]]]] = {
+            "/health": ("/health", view.health),
+            "/v1/models": ("/v1/models", lambda: (200, view.models())),
+        }
 
     def answer(self, head: Head) -> bytes | None:
         """The whole response to ``head``, or None when the general path must answer."""
         route = self._routes.get(head.path)
-        server = self.state.cfg.server  # read each time: a reload applies
-        if route is None or server.cors_origins or not server.hot_door:
+        if route is None or not self.view.on:
             return None
         started = time.monotonic()
         key = None
-        if self.state.keys.enabled and head.path.startswith("/v1/"):
+        keys = self.view.keys
+        if keys.enabled and head.path.startswith("/v1/"):
             given = head.headers.get(b"authorization")
             if given is None and (x_api_key := head.headers.get(b"x-api-key")) is not None:
                 given = b"Bearer " + x_api_key
-            key = self.state.keys.lookup(given.decode("latin-1") if given else None)
+            key = keys.lookup(given.decode("latin-1") if given else None)
             if key is None:
                 return None  # the general path's 401, with its body drained
         rule, handler = route
         status, body = handler()
         rid = request_id()
-        count_request(self.state.metrics, rule, status, "none", key, "-")
+        self.view.count(rule, status, key)
         log_access(rule, status, rid, key, started)
         return (b"HTTP/1.1 %d \r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"x-request-id: %s\r\n%s\r\n%s" % (status, len(body), rid.encode(),
@@ -204,7 +242,7 @@ class HotDoor:
 
 async def _receive(stream: trio.SocketStream) -> bytes:
     try:
-        return bytes(await stream.receive_some(_READ))
+        return bytes(await stream.receive_some(READ_SIZE))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return b""
 
@@ -232,11 +270,11 @@ class Prefixed(trio.abc.Stream):
     def __init__(self, stream: trio.SocketStream, first: bytes) -> None:
         self.transport = stream
         self.socket = stream.socket  # hypercorn reads the peer's address from it
-        self._first = first
+        self.first = first  # not yet returned by receive_some
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._first:
-            out, self._first = self._first, b""
+        if self.first:
+            out, self.first = self.first, b""
             await trio.lowlevel.checkpoint()
             return out
         return bytes(await self.transport.receive_some(max_bytes))

@@ -129,11 +129,17 @@ def _worker(w: dict[str, Any], *, several_models: bool) -> list[str]:
 
 
 def _door(stats: dict[str, Any]) -> list[str]:
-    """The CPUs the door keeps to, and why (absent from older daemons)."""
+    """The CPUs the door keeps to, and why; its processes (absent from older daemons)."""
     if "door" not in stats:
         return []
-    cpus = ", ".join(map(str, stats["door"]["cpus"])) or "every CPU"
-    return [f"door        {cpus} ({stats['door']['why']})"]
+    door = stats["door"]
+    cpus = ", ".join(map(str, door["cpus"])) or "every CPU"
+    lines = [f"door        {cpus} ({door['why']})"]
+    if "processes" in door:
+        lines.append(f"            {door['processes']} door processes ({door['processes_why']})")
+    lines += [f"            door pid {p['pid']}: {p['answered']} answered, {p['handed']} "
+              f"handed to the daemon, {p['restarts']} restarts" for p in door.get("process", [])]
+    return lines
 
 
 def _threads(w: dict[str, Any]) -> list[str]:

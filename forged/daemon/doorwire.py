@@ -1,0 +1,59 @@
+"""What the daemon and its door processes (forged.daemon.doors) say to each other.
+
+Daemon to door, on the door's stdin: :class:`View`, each a 4-byte length and msgpack,
+whenever what the hot routes answer changes. Door to daemon, on a ``SOCK_SEQPACKET``
+pair: :class:`Handed` with the connection's descriptor attached (``SCM_RIGHTS``), and
+:class:`Counted`. A datagram per message: no framing, and a descriptor always travels
+with its own bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from forged.auth import KeyEntry
+from forged.http.hotdoor import MAX_HEAD, READ_SIZE
+
+
+class View(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """What a door answers from: the hot routes' bodies as the daemon would send them,
+    the keys, and the hypercorn settings a connection's loop reads."""
+
+    on: bool
+    health_status: int
+    health: bytes
+    models: bytes
+    keys: list[KeyEntry]
+    keep_alive_s: float
+    max_requests: int
+
+
+class Handed(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """A connection the door does not answer: the daemon serves it from here, with the
+    bytes the door already read from it."""
+
+    data: bytes
+
+
+class Counted(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Requests a door answered since its last count: (rule, status, key name, n)."""
+
+    counts: list[tuple[str, int, str, int]]
+
+
+FromDoor = Handed | Counted
+# The largest datagram a door sends: a Handed with everything the hot door may have
+# read before it gave up on a head, and msgpack's few bytes around it.
+DATAGRAM_MAX = MAX_HEAD + READ_SIZE + 64
+LENGTH = struct.Struct(">I")
+
+encoder = msgspec.msgpack.Encoder()
+from_door = msgspec.msgpack.Decoder(FromDoor)
+view_decoder = msgspec.msgpack.Decoder(View)
+
+
+def framed(view: View) -> bytes:
+    body = encoder.encode(view)
+    return LENGTH.pack(len(body)) + body

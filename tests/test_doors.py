@@ -1,0 +1,219 @@
+"""Door processes (forged.daemon.doors): processes that accept the API's connections,
+answer the hot routes from the daemon's view, and hand every other connection to the
+daemon, which alone admits, counts and limits. Two doors, real processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from forged.auth import add_key
+from tests.conftest import DaemonFactory, RunningDaemon
+from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.test_api import until
+from tests.test_hotdoor import GENERAL, _connect, _exchange, _get, _requests, _shape
+
+TWO = {"door_processes": 2}
+
+
+def _doors(d: RunningDaemon) -> list[dict[str, int]]:
+    assert d.daemon.state is not None
+    return d.daemon.state.door_report()
+
+
+async def _running(d: RunningDaemon) -> list[dict[str, int]]:
+    """The doors, once each has its view and accepts (the first answer proves it, once
+    counted: later counts then start from here)."""
+    await until(lambda: all(door["pid"] for door in _doors(d)))
+    answered = sum(door["answered"] for door in _doors(d))
+    async with await _connect(d) as stream:
+        await _exchange(stream, _get("/health"), 1)
+    await until(lambda: sum(door["answered"] for door in _doors(d)) == answered + 1)
+    return _doors(d)
+
+
+@contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """One door paused (SIGSTOP), so that the other accepts every new connection."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie that nobody has reaped yet (an orphan's
+    reaper may be slow, or absent in a container)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_doors_answer_the_hot_routes_and_hand_the_rest(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    async with start_daemon(tiny_model, server=TWO) as d:
+        doors = await _running(d)
+        assert len(doors) == 2 and len({door["pid"] for door in doors} | {os.getpid()}) == 3
+        before = _requests(d, "/health")
+        answered = sum(door["answered"] for door in _doors(d))
+        for _ in range(30):  # each on a new connection: the kernel picks a door
+            async with await _connect(d) as stream:
+                hot, = await _exchange(stream, _get("/health"), 1)
+        async with await _connect(d) as stream:  # the daemon's answer, for comparison
+            general, = await _exchange(stream, _get("/health", GENERAL), 1)
+        assert _shape(hot) == _shape(general)
+        # Each door reports what it answered: the daemon's metrics count it.
+        await until(lambda: _requests(d, "/health") == before + 31)
+        assert sum(door["answered"] for door in _doors(d)) == answered + 30
+        # A generation comes through a door to the daemon, and streams.
+        handed = sum(door["handed"] for door in _doors(d))
+        async with httpx.AsyncClient(base_url=d.url, timeout=30) as client:
+            r = await client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 4, "stream": True})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        assert sum(door["handed"] for door in _doors(d)) == handed + 1
+    assert not any(_alive(door["pid"]) for door in doors)  # stopped with the daemon
+
+
+async def test_per_key_limits_are_exact_across_doors(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """A key's second stream, through the other door, is refused: the daemon alone
+    counts the key's streams, whichever door accepted each connection."""
+    key = add_key(tmp_path / "keys.toml", "solo", max_streams=1, max_queued=0,
+                  priority="interactive")
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server=TWO) as d, \
+                httpx.AsyncClient(base_url=d.url, headers=auth, timeout=30) as first, \
+                httpx.AsyncClient(base_url=d.url, headers=auth, timeout=30) as second:
+            state = d.daemon.state
+            assert state is not None
+            one, two = await _running(d)
+            with _stopped(two["pid"]):  # the first stream through door one
+                streaming = await first.send(first.build_request(
+                    "POST", "/v1/completions", json=body), stream=True)
+            try:
+                assert streaming.status_code == 200
+                await until(lambda: state.key_usage["solo"].open == 1)
+                with _stopped(one["pid"]):  # the second through door two
+                    r = await second.post("/v1/completions", json=body)
+            finally:
+                await streaming.aclose()
+            assert r.status_code == 429, r.text
+            assert "has 1 sequences in flight" in json.loads(r.text)["error"]["message"]
+            await until(lambda: state.key_usage["solo"].open == 0)
+            r = await second.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert [door["handed"] for door in _doors(d)][:2] >= [1, 1]
+
+
+async def test_a_door_that_dies_is_restarted(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    async with start_daemon(tiny_model, server=TWO) as d:
+        one, _ = await _running(d)
+        os.kill(one["pid"], signal.SIGKILL)
+        await until(lambda: _doors(d)[0]["restarts"] == 1 and _doors(d)[0]["pid"] != one["pid"])
+        with _stopped(_doors(d)[1]["pid"]):  # so the new door answers
+            answered = _doors(d)[0]["answered"]
+            async with await _connect(d) as stream:
+                answer, = await _exchange(stream, _get("/health"), 1)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        await until(lambda: _doors(d)[0]["answered"] == answered + 1)
+
+
+async def test_doors_follow_the_daemons_state_and_keys(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    key = add_key(tmp_path / "keys.toml", "k", max_streams=2, max_queued=2,
+                  priority="interactive")
+    async with start_daemon(tiny_model, server=TWO) as d:
+        state = d.daemon.state
+        assert state is not None
+        await _running(d)
+
+        async def get(path: str, extra: bytes = b"") -> bytes:
+            async with await _connect(d) as stream:
+                answer, = await _exchange(stream, _get(path, extra), 1)
+            return answer
+
+        state.leaving = True  # a stop has begun: the balancer must hear 503 at once
+        with trio.fail_after(5):
+            while not (await get("/health")).startswith(b"HTTP/1.1 503 "):  # noqa: ASYNC110
+                await trio.sleep(0.02)  # (another process's view)
+        state.leaving = False
+        # A known key is answered by a door; an unknown one gets the daemon's 401.
+        handed = sum(door["handed"] for door in _doors(d))
+        assert (await get("/v1/models", b"Authorization: Bearer %s\r\n" % key.encode())
+                ).startswith(b"HTTP/1.1 200 ")
+        assert sum(door["handed"] for door in _doors(d)) == handed
+        assert (await get("/v1/models", b"Authorization: Bearer nope\r\n")
+                ).startswith(b"HTTP/1.1 401 ")
+        assert sum(door["handed"] for door in _doors(d)) == handed + 1
+
+
+def _door_pids(daemon_pid: int) -> list[int]:
+    """The door processes of a daemon (any of its threads may have started them)."""
+    pids = []
+    for task in Path(f"/proc/{daemon_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"forged.daemon.doorproc" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+    return pids
+
+
+def test_doors_stop_when_the_daemon_dies_however_it_dies(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """A daemon killed outright (SIGKILL: no drain, no SIGTERM to its doors) leaves no
+    door accepting connections that nobody would serve: each sees its stdin close."""
+    port = free_port()
+    d = DaemonProcess(write_config(tmp_path / "forged.toml", tiny_model, port,
+                                   server=TWO), port)
+    try:
+        d.wait_ready(120)
+        deadline = time.monotonic() + 20
+        while len(pids := _door_pids(d.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) == 2
+        d.proc.kill()
+        d.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize(("door_cpus", "setting", "expected"), [
+    ([0, 8], "auto", 0),  # one core (and its hyperthread): the daemon accepts
+    ([0, 1, 8, 9], "auto", 1),  # two cores: one door, and the daemon
+    ([0, 1, 2, 3], "auto", 3),
+    ([], "auto", 0),  # the door shares every CPU
+    ([], 2, 2),  # set: kept
+])
+def test_door_processes_default_to_the_doors_cores_but_one(
+        door_cpus: list[int], setting: object, expected: int, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
+    import forged.config as fc
+    from tests.test_config import _fake_cpus
+
+    _fake_cpus(tmp_path, {cpu: cpu % 8 for cpu in range(16)})  # siblings: 0 and 8, ...
+    monkeypatch.setattr(fc, "_SYS_CPU", tmp_path)
+    monkeypatch.setattr(fc, "STARTED_ON", frozenset(range(16)))
+    cfg = msgspec.convert({"server": {"door_cpus": door_cpus, "door_processes": setting}},
+                          fc.Config)
+    assert cfg.door_processes[0] == expected
