@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.test_api import until
@@ -84,6 +86,14 @@ async def test_doors_answer_the_hot_routes_and_hand_the_rest(
                 "prompt": "x", "max_tokens": 4, "stream": True})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert sum(door["handed"] for door in _doors(d)) == handed + 1
+        # forged status shows them
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                                     base_url="http://admin", timeout=30) as admin:
+            shown = "\n".join(status_door((await admin.get("/stats")).json()))
+        assert "door processes 2 (set in the config)" in shown
+        for door in doors:
+            assert re.search(rf"door pid {door['pid']}: \d+ answered, \d+ handed to the "
+                             r"daemon, 0 restarts", shown), shown
     assert not any(_alive(door["pid"]) for door in doors)  # stopped with the daemon
 
 

@@ -159,7 +159,8 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
                      r"worker\)\n", out), out
     # server.door_cpus = "auto" (the default): a core of its own from 8 cores up
     assert re.search(r"\ndoor        (every CPU|[\d, ]+) \(server.door_cpus = \"auto\": ", out), out
-    assert re.search(r"\n            0 door processes \(server.door_processes = \"auto\": ", out), out
+    assert re.search(r"\n            door processes 0 \(server.door_processes = \"auto\": ",
+                     out), out
     # flash_attn = "auto" (the default): the worker timed both and says what it found
     assert re.search(r"attention flash attention (on|off): measured [\d.]+ ms with flash "
                      r"attention, [\d.]+ ms without", out), out

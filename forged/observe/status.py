@@ -136,7 +136,8 @@ def _door(stats: dict[str, Any]) -> list[str]:
     cpus = ", ".join(map(str, door["cpus"])) or "every CPU"
     lines = [f"door        {cpus} ({door['why']})"]
     if "processes" in door:
-        lines.append(f"            {door['processes']} door processes ({door['processes_why']})")
+        lines.append(f"            door processes {door['processes']} "
+                     f"({door['processes_why']})")
     lines += [f"            door pid {p['pid']}: {p['answered']} answered, {p['handed']} "
               f"handed to the daemon, {p['restarts']} restarts" for p in door.get("process", [])]
     return lines
