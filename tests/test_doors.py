@@ -173,6 +173,28 @@ async def test_doors_follow_the_daemons_state_and_keys(
         assert sum(door["handed"] for door in _doors(d)) == handed + 1
 
 
+async def test_a_drain_stops_the_doors_and_lets_their_streams_finish(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """At a drain's start the doors stop accepting (as the daemon's own accepting did),
+    the streams they handed over run to their end, and the port then refuses."""
+    body = {"prompt": "go on", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, server=TWO) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as client:
+            doors = await _running(d)
+            async with client.stream("POST", "/v1/completions", json=body) as streaming:
+                assert streaming.status_code == 200
+                d.daemon.begin_drain()
+                await until(lambda: not any(_alive(door["pid"]) for door in doors))
+                text = "".join([chunk async for chunk in streaming.aiter_text()])
+            assert text.rstrip().endswith("data: [DONE]")
+            with pytest.raises(OSError), trio.fail_after(5):
+                while True:  # the daemon closes its copy of the socket just after
+                    stream = await _connect(d)
+                    await stream.aclose()
+                    await trio.sleep(0.05)
+
+
 def _door_pids(daemon_pid: int) -> list[int]:
     """The door processes of a daemon (any of its threads may have started them)."""
     pids = []
