@@ -26,8 +26,8 @@ import trio
 from hypercorn.config import Config as HyperConfig
 
 from forged.auth import KeyEntry, KeyStore
+from forged.daemon.accept import ResponseTail, accept_bursts
 from forged.daemon.doorwire import LENGTH, Counted, Handed, View, encoder, view_decoder
-from forged.daemon.listener import ResponseTail, accept_bursts
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
 
 log = logging.getLogger("forged.door")

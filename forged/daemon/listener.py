@@ -10,11 +10,8 @@ timeout and the binds are hypercorn's, as before.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -33,31 +30,17 @@ from hypercorn.typing import (
 )
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
+from forged.daemon.accept import Handler, ResponseTail, accept_bursts, connection
 from forged.daemon.doors import Doors
 from forged.daemon.doorwire import Counted, View
 from forged.http.access import count_requests
 from forged.http.direct import CONNECTION
-from forged.http.hotdoor import Handoff, HotDoor, HubView, IdleConnections, Prefixed
+from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
+from forged.http.hubview import HubView
 from forged.http.state import AppState
 
 log = logging.getLogger("forged.http")
 
-
-class ResponseTail:
-    """The header lines hypercorn adds to each response (``date``, ``server``), made
-    once a second rather than once a request: the date has seconds only."""
-
-    def __init__(self, hc: HyperConfig) -> None:
-        self.hc = hc
-        self._second = -1
-        self._lines = b""
-
-    def __call__(self) -> bytes:
-        now = int(time.time())
-        if now != self._second:
-            self._second = now
-            self._lines = b"".join(b"%s: %s\r\n" % kv for kv in self.hc.response_headers("h11"))
-        return self._lines
 
 
 async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
@@ -120,11 +103,7 @@ async def _shielded_close(app: Any, scope: Scope, receive: ASGIReceiveCallable,
     await app(scope, receive, send_last_shielded)
 
 
-Handler = Callable[[Any], Awaitable[None]]
 Listening = tuple[socket.socket | trio.abc.Listener[Any], Handler]
-# Out of descriptors or memory: wait and retry, as trio.serve_listeners does.
-_ACCEPT_LATER = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
-_BURST = 256  # connections accepted at one wake, before the others get the loop again
 
 
 async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Handler,
@@ -134,37 +113,6 @@ async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Han
     else:
         await accept_bursts(listener, handler, nursery)
 
-
-async def accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nursery) -> None:
-    """Accept every connection waiting at each wake, not one per turn of the event loop
-    as ``trio.serve_listeners`` does: with the loop busy, 256 connections opened at once
-    waited up to a second for their turn to be accepted, which was the door's p99."""
-    sock.setblocking(False)
-    try:
-        while True:
-            await trio.lowlevel.wait_readable(sock)
-            for _ in range(_BURST):
-                try:
-                    conn, _ = sock.accept()
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    if exc.errno not in _ACCEPT_LATER:
-                        raise
-                    log.error("accept: %s; retrying in 0.1 s", os.strerror(exc.errno or 0))
-                    await trio.sleep(0.1)
-                    break
-                stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
-                nursery.start_soon(connection, stream, handler)
-    finally:
-        sock.close()
-
-
-async def connection(stream: trio.SocketStream, handler: Handler) -> None:
-    try:
-        await handler(stream)
-    finally:
-        await trio.aclose_forcefully(stream)
 
 
 def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppState | None,

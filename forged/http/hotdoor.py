@@ -26,11 +26,8 @@ from typing import NamedTuple, Protocol
 import trio
 
 from forged.auth import KeyEntry, KeyStore
-from forged.http.access import count_request, log_access, request_id
+from forged.http.access import log_access, request_id
 from forged.http.direct import CONNECTION
-from forged.http.modellist import model_list
-from forged.http.responses import encode_json
-from forged.http.state import AppState
 
 MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
 READ_SIZE = 65536  # a read of a connection
@@ -130,8 +127,10 @@ def parse_head(raw: bytes) -> Head | None:
 
 
 class HotView(Protocol):
-    """What the hot door answers from: the daemon's own state (:class:`HubView`), or
-    in a door process the copy of it that the daemon sends (forged.daemon.doors)."""
+    """What the hot door answers from: the daemon's own state
+    (forged.http.hubview.HubView), or in a door process the copy of it that the daemon
+    sends (forged.daemon.doors). This module imports neither, so that a door process
+    loads only what it runs."""
 
     @property
     def on(self) -> bool:
@@ -145,32 +144,6 @@ class HotView(Protocol):
     def models(self) -> bytes: ...
 
     def count(self, rule: str, status: int, key: KeyEntry | None) -> None: ...
-
-
-class HubView:
-    """The hot door's view of the daemon, read at each request: a reload applies."""
-
-    def __init__(self, state: AppState) -> None:
-        self.state = state
-
-    @property
-    def on(self) -> bool:
-        server = self.state.cfg.server
-        return server.hot_door and not server.cors_origins
-
-    @property
-    def keys(self) -> KeyStore:
-        return self.state.keys
-
-    def health(self) -> tuple[int, bytes]:
-        status, body = self.state.health()
-        return status, encode_json(body)
-
-    def models(self) -> bytes:
-        return encode_json(model_list(self.state.models, int(self.state.started)))
-
-    def count(self, rule: str, status: int, key: KeyEntry | None) -> None:
-        count_request(self.state.metrics, rule, status, "none", key, "-")
 
 
 class HotDoor:
