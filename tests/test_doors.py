@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.daemon.doors import Doors
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
@@ -142,6 +143,25 @@ async def test_a_door_that_dies_is_restarted(
                 answer, = await _exchange(stream, _get("/health"), 1)
         assert answer.startswith(b"HTTP/1.1 200 ")
         await until(lambda: _doors(d)[0]["answered"] == answered + 1)
+
+
+async def test_a_door_that_cannot_start_is_tried_again(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Out of processes or memory at a door's start: logged, and tried again, never
+    the end of the daemon."""
+    argv = Doors._argv
+    tries: list[int] = []
+
+    def failing_once(self: Doors, hub_fd: int) -> list[str]:
+        tries.append(hub_fd)
+        return ["/nonexistent/python"] if len(tries) == 1 else argv(self, hub_fd)
+
+    monkeypatch.setattr(Doors, "_argv", failing_once)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        door, = await _running(d)
+        assert door["restarts"] == 1
+    assert "cannot start a door process" in caplog.text
 
 
 async def test_doors_follow_the_daemons_state_and_keys(

@@ -15,6 +15,7 @@ whole process group: the daemon decides when a drain stops the accepting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -139,7 +140,8 @@ async def report(hub: socket.socket, view: DoorView) -> None:
 
 async def flush(hub: socket.socket, view: DoorView) -> None:
     if (counted := view.take_counts()) is not None:
-        with trio.move_on_after(HAND_TIMEOUT_S):
+        # OSError: the daemon is gone; its closed pipe stops this door
+        with trio.move_on_after(HAND_TIMEOUT_S), contextlib.suppress(OSError):
             await send_datagram(hub, encoder.encode(counted), [])
 
 

@@ -88,8 +88,11 @@ class Doors:
     async def _keep(self, door: Door) -> None:
         while True:
             started = trio.current_time()
-            code = await self._run_one(door)
-            log.error("door process %d exited with code %s: restarting", door.pid, code)
+            try:
+                code = await self._run_one(door)
+                log.error("door process %d exited with code %s: restarting", door.pid, code)
+            except OSError as exc:  # out of processes or memory: the next try may not be
+                log.error("cannot start a door process: %s; retrying", exc)
             door.restarts += 1
             await trio.sleep(max(0.0, started + RESTART_EVERY_S - trio.current_time()))
 
@@ -102,6 +105,9 @@ class Doors:
             door.process = await trio.lowlevel.open_process(
                 self._argv(theirs.fileno()), stdin=subprocess.PIPE,
                 pass_fds=[theirs.fileno(), *(s.fileno() for s in self._sockets)])
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         door.pid, door.sent = door.process.pid, b""
