@@ -311,3 +311,23 @@ async def test_a_stream_that_fails_midway_ends_with_the_general_paths_error_fram
     direct, _ = await _direct_body(events, full=False)
     assert direct == general
     assert b"the worker's step failed" in _chunked(direct)[-1]
+
+
+@pytest.mark.parametrize("fingerprint", [None, "fp_1"])
+@pytest.mark.parametrize("make", [sse.ChatFormat, sse.CompletionFormat])
+def test_a_pre_encoded_text_chunk_is_the_chunk_encoded_whole(
+        make: type[sse.ChatFormat] | type[sse.CompletionFormat],
+        fingerprint: str | None) -> None:
+    """A token's chunk is made from its choice's bytes around the text (encoded once);
+    it must be the envelope encoded whole, whatever the text."""
+    out = make(model='m "x" \u00e9', created=7, n=2, fingerprint=fingerprint)
+    for index in (1, 0, 1):
+        for text in ["", "hi", ' a "quote" \\ and\nnewline', "\x00\x1f\u2028 caf\u00e9 \U0001f600",
+                     "\ue000forged\ue000"]:
+            key = "delta" if make is sse.ChatFormat else "text"
+            value: object = {"content": text} if key == "delta" else text
+            choice = {"index": index, key: value, "logprobs": None, "finish_reason": None}
+            whole = {"id": out.id, "object": out.object_chunk, "created": 7, "model": out.model,
+                     "choices": [choice],
+                     **({"system_fingerprint": fingerprint} if fingerprint else {})}
+            assert out.delta(text, index) == b"data: " + msgspec.json.encode(whole) + b"\n\n"

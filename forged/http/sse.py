@@ -17,6 +17,10 @@ from forged.http.tools import ToolCallParser
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+# A text no token makes (a private-use character, which JSON does not escape), and its
+# JSON: where a chunk's text goes in its pre-encoded bytes (Format._text_chunk).
+_MARK = "\ue000forged\ue000"
+_MARK_JSON = _json.encode(_MARK)
 
 
 def event(obj: Any) -> bytes:
@@ -67,6 +71,7 @@ class Format:
         self.created = created
         self.n = n
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint, where it has one
+        self._around: dict[int, tuple[bytes, bytes]] = {}  # _text_chunk's, per choice
 
     def _envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -77,6 +82,18 @@ class Format:
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return event(self._envelope(self.object_chunk, [choice]))
+
+    def _text_chunk(self, text: str, index: int, choice: Callable[[str, int], dict[str, Any]]
+                    ) -> bytes:
+        """``self._chunk(choice(text, index))``, byte for byte, from that chunk's bytes
+        around its text, encoded once per choice: a stream's every token is such a
+        chunk, and building and encoding its envelope was most of a token's frame."""
+        parts = self._around.get(index)
+        if parts is None:
+            whole = self._chunk(choice(_MARK, index))
+            head, _, tail = whole.partition(_MARK_JSON)
+            parts = self._around[index] = (head, tail)
+        return parts[0] + _json.encode(text) + parts[1]
 
     def start(self) -> bytes:
         return b""
@@ -192,12 +209,17 @@ class CompletionFormat(Format):
 
     def delta(self, text: str, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> bytes:
-        return self._text(text, index, None if self.logprobs is None
-                          else self.logprobs[index].tokens(logprobs or []))
+        if self.logprobs is None:
+            return self._text_chunk(text, index, self._plain)
+        return self._text(text, index, self.logprobs[index].tokens(logprobs or []))
 
     def _text(self, text: str, index: int, logprobs: dict[str, Any] | None) -> bytes:
         return self._chunk({"index": index, "text": text, "logprobs": logprobs,
                             "finish_reason": None})
+
+    @staticmethod
+    def _plain(text: str, index: int) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
 
     def _final_chunk(self, done: Done, reason: str) -> bytes:
         return self._chunk({"index": done.index, "text": "", "logprobs": None,
@@ -244,6 +266,8 @@ class ChatFormat(Format):
 
     def delta(self, text: str, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> bytes:
+        if self.parsers is None and self.logprobs is None:
+            return self._text_chunk(text, index, self._content)
         self._pending[index] += logprobs or []
         choices = self._choices(text, index)
         if choices:
