@@ -137,6 +137,9 @@ async def test_a_door_that_dies_is_restarted(
         one, _ = await _running(d)
         os.kill(one["pid"], signal.SIGKILL)
         await until(lambda: _doors(d)[0]["restarts"] == 1 and _doors(d)[0]["pid"] != one["pid"])
+        assert d.daemon.state is not None
+        assert d.daemon.state.metrics.registry.get_sample_value(
+            "forged_door_restarts_total") == 1.0
         with _stopped(_doors(d)[1]["pid"]):  # so the new door answers
             answered = _doors(d)[0]["answered"]
             async with await _connect(d) as stream:

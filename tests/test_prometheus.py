@@ -41,7 +41,7 @@ def test_every_alert_reads_a_recorded_series_or_up() -> None:
     """So that querying the recorded series checks what every alert reads."""
     alerts = re.findall(r"^\s*expr: (\S+) ", RULES.read_text().split("forged-alerts")[1],
                         re.M)
-    assert len(alerts) == 6
+    assert len(alerts) == 7
     assert all(a in recorded() or a.startswith("up{") for a in alerts), alerts
 
 

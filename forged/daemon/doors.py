@@ -59,14 +59,17 @@ class Doors:
 
     def __init__(self, n: int, sockets: list[socket.socket], view: Callable[[], View],
                  serve_handed: Callable[[trio.SocketStream, bytes], None],
-                 counted: Callable[[Counted], None], log_level: str) -> None:
+                 counted: Callable[[Counted], None], restarted: Callable[[], None],
+                 log_level: str) -> None:
         """``view()``: what the doors answer from now; ``serve_handed(stream, data)``
-        serves a connection a door handed; ``counted`` takes a door's answered counts."""
+        serves a connection a door handed; ``counted`` takes a door's answered counts;
+        ``restarted`` counts a door's restart (forged_door_restarts)."""
         self.doors = [Door() for _ in range(n)]
         self._sockets = sockets
         self._view = view
         self._serve_handed = serve_handed
         self._counted = counted
+        self._restarted = restarted
         self._log_level = log_level
 
     async def run(self) -> None:
@@ -94,6 +97,7 @@ class Doors:
             except OSError as exc:  # out of processes or memory: the next try may not be
                 log.error("cannot start a door process: %s; retrying", exc)
             door.restarts += 1
+            self._restarted()
             await trio.sleep(max(0.0, started + RESTART_EVERY_S - trio.current_time()))
 
     async def _run_one(self, door: Door) -> int:

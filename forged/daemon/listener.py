@@ -163,7 +163,8 @@ def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
         for rule, status, key_name, count in message.counts:
             count_requests(state.metrics, rule, status, "none", key_name, "-", count)
 
-    doors = Doors(n, sockets, view, serve_handed, counted, state.cfg.log.level)
+    doors = Doors(n, sockets, view, serve_handed, counted, state.metrics.door_restarts.inc,
+                  state.cfg.log.level)
     state.door_report = doors.report
     return doors
 

@@ -219,6 +219,9 @@ class Metrics:
                                          ["key", "model"], registry=r)
         self.cancellations = Counter("forged_cancellations", "Requests ended early.",
                                      ["reason"], registry=r)
+        self.door_restarts = Counter("forged_door_restarts",
+                                     "Door processes restarted (server.door_processes).",
+                                     registry=r)
         self._telemetry(r)
         r.register(_BuildInfo(groups))
         r.register(_EngineCollector(groups))
