@@ -535,3 +535,32 @@ def test_held_tokens_go_before_a_step_that_computes_a_prompt() -> None:
     tokens_only = [f for f in flushed if set(f[0]) == {Delta}]
     assert tokens_only  # held tokens, flushed by a prompt step (no admission in it)
     assert all(before == at for _, before, at in tokens_only)  # before its decode
+
+
+def test_held_tokens_go_before_a_decode_priced_past_their_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hold predicts the next step from the last one. A step the cost model prices
+    longer (more decoders, a bigger batch) would keep what is held past its budget, so
+    what is held goes before that step's decode: no token waits past the budget."""
+    core, _ = core_with({5: [1] * 40}, hold_ms=5.0)
+    submit(core, 1, [5], max_tokens=30)
+    step = 0
+    priced = {12: 10.0}  # one step of 10 ms among 1 ms ones
+    monkeypatch.setattr(core.sched.cost, "predict", lambda shape: priced.get(step, 1.0))
+    sent: list[tuple[float, int]] = []  # (when, text events)
+    made: list[float] = []  # each step's end: when its one text event was made
+    now = 0.0
+
+    def send(at: float, frame: fr.Step | None) -> None:
+        if frame is not None:
+            sent.append((at, sum(isinstance(e, (Delta, Done)) for e in frame.events)))
+
+    for step in range(30):
+        core.step(now, flush=lambda at=now: send(at, core.frame(at)))
+        now += priced.get(step, 1.0) / 1000
+        made.append(now)
+        send(now, core.frame(now, hold=True))
+    sent_at = [at for at, texts in sent for _ in range(texts)]
+    assert len(sent_at) == 30  # a text event a step
+    waits = [at - at_made for at, at_made in zip(sent_at, made, strict=True)]
+    assert max(waits) <= 0.005 + 1e-9

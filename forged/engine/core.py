@@ -34,13 +34,7 @@ import msgspec
 
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel
-from forged.engine.decoding import (
-    Backend,
-    NoKVSpace,
-    TokenLogprob,
-    TokenSampler,
-    run_isolating,
-)
+from forged.engine.decoding import Backend, NoKVSpace, TokenLogprob, TokenSampler, run_isolating
 from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
 from forged.engine.hold import TokenHold
 from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
@@ -234,8 +228,10 @@ class WorkerCore:
                                 plan.shape)
         admitted = self._scheduler_events()
         if plan is not None and plan.chunks:
-            # Held tokens go before a prompt's decode too: it may take the step target.
-            if admitted or (self.events and plan.shape.prompt_tokens):
+            # Held tokens go before a prompt's decode too (it may take the step target),
+            # and before any decode the cost model prices past their budget.
+            if admitted or (self.events and (plan.shape.prompt_tokens or self._hold.due(
+                    now, self.sched.last_plan_ms, self.sched.limits.hold_ms))):
                 flush()
             self._decode(plan)
 

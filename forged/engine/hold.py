@@ -48,6 +48,12 @@ class TokenHold:
         self._since, self._checked = since, len(events)
         return True
 
+    def due(self, now: float, step_ms: float, hold_ms: float) -> bool:
+        """Whether what is held would wait past ``hold_ms`` if the next step, priced
+        ``step_ms`` by the cost model, ran first: :meth:`holds` predicted that step
+        from the last one, and one with more work would keep the held text too long."""
+        return self._since is not None and (now - self._since) * 1000 + step_ms >= hold_ms
+
     def sent(self, events: Sequence[Event]) -> None:
         """``events`` went out (the caller sends whenever :meth:`holds` says no): their
         choices are streaming, nothing is held."""
