@@ -338,6 +338,8 @@ class Config(_Section, frozen=True):
         """How many door processes accept the API's connections (0: the daemon does),
         ``server.door_processes`` resolved, and why (forged status)."""
         setting = self.server.door_processes
+        if self.server.tls_cert and setting:  # doors take plain TCP only
+            return 0, "server.tls_cert is set: the daemon accepts TLS connections itself"
         if setting != "auto":
             return setting, "set in the config"
         cores = len(core_groups(self.door_cpus)) if self.door_cpus else 0

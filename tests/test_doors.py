@@ -257,6 +257,7 @@ def test_doors_stop_when_the_daemon_dies_however_it_dies(
     ([0, 1, 2, 3], "auto", 3),
     ([], "auto", 0),  # the door shares every CPU
     ([], 2, 2),  # set: kept
+    ([0, 1, 8, 9], "tls", 0),  # with TLS the daemon accepts itself
 ])
 def test_door_processes_default_to_the_doors_cores_but_one(
         door_cpus: list[int], setting: object, expected: int, tmp_path: Path,
@@ -269,6 +270,8 @@ def test_door_processes_default_to_the_doors_cores_but_one(
     _fake_cpus(tmp_path, {cpu: cpu % 8 for cpu in range(16)})  # siblings: 0 and 8, ...
     monkeypatch.setattr(fc, "_SYS_CPU", tmp_path)
     monkeypatch.setattr(fc, "STARTED_ON", frozenset(range(16)))
-    cfg = msgspec.convert({"server": {"door_cpus": door_cpus, "door_processes": setting}},
-                          fc.Config)
+    server: dict[str, object] = {"door_cpus": door_cpus, "door_processes": setting}
+    if setting == "tls":
+        server.update(door_processes=2, tls_cert="/c.pem", tls_key="/k.pem")
+    cfg = msgspec.convert({"server": server}, fc.Config)
     assert cfg.door_processes[0] == expected
