@@ -215,6 +215,7 @@ class WorkerCore:
         one that may have caused it must not be."""
         self.account_disk()
         self.sched.expire(now)
+        priced_ms = self.sched.last_plan_ms  # the last plan's, for the hold's due()
         plan = self.sched.plan(now)
         if self.sched.cache.tiers.staging and (plan is None or not plan.chunks):
             # Nothing to compute but a restore's read: wait for it here, not spin.
@@ -230,8 +231,9 @@ class WorkerCore:
         if plan is not None and plan.chunks:
             # Held tokens go before a prompt's decode too (it may take the step target),
             # and before any decode the cost model prices past their budget.
+            scale = self.sched.last_plan_ms / priced_ms if priced_ms > 0 else 1.0
             if admitted or (self.events and (plan.shape.prompt_tokens or self._hold.due(
-                    now, self.sched.last_plan_ms, self.sched.limits.hold_ms))):
+                    now, scale, self.sched.limits.hold_ms))):
                 flush()
             self._decode(plan)
 

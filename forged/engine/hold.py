@@ -30,6 +30,7 @@ class TokenHold:
         self._since: float | None = None  # when the oldest held event was made
         self._checked = 0  # the held events already found holdable
         self._asked_at = -math.inf  # when holds() was last asked: the steps' pace
+        self._step_s = math.inf  # the time between the last two asks: the last step's
         self._announced: set[tuple[int, int]] = set()  # (rid, index) streaming
 
     def holds(self, events: Sequence[Event], now: float, hold_ms: float) -> bool:
@@ -37,6 +38,7 @@ class TokenHold:
         next step, predicted to take as long as the last, ends within ``hold_ms`` of
         the oldest of them (``now`` in seconds)."""
         step_s, self._asked_at = now - self._asked_at, now
+        self._step_s = step_s
         hold_s = hold_ms / 1000
         # Only the events that came since the last ask: the others were held already.
         if hold_s <= 0 or any(type(e) is not Delta or (e.rid, e.index) not in self._announced
@@ -48,11 +50,16 @@ class TokenHold:
         self._since, self._checked = since, len(events)
         return True
 
-    def due(self, now: float, step_ms: float, hold_ms: float) -> bool:
-        """Whether what is held would wait past ``hold_ms`` if the next step, priced
-        ``step_ms`` by the cost model, ran first: :meth:`holds` predicted that step
-        from the last one, and one with more work would keep the held text too long."""
-        return self._since is not None and (now - self._since) * 1000 + step_ms >= hold_ms
+    def due(self, now: float, scale: float, hold_ms: float) -> bool:
+        """Whether what is held would wait past ``hold_ms`` if the next step ran first,
+        that step taking ``scale`` times the last one: :meth:`holds` predicted it to take
+        as long as the last, and one with more work (more decoders) would keep the held
+        text too long. ``scale`` is the cost model's price of the next plan over its
+        price of the last: the model's ratio, not its milliseconds, which ran above
+        the stand-in's 1 ms steps and flushed so early that the hold saved nothing
+        (docs/benchmarks.md, "Tokens held in the worker")."""
+        return (self._since is not None
+                and (now - self._since + self._step_s * scale) * 1000 >= hold_ms)
 
     def sent(self, events: Sequence[Event]) -> None:
         """``events`` went out (the caller sends whenever :meth:`holds` says no): their
