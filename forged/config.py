@@ -340,6 +340,8 @@ class Config(_Section, frozen=True):
         setting = self.server.door_processes
         if self.server.tls_cert and setting:  # doors take plain TCP only
             return 0, "server.tls_cert is set: the daemon accepts TLS connections itself"
+        if not self.server.hot_door and setting:  # a door would hand over every request
+            return 0, "server.hot_door = false: the daemon accepts"
         if setting != "auto":
             return setting, "set in the config"
         cores = len(core_groups(self.door_cpus)) if self.door_cpus else 0

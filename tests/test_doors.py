@@ -258,6 +258,7 @@ def test_doors_stop_when_the_daemon_dies_however_it_dies(
     ([], "auto", 0),  # the door shares every CPU
     ([], 2, 2),  # set: kept
     ([0, 1, 8, 9], "tls", 0),  # with TLS the daemon accepts itself
+    ([0, 1, 8, 9], "no hot door", 0),  # a door would hand over every request
 ])
 def test_door_processes_default_to_the_doors_cores_but_one(
         door_cpus: list[int], setting: object, expected: int, tmp_path: Path,
@@ -273,5 +274,7 @@ def test_door_processes_default_to_the_doors_cores_but_one(
     server: dict[str, object] = {"door_cpus": door_cpus, "door_processes": setting}
     if setting == "tls":
         server.update(door_processes=2, tls_cert="/c.pem", tls_key="/k.pem")
+    elif setting == "no hot door":
+        server.update(door_processes=2, hot_door=False)
     cfg = msgspec.convert({"server": server}, fc.Config)
     assert cfg.door_processes[0] == expected
