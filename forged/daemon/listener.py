@@ -3,14 +3,15 @@ with the hot door (forged.http.hotdoor) in front of each plain-TCP connection.
 
 hypercorn's ``serve`` takes no per-connection hook, so this is its worker loop with one
 change: a plain connection is first served by the hot door, which hands it to
-hypercorn's ``TCPServer`` at its first request that is not a hot route. TLS
-connections go to hypercorn directly. The lifespan, the shutdown trigger, the graceful
-timeout and the binds are hypercorn's, as before.
+hypercorn's ``TCPServer`` at its first request that is not a hot route. With door
+processes (forged.daemon.doors), they accept the plain connections instead, and those
+they hand over start at hypercorn here. TLS connections go to hypercorn directly. The
+lifespan, the shutdown trigger, the graceful timeout and the binds are hypercorn's, as
+before.
 """
 
 from __future__ import annotations
 
-import logging
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -38,9 +39,6 @@ from forged.http.direct import CONNECTION
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
 from forged.http.hubview import HubView
 from forged.http.state import AppState
-
-log = logging.getLogger("forged.http")
-
 
 
 async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
@@ -112,7 +110,6 @@ async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Han
         await trio.serve_listeners(handler, [listener], handler_nursery=nursery)
     else:
         await accept_bursts(listener, handler, nursery)
-
 
 
 def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppState | None,
