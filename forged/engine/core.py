@@ -231,9 +231,8 @@ class WorkerCore:
         if plan is not None and plan.chunks:
             # Held tokens go before a prompt's decode too (it may take the step target),
             # and before any decode the cost model prices past their budget.
-            scale = self.sched.last_plan_ms / priced_ms if priced_ms > 0 else 1.0
             if admitted or (self.events and (plan.shape.prompt_tokens or self._hold.due(
-                    now, scale, self.sched.limits.hold_ms))):
+                    now, self.sched.last_plan_ms, priced_ms, self.sched.limits.hold_ms))):
                 flush()
             self._decode(plan)
 

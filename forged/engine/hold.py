@@ -37,29 +37,31 @@ class TokenHold:
         """True while ``events`` are only text of choices already streaming and the
         next step, predicted to take as long as the last, ends within ``hold_ms`` of
         the oldest of them (``now`` in seconds)."""
-        step_s, self._asked_at = now - self._asked_at, now
-        self._step_s = step_s
+        self._step_s, self._asked_at = now - self._asked_at, now
         hold_s = hold_ms / 1000
         # Only the events that came since the last ask: the others were held already.
         if hold_s <= 0 or any(type(e) is not Delta or (e.rid, e.index) not in self._announced
                               for e in itertools.islice(events, self._checked, None)):
             return False
         since = now if self._since is None else self._since
-        if now - since + step_s >= hold_s:
+        if now - since + self._step_s >= hold_s:
             return False
         self._since, self._checked = since, len(events)
         return True
 
-    def due(self, now: float, scale: float, hold_ms: float) -> bool:
-        """Whether what is held would wait past ``hold_ms`` if the next step ran first,
-        that step taking ``scale`` times the last one: :meth:`holds` predicted it to take
-        as long as the last, and one with more work (more decoders) would keep the held
-        text too long. ``scale`` is the cost model's price of the next plan over its
-        price of the last: the model's ratio, not its milliseconds, which ran above
-        the stand-in's 1 ms steps and flushed so early that the hold saved nothing
-        (docs/benchmarks.md, "Tokens held in the worker")."""
-        return (self._since is not None
-                and (now - self._since + self._step_s * scale) * 1000 >= hold_ms)
+    def due(self, now: float, priced_ms: float, last_priced_ms: float,
+            hold_ms: float) -> bool:
+        """Whether what is held would wait past ``hold_ms`` if the next step ran first:
+        :meth:`holds` predicted it to take as long as the last, and one with more work
+        (more decoders) would keep the held text too long. The next step is predicted
+        as the last one's time scaled by the cost model's prices of the two plans: the
+        model's ratio, not its milliseconds, which ran above the stand-in's 1 ms steps
+        and flushed so early that the hold saved nothing (docs/benchmarks.md, "Tokens
+        held in the worker")."""
+        if self._since is None:
+            return False
+        scale = priced_ms / last_priced_ms if last_priced_ms > 0 else 1.0
+        return (now - self._since + self._step_s * scale) * 1000 >= hold_ms
 
     def sent(self, events: Sequence[Event]) -> None:
         """``events`` went out (the caller sends whenever :meth:`holds` says no): their
