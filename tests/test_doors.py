@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +31,8 @@ TWO = {"door_processes": 2}
 
 def _doors(d: RunningDaemon) -> list[dict[str, int]]:
     assert d.daemon.state is not None
-    return d.daemon.state.door_report()
+    doors: list[dict[str, int]] = d.daemon.state.door_report()["process"]  # type: ignore[assignment]
+    return doors
 
 
 async def _running(d: RunningDaemon) -> list[dict[str, int]]:
@@ -165,6 +167,41 @@ async def test_a_door_that_cannot_start_is_tried_again(
         door, = await _running(d)
         assert door["restarts"] == 1
     assert "cannot start a door process" in caplog.text
+
+
+async def test_the_daemon_accepts_itself_while_no_door_is_ready(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A door that exits as it starts (a broken install, a bug) must not take the API
+    down: after FALLBACK_AFTER_S with no door ready the daemon accepts and serves the
+    connections itself, and hands them back to the doors once one is ready."""
+    argv = Doors._argv
+    broken = [True]
+
+    def exiting(self: Doors, hub_fd: int) -> list[str]:
+        return [sys.executable, "-c", "raise SystemExit(3)"] if broken[0] \
+            else argv(self, hub_fd)
+
+    monkeypatch.setattr(Doors, "_argv", exiting)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        assert d.daemon.state is not None
+        report = d.daemon.state.door_report
+        await until(lambda: report()["daemon_accepts"] is True)
+        async with await _connect(d) as stream:
+            answer, = await _exchange(stream, _get("/health"), 1)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        async with httpx.AsyncClient(base_url=d.url, timeout=30) as client:
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and _doors(d)[0]["handed"] == 0
+        assert _doors(d)[0]["restarts"] >= 2
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                                     base_url="http://admin", timeout=30) as admin:
+            shown = "\n".join(status_door((await admin.get("/stats")).json()))
+        assert "no door process is ready: the daemon accepts itself" in shown
+        broken[0] = False
+        await until(lambda: report()["daemon_accepts"] is False)
+        await _running(d)  # the door answers again
+    assert "the daemon accepts the API's connections itself" in caplog.text
 
 
 async def test_doors_follow_the_daemons_state_and_keys(

@@ -13,7 +13,9 @@ tenants, routing, the early refusal, drains) stays in one process, by constructi
 
 The daemon restarts a door that dies (at most one restart a second), kills one that
 does not take its view, and at a drain's end stops them with SIGTERM and serves the
-connections they handed before they went.
+connections they handed before they went. While no door is ready (none could start,
+or every one keeps dying), the daemon accepts the connections itself, as it does
+without doors: a broken door costs its cores, never the API.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -36,6 +38,9 @@ PUBLISH_EVERY_S = 0.1  # how stale a door's /health may be (a drain's 503, a swa
 VIEW_TIMEOUT_S = 5.0  # a door that does not take its view for this long is stuck
 STOP_S = 5.0  # a door stopping: for its last handoffs and its exit
 RESTART_EVERY_S = 1.0  # a door that keeps dying restarts at most this often
+# With no door ready for this long, the daemon accepts itself: longer than a door takes
+# to start (about half a second), so a normal start or restart is not a fallback.
+FALLBACK_AFTER_S = 2.0
 
 
 @dataclass
@@ -53,6 +58,11 @@ class Door:
         return {"pid": self.pid, "answered": self.answered, "handed": self.handed,
                 "restarts": self.restarts}
 
+    @property
+    def ready(self) -> bool:
+        """Running, with its view: accepting."""
+        return bool(self.sent) and self.process is not None and self.process.returncode is None
+
 
 class Doors:
     """The door processes of one listener and the daemon's side of their sockets."""
@@ -60,10 +70,12 @@ class Doors:
     def __init__(self, n: int, sockets: list[socket.socket], view: Callable[[], View],
                  serve_handed: Callable[[trio.SocketStream, bytes], None],
                  counted: Callable[[Counted], None], restarted: Callable[[], None],
-                 log_level: str) -> None:
+                 log_level: str, accept_here: Callable[[], Awaitable[None]]) -> None:
         """``view()``: what the doors answer from now; ``serve_handed(stream, data)``
         serves a connection a door handed; ``counted`` takes a door's answered counts;
-        ``restarted`` counts a door's restart (forged_door_restarts)."""
+        ``restarted`` counts a door's restart (forged_door_restarts); ``accept_here()``
+        accepts and serves the connections in the daemon until cancelled (no door is
+        ready)."""
         self.doors = [Door() for _ in range(n)]
         self._sockets = sockets
         self._view = view
@@ -71,6 +83,8 @@ class Doors:
         self._counted = counted
         self._restarted = restarted
         self._log_level = log_level
+        self._accept_here = accept_here
+        self.accepting_here = False  # no door ready: the daemon accepts (/stats)
 
     async def run(self) -> None:
         """Keep the doors running, with the current view, until cancelled."""
@@ -78,9 +92,12 @@ class Doors:
             for door in self.doors:
                 nursery.start_soon(self._keep, door)
             nursery.start_soon(self._publish)
+            nursery.start_soon(self._fall_back)
 
-    def report(self) -> list[dict[str, int]]:
-        return [door.report() for door in self.doors]
+    def report(self) -> dict[str, object]:
+        """What ``/stats`` shows: each door, and whether the daemon accepts itself."""
+        return {"process": [door.report() for door in self.doors],
+                "daemon_accepts": self.accepting_here}
 
     def close(self) -> None:
         """Close the daemon's copies of the listening sockets, once the doors are
@@ -172,6 +189,35 @@ class Doors:
         if isinstance(message, Counted):
             door.answered += sum(n for *_, n in message.counts)
             self._counted(message)
+
+    async def _fall_back(self) -> None:
+        """Accept in the daemon after ``FALLBACK_AFTER_S`` with no door ready; stop
+        when one is. Checked as often as views are published."""
+        none_since = trio.current_time()
+        here: trio.CancelScope | None = None
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.sleep(PUBLISH_EVERY_S)
+                if any(door.ready for door in self.doors):
+                    none_since = trio.current_time()
+                    if here is not None:
+                        here.cancel()
+                        here = None
+                        log.info("a door process is ready: the doors accept the API's "
+                                 "connections again")
+                elif here is None and trio.current_time() - none_since >= FALLBACK_AFTER_S:
+                    here = await nursery.start(self._accepting)
+
+    async def _accepting(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            log.error("no door process is ready: the daemon accepts the API's connections "
+                      "itself until one is")
+            self.accepting_here = True
+            task_status.started(scope)
+            try:
+                await self._accept_here()
+            finally:
+                self.accepting_here = False
 
     async def _publish(self) -> None:
         """Send each door the view whenever it changes."""

@@ -138,15 +138,23 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
     if state is None:
         return out + [(sock, hypercorn) for sock in plain], binds, None
     hub = HubView(state)
-    if plain and (n := state.cfg.door_processes[0]):
-        return out, binds, _doors(n, plain, hub, hc, partial(_after_door, hypercorn, nursery))
     door = HotDoor(hub, ResponseTail(hc))
     handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
-    return out + [(sock, partial(door.serve, handoff=handoff)) for sock in plain], binds, None
+    here = partial(door.serve, handoff=handoff)
+    if plain and (n := state.cfg.door_processes[0]):
+        async def accept_here() -> None:  # no door ready: as without doors, on copies
+            async with trio.open_nursery() as accepting:  # of the sockets (an accept
+                for sock in plain:  # loop closes its socket when it ends)
+                    accepting.start_soon(accept_bursts, sock.dup(), here, nursery)
+
+        return out, binds, _doors(n, plain, hub, hc, partial(_after_door, hypercorn, nursery),
+                                  accept_here)
+    return out + [(sock, here) for sock in plain], binds, None
 
 
 def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
-           serve_handed: Callable[[trio.SocketStream, bytes], None]) -> Doors:
+           serve_handed: Callable[[trio.SocketStream, bytes], None],
+           accept_here: Callable[[], Awaitable[None]]) -> Doors:
     state = hub.state
 
     def view() -> View:
@@ -161,7 +169,7 @@ def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
             count_requests(state.metrics, rule, status, "none", key_name, "-", count)
 
     doors = Doors(n, sockets, view, serve_handed, counted, state.metrics.door_restarts.inc,
-                  state.cfg.log.level)
+                  state.cfg.log.level, accept_here)
     state.door_report = doors.report
     return doors
 

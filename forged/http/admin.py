@@ -184,7 +184,7 @@ def _door(state: AppState) -> dict[str, object]:
     cpus, why = door_placement(state.cfg.server.door_cpus)
     count, processes_why = state.cfg.door_processes
     return {"cpus": cpus, "why": why, "processes": count, "processes_why": processes_why,
-            "process": state.door_report()}
+            "process": [], **state.door_report()}
 
 
 def _status(state: AppState) -> dict[str, object]:

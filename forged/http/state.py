@@ -144,8 +144,8 @@ class AppState:
     event_buckets: dict[str, TokenBucket] = field(default_factory=dict)
     # Model swaps, once the engine runs.
     swapper: Swapper | None = None
-    # The door processes, each as /stats shows it (forged.daemon.doors), once they run.
-    door_report: Callable[[], list[dict[str, int]]] = list
+    # The door processes as /stats shows them (forged.daemon.doors), once they run.
+    door_report: Callable[[], dict[str, object]] = dict
 
     def __post_init__(self) -> None:
         self.telemetry = Recorder(telemetry_path(self.cfg.server.state_dir), self.metrics,
