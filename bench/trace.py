@@ -6,8 +6,9 @@
 
 Starts forged (the shipped configuration with the comparison benchmark's threads,
 slots and context), warms it up, sends N mixed requests as Poisson arrivals at RATE
-requests/s (or from C callers in a closed loop), and prints the callers' latencies
-and the breakdown of short requests' TTFT from the access log (bench.consistency's).
+requests/s (or from C callers in a closed loop), and prints the callers' latencies,
+the breakdown of short requests' TTFT from the access log (bench.consistency's), and
+the steps that carried prompt work against those that decoded alone (``/stats``).
 ``--tree`` runs the daemon from another checkout (for instance an older commit, to
 compare).
 """
@@ -19,12 +20,15 @@ import json
 import tempfile
 from pathlib import Path
 
+import msgspec
 import trio
 
 from bench.consistency import breakdown, shipped_sections
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from bench.run import MAX_TOKENS, MODEL
+from forged.engine.stats import Totals
 from forged.observe.loadtest import make_prompts, run_load
+from forged.observe.status import fetch_stats
 
 
 def main() -> None:
@@ -49,17 +53,43 @@ def main() -> None:
         trio.run(lambda: run_load(d.url, warm, concurrency=16, rate=None, duration=300,
                                   model=None))
         start = d.log.stat().st_size
+        admin = f"unix:{cfg.parent / 'admin.sock'}"
+        before = _totals(admin)
         prompts = make_prompts("mixed", args.requests, MAX_TOKENS, seed=args.seed)
         duration = 600 if args.callers else args.requests / args.rate + 240
         s = trio.run(lambda: run_load(d.url, prompts, concurrency=args.callers,
                                       rate=args.rate, duration=duration, model=None,
                                       seed=args.seed))
+        mix = step_mix(before, _totals(admin))
     finally:
         d.stop()
     keys = ("ok", "errors", "wall_s", "out_tok_per_s", "short_ttft_p50", "short_ttft_p99",
             "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_p99_9", "itl_max")
     print(json.dumps({k: s[k] for k in keys}))
     print(json.dumps(breakdown(d.log, start)))
+    print(json.dumps(mix))
+
+
+def _totals(admin: str) -> Totals:
+    return msgspec.convert(fetch_stats(admin)["engine"]["totals"], Totals)
+
+
+def step_mix(a: Totals, b: Totals) -> dict[str, float]:
+    """The steps between two reports: how many carried prompt work, their share of the
+    time and of the tokens generated, and each kind's mean time and tokens (decoders)."""
+    steps, prompt = b.steps - a.steps, b.prompt_steps - a.prompt_steps
+    seconds = b.step_seconds - a.step_seconds
+    prompt_s = b.prompt_step_seconds - a.prompt_step_seconds
+    tokens = b.tokens_generated - a.tokens_generated
+    prompt_t = b.prompt_step_tokens - a.prompt_step_tokens
+    decode = max(1.0, steps - prompt)
+    return {"prompt_steps_share": round(prompt / max(1.0, steps), 3),
+            "prompt_time_share": round(prompt_s / max(1e-9, seconds), 3),
+            "prompt_tokens_share": round(prompt_t / max(1.0, tokens), 3),
+            "prompt_step_ms": round(prompt_s / max(1.0, prompt) * 1000, 1),
+            "prompt_step_tokens": round(prompt_t / max(1.0, prompt), 2),
+            "decode_step_ms": round((seconds - prompt_s) / decode * 1000, 1),
+            "decode_step_tokens": round((tokens - prompt_t) / decode, 2)}
 
 
 if __name__ == "__main__":

@@ -305,6 +305,28 @@ def test_statistics_ride_with_tokens_at_most_every_interval(interval_passed: boo
     assert bool(second.stats) is interval_passed
 
 
+def test_statistics_tell_the_steps_with_prompt_work_from_decode_only_ones() -> None:
+    """Each step's time and tokens count for its kind: the share of the tokens made in
+    steps with prompt work is what decides whether a stream's median gap is one."""
+    backend = FakeBackend({5: [1] * 40, 6: [2] * 5})
+    ticks = iter(range(10_000))
+    core = WorkerCore(backend, limits(), CostModel(), clock=lambda: next(ticks) / 1000)
+    submit(core, 1, [5], max_tokens=30)
+    run(core, 3)  # a prompt step, then two decode-only ones
+    submit(core, 2, [6] + [7] * 99, max_tokens=2)  # several prompt steps beside request 1
+    run(core)
+    first = backend.batches[0][0][0]
+    with_2 = [b for b in backend.batches if any(seq != first for seq, _ in b)]
+    s = core.statistics()
+    assert s.steps == len(backend.batches) and s.tokens_generated == 30 + 2
+    # request 1's prompt, and request 2's but for its last step (a decode)
+    assert s.prompt_steps == 1 + len(with_2) - 1 >= 3
+    # request 1's first token, one of its tokens beside each of request 2's prompt
+    # chunks, and request 2's first token
+    assert s.prompt_step_tokens == 1 + (len(with_2) - 1) + 1
+    assert 0 < s.prompt_step_seconds < s.step_seconds
+
+
 SPACE, NL, X = ord(" ") - ord("a") + 1, ord("\n") - ord("a") + 1, 24  # the fake's pieces
 
 

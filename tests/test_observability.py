@@ -85,6 +85,8 @@ def test_metric_names_types_and_labels(daemon: DaemonProcess) -> None:
         "forged_kv_drops": "counter", "forged_kv_swaps": "counter",
         "forged_routed_requests": "counter", "forged_resubmitted_requests": "counter",
         "forged_steps": "counter", "forged_micro_batches": "counter",
+        "forged_prompt_steps": "counter", "forged_step_seconds": "counter",
+        "forged_step_tokens": "counter",
     }
     for name, kind in expected.items():
         assert t.get(name) == kind, (name, t.get(name))
@@ -138,6 +140,13 @@ def test_counters_move_and_kv_returns_to_zero_after_a_disconnect(daemon: DaemonP
     assert total(m, "forged_prefix_cache_hits_total") >= 2  # the repeated "hello"
     # the unified layout computes every step in one pass over the weights
     assert total(m, "forged_micro_batches_total") == total(m, "forged_steps_total") >= 15
+    # one after another, each completion's first token came from its prompt's step and
+    # the other four from steps that decoded alone
+    tokens = m["forged_step_tokens_total"]
+    assert tokens[(("kind", "prompt"), ("model", "tiny"))] >= 3
+    assert tokens[(("kind", "decode"), ("model", "tiny"))] >= 12
+    assert total(m, "forged_prompt_steps_total") >= 3
+    assert all(v > 0 for v in m["forged_step_seconds_total"].values())
     log = daemon.log.read_text()
     assert "logger=forged.access" in log and "completion_tokens=5" in log
     assert "hello" not in log  # prompts are never logged
@@ -165,6 +174,8 @@ def test_forged_status_shows_the_load(daemon: DaemonProcess) -> None:
     assert re.search(r"attention flash attention (on|off): measured [\d.]+ ms with flash "
                      r"attention, [\d.]+ ms without", out), out
     assert "in 4 requests" in out and "sessions 2 pinned" in out  # s0 and s1
+    assert re.search(r"\n  with prompt work \d+% of steps, \d+% of their time, \d+% of the "
+                     r"tokens generated\n", out), out
     assert "KV RAM      0 of 4096 MiB, 0 states, 0 restores" in out
     assert "KV disk     0 of 8192 MiB" in out and "KV moves    0 saved" in out
     raw = json.loads(subprocess.run(

@@ -56,7 +56,7 @@ from forged.engine.plan import (
 from forged.engine.request import Request, Sampling
 from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
 from forged.engine.scheduler import Scheduler
-from forged.engine.stats import WorkerStats
+from forged.engine.stats import StepTally, WorkerStats
 from forged.engine.textstream import TextStream
 
 _NEVER = -float("inf")  # a logit bias that bans a token
@@ -157,8 +157,7 @@ class WorkerCore:
         self._digests = DigestBuilder()
         self._last_digests = _NEVER
         self._step_ms = 0.0
-        self._steps = 0
-        self._tokens_out = 0
+        self._tally = StepTally()
 
     @property
     def busy(self) -> bool:
@@ -368,8 +367,7 @@ class WorkerCore:
         self._step_ms = (self.clock() - t0) * 1000
         if not failed:  # a retried step's time says nothing about its shape
             self.sched.observe(plan, self._step_ms)
-        self._steps += 1
-        self._tokens_out += len(sampled)
+        self._tally.add(plan.shape.prompt_tokens > 0, self._step_ms / 1000, len(sampled))
 
     def _decode_and_sample(self, chunks: list[Chunk]) -> dict[Key, int]:
         # Logits live only until the next decode (a retried half's, in run_isolating):
@@ -436,7 +434,7 @@ class WorkerCore:
                     stream = self.streams[rid]
                     if not stream.admitted:  # a preempted request is admitted again, silently
                         stream.admitted, stream.cached = True, cached
-                        stream.admitted_at = (self.clock(), self._steps)
+                        stream.admitted_at = (self.clock(), self._tally.steps)
                         self.events.append(Admitted(rid=rid, cached=cached, queue_time=qt))
                         admitted = True
                 case Expired(rid=rid):
@@ -460,7 +458,7 @@ class WorkerCore:
             return
         choice.generated += 1
         if choice.generated == 1:
-            choice.first_at = (self.clock(), self._steps + 1)  # this step counts
+            choice.first_at = (self.clock(), self._tally.steps + 1)  # this step counts
         piece = self.backend.piece(tok, tok in req.preserve)
         if scores is not None:
             scores.add(piece)
@@ -521,7 +519,8 @@ class WorkerCore:
 
     def statistics(self) -> WorkerStats:
         out = self.sched.statistics()
-        out.step_ms, out.steps, out.tokens_generated = self._step_ms, self._steps, self._tokens_out
+        out.step_ms = self._step_ms
+        self._tally.report(out)
         return out
 
     def frame(self, now: float, force: bool = False, hold: bool = False) -> fr.Step | None:

@@ -61,6 +61,13 @@ class Counts(msgspec.Struct, kw_only=True):
     # The worker's steps (forged.engine.core, forged.engine.embedcore).
     steps: float = 0.0
     tokens_generated: float = 0.0
+    # The steps that carried prompt work beside the decoders, and their share of the
+    # time and of the tokens generated (StepTally). A stream's gap is a step's time, so
+    # past half of the tokens, the median gap is a prompt step's (docs/engine.md).
+    step_seconds: float = 0.0
+    prompt_steps: float = 0.0
+    prompt_step_seconds: float = 0.0
+    prompt_step_tokens: float = 0.0
     # llama.cpp's passes over the weights (micro-batches) in those steps: the scheduler's
     # count (forged.engine.costmodel.micro_batches). Per step, 1 is the least.
     micro_batches: float = 0.0
@@ -104,6 +111,32 @@ class Totals(Counts, kw_only=True):
     routed_by_load: float = 0.0
     # Requests submitted again because their worker was lost before admitting them.
     resubmitted: float = 0.0
+
+
+class StepTally:
+    """A generation worker's steps: all of them, and those that carried prompt work."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens = 0
+        self.seconds = 0.0
+        self.prompt_steps = 0
+        self.prompt_tokens = 0
+        self.prompt_seconds = 0.0
+
+    def add(self, with_prompt: bool, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+        if with_prompt:
+            self.prompt_steps += 1
+            self.prompt_tokens += tokens
+            self.prompt_seconds += seconds
+
+    def report(self, out: Counts) -> None:
+        out.steps, out.tokens_generated, out.step_seconds = self.steps, self.tokens, self.seconds
+        out.prompt_steps, out.prompt_step_tokens = self.prompt_steps, self.prompt_tokens
+        out.prompt_step_seconds = self.prompt_seconds
 
 
 _COUNTS = msgspec.structs.fields(Counts)

@@ -97,7 +97,25 @@ def _engine_metrics(t: Totals, restarts: int) -> Iterator[Metric]:
     yield counter("forged_micro_batches", "llama.cpp's passes over the weights in generation "
                   "steps: above one a step, running slots are scattered or prompt chunks "
                   "differ in length (per-slot layout).", value=t.micro_batches)
+    yield from _step_mix_metrics(t)
     yield from _routing_metrics(t)
+
+
+def _step_mix_metrics(t: Totals) -> Iterator[Metric]:
+    """Generation steps that carried prompt work beside the decoders, against those
+    that decoded alone: a stream's gap is its step's time, so once half of the tokens
+    come from prompt steps, the median gap is a prompt step's."""
+    yield CounterMetricFamily("forged_prompt_steps", "Generation steps that carried "
+                              "prompt work.", value=t.prompt_steps)
+    split = {"prompt": (t.prompt_step_seconds, t.prompt_step_tokens),
+             "decode": (t.step_seconds - t.prompt_step_seconds,
+                        t.tokens_generated - t.prompt_step_tokens)}
+    yield _labelled(CounterMetricFamily, "forged_step_seconds", "Time in generation "
+                    "steps, by what they carried: prompt work, or decoding alone.", "kind",
+                    {k: v[0] for k, v in split.items()})
+    yield _labelled(CounterMetricFamily, "forged_step_tokens", "Tokens generated, by the "
+                    "kind of step that generated them.", "kind",
+                    {k: v[1] for k, v in split.items()})
 
 
 def _routing_metrics(t: Totals) -> Iterator[Metric]:

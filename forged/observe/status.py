@@ -208,6 +208,16 @@ def render_pool(nodes: list[tuple[str, dict[str, Any] | str]]) -> str:
     return "\n".join(lines)
 
 
+def _step_mix(s: WorkerStats) -> list[str]:
+    """How much of the work the steps with prompt work were: past half of the tokens
+    generated, a stream's median gap is such a step's."""
+    if not (s.steps and s.step_seconds and s.tokens_generated):
+        return []
+    return [f"  with prompt work {s.prompt_steps / s.steps:.0%} of steps, "
+            f"{s.prompt_step_seconds / s.step_seconds:.0%} of their time, "
+            f"{s.prompt_step_tokens / s.tokens_generated:.0%} of the tokens generated"]
+
+
 def _steps(s: WorkerStats) -> list[str]:
     """A worker's step budget and the cost model it comes from (none: an embedding
     model's worker, which has no step target)."""
@@ -217,6 +227,7 @@ def _steps(s: WorkerStats) -> list[str]:
         f"  steps     target {s.target_step_ms:.0f} ms; last planned "
         f"{s.step_plan_ms:.0f} ms, took {s.step_ms:.0f} ms; room for "
         f"prompts beside today's decoders {max(0.0, s.step_prompt_room_ms):.0f} ms",
+        *_step_mix(s),
         f"  cost      {s.cost_fixed_ms:.1f} ms + {s.cost_decoder_ms:.2f} /decoder + "
         f"{s.cost_prompt_token_ms:.2f} /prompt token + {s.cost_chunk_ms:.2f} /chunk + "
         f"{s.cost_kpair_ms:.2f} /1k attended pairs, "
