@@ -204,6 +204,74 @@ async def test_the_daemon_accepts_itself_while_no_door_is_ready(
     assert "the daemon accepts the API's connections itself" in caplog.text
 
 
+async def test_a_door_that_dies_soon_after_it_starts_or_stops_is_no_door(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A door counts as accepting only while it reports, without a break for a while: one
+    that takes its view and dies within a second, again and again, or one stopped
+    (SIGSTOP, a blocked loop), leaves the daemon to accept. (A door was once counted
+    ready as soon as its view was written to its pipe: one that lived 0.4 s a go kept
+    the fallback off forever, and nothing accepted.)"""
+    argv = Doors._argv
+    dying = [True]
+
+    def short_lived(self: Doors, hub_fd: int) -> list[str]:
+        real = argv(self, hub_fd)
+        if not dying[0]:
+            return real
+        code = ("import os, runpy, sys, threading; threading.Timer(0.4, os._exit, (3,)).start();"
+                " sys.argv[0] = 'doorproc'; runpy.run_module('forged.daemon.doorproc', "
+                "run_name='__main__')")
+        return [sys.executable, "-c", code, *real[real.index("--hub"):]]
+
+    monkeypatch.setattr(Doors, "_argv", short_lived)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        assert d.daemon.state is not None
+        report = d.daemon.state.door_report
+        await until(lambda: report()["daemon_accepts"] is True)
+        assert _doors(d)[0]["restarts"] >= 2
+        async with await _connect(d) as stream:
+            answer, = await _exchange(stream, _get("/health"), 1)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        dying[0] = False
+        await until(lambda: report()["daemon_accepts"] is False)
+        door, = await _running(d)
+        with _stopped(door["pid"]):
+            await until(lambda: report()["daemon_accepts"] is True)
+            async with await _connect(d) as stream:  # the daemon answers meanwhile
+                answer, = await _exchange(stream, _get("/health"), 1)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+        await until(lambda: report()["daemon_accepts"] is False)
+
+
+async def test_a_stuck_door_delays_no_other_doors_view(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """Each door has its own sender: with a view larger than a pipe holds (many keys)
+    and one door stopped, a drain's 503 still reaches the other within a second. (The
+    views went to the doors one after another, so the other waited up to 5 s, until
+    the stopped one was killed.)"""
+    (tmp_path / "keys.toml").write_text("".join(
+        f'[[key]]\nname = "k{i}"\nsha256 = "{i:064x}"\n' for i in range(1200)))
+    async with start_daemon(tiny_model, server=TWO) as d:
+        state = d.daemon.state
+        assert state is not None
+        stuck, _ = await _running(d)
+        with _stopped(stuck["pid"]):
+            await trio.sleep(0.3)
+            state.leaving = True  # a new view for both: the stopped one's pipe fills
+            await trio.sleep(0.3)
+            state.leaving = False  # and another, which the stopped one cannot take
+            await trio.sleep(0.3)
+            state.leaving = True
+            with trio.fail_after(1.5):
+                while True:
+                    async with await _connect(d) as stream:  # the other door answers
+                        answer, = await _exchange(stream, _get("/health"), 1)
+                    if answer.startswith(b"HTTP/1.1 503 "):
+                        break
+                    await trio.sleep(0.05)
+            state.leaving = False
+
+
 async def test_doors_follow_the_daemons_state_and_keys(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
     key = add_key(tmp_path / "keys.toml", "k", max_streams=2, max_queued=2,

@@ -6,15 +6,19 @@ the same connection. A stream's tokens share a write only within their budget
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import socket
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
 import trio
 
 from forged.auth import add_key
+from forged.daemon.accept import accept_bursts
 from forged.engine.events import Delta, Event
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
@@ -213,6 +217,65 @@ async def test_idle_connections_close_after_keep_alive_and_all_at_shutdown(
         nursery.cancel_scope.cancel()
     b.close()
     d.close()
+
+
+async def test_the_sweep_leaves_a_connection_that_got_its_request_meanwhile(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The sweep closes the connections past their time one after another, and each
+    close is a checkpoint: one whose request arrived meanwhile is busy and stays open.
+    (It was closed mid-request; in a door, its handoff could then send a descriptor
+    number that the next accept had reused.)"""
+    idle = IdleConnections(lambda: 30.0)
+
+    class Conn:  # a connection as the sweep sees it
+        def __init__(self) -> None:
+            self.closed = False
+            self.on_close = lambda: None
+
+        async def aclose(self) -> None:
+            self.on_close()
+            self.closed = True
+            await trio.lowlevel.checkpoint()
+
+    first, second = Conn(), Conn()
+    first.on_close = lambda: idle.busy(cast(trio.SocketStream, second))  # a head arrives
+    streams = [cast(trio.SocketStream, c) for c in (first, second)]
+    assert all(idle.waiting(s) for s in streams)
+    await trio.sleep(31)
+    await idle._close(streams, trio.current_time())
+    assert first.closed and not second.closed  # the second is being served
+
+
+async def test_an_accept_that_fails_for_one_connection_leaves_the_listener_accepting(
+        ) -> None:
+    """A connection reset, or refused by a firewall, before it was accepted fails its
+    own accept (ECONNABORTED, EPERM): the listener goes on, as trio's does. (It ended
+    the listener, and with it the API.)"""
+    class Flaky(socket.socket):
+        failed = False
+
+        def accept(self) -> tuple[socket.socket, object]:
+            if not Flaky.failed:
+                Flaky.failed = True
+                raise OSError(errno.ECONNABORTED, "aborted")
+            return super().accept()
+
+    listener = Flaky(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    served = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        served.set()
+
+    client = socket.create_connection(listener.getsockname())
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept_bursts, listener, handler, nursery)
+            await served.wait()
+            nursery.cancel_scope.cancel()
+    client.close()
+    assert Flaky.failed
 
 
 async def _paced(intervals: list[float], budget_s: float) -> list[list[tuple[float, float]]]:

@@ -38,6 +38,12 @@ class ResponseTail:
 Handler = Callable[[Any], Awaitable[None]]
 # Out of descriptors or memory: wait and retry, as trio.serve_listeners does.
 _ACCEPT_LATER = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
+# What one connection's accept may fail with, the listener fine (trio's own list): a
+# firewall's refusal (EPERM), a connection reset or aborted before it was accepted.
+_ACCEPT_SKIP = frozenset(getattr(errno, name) for name in (
+    "EPERM", "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
+    "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH", "ENOSR", "ESOCKTNOSUPPORT",
+    "EPROTONOSUPPORT", "ETIMEDOUT", "ECONNRESET") if hasattr(errno, name))
 _BURST = 256  # connections accepted at one wake, before the others get the loop again
 
 
@@ -55,6 +61,8 @@ async def accept_bursts(sock: socket.socket, handler: Handler, nursery: trio.Nur
                 except BlockingIOError:
                     break
                 except OSError as exc:
+                    if exc.errno in _ACCEPT_SKIP:
+                        continue
                     if exc.errno not in _ACCEPT_LATER:
                         raise
                     log.error("accept: %s; retrying in 0.1 s", os.strerror(exc.errno or 0))

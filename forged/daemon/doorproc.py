@@ -8,8 +8,9 @@ daemon alone admits, counts and limits generations. It stops on SIGTERM from the
 or when its stdin closes: the daemon holds the pipe's only other end, so that is also
 how a door learns the daemon has died, however it died (PR_SET_PDEATHSIG would not do:
 it follows the thread that started the process, and trio starts processes from a
-worker thread that ends when idle). It ignores SIGINT, which a terminal sends to the
-whole process group: the daemon decides when a drain stops the accepting.
+worker thread that ends when idle). It ignores SIGINT and SIGHUP, which a terminal
+sends to the whole process group: the daemon decides when a drain stops the accepting,
+and a reload is the daemon's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from forged.daemon.doorwire import LENGTH, Counted, Handed, View, encoder, view_
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
 
 log = logging.getLogger("forged.door")
-REPORT_EVERY_S = 0.25  # how often the answered requests' counts go to the daemon
+# How often the answered requests' counts go to the daemon: also when there are none,
+# which tells the daemon this door accepts (forged.daemon.doors.HEARD_WITHIN_S).
+REPORT_EVERY_S = 0.25
+COUNTS_A_DATAGRAM = 500  # (rule, status, key, n) entries: well within DATAGRAM_MAX
 HAND_TIMEOUT_S = 10.0  # a daemon that takes no connection for this long has stalled
 FIRST_VIEW_S = 30.0  # the daemon sends the first view as it starts a door
 STOP_S = 2.0  # after the last accept, for connections in the middle of a head
@@ -67,12 +71,13 @@ class DoorView:
     def count(self, rule: str, status: int, key: KeyEntry | None) -> None:
         self.counts[rule, status, key.name if key else "-"] += 1
 
-    def take_counts(self) -> Counted | None:
-        if not self.counts:
-            return None
-        out = Counted([(rule, status, key, n) for (rule, status, key), n in self.counts.items()])
+    def take_counts(self) -> list[Counted]:
+        """The counts since the last take, in datagrams of at most ``COUNTS_A_DATAGRAM``
+        entries; one empty one when there are none (the door's heartbeat)."""
+        entries = [(rule, status, key, n) for (rule, status, key), n in self.counts.items()]
         self.counts.clear()
-        return out
+        return [Counted(entries[i:i + COUNTS_A_DATAGRAM])
+                for i in range(0, max(1, len(entries)), COUNTS_A_DATAGRAM)]
 
 
 class ViewReader:
@@ -132,16 +137,16 @@ async def follow(views: ViewReader, view: DoorView, stop: trio.CancelScope) -> N
 
 
 async def report(hub: socket.socket, view: DoorView) -> None:
-    """Send the counts of the requests answered, a few times a second."""
+    """Send the counts of the requests answered (or none), a few times a second."""
     while True:
         await trio.sleep(REPORT_EVERY_S)
         await flush(hub, view)
 
 
 async def flush(hub: socket.socket, view: DoorView) -> None:
-    if (counted := view.take_counts()) is not None:
-        # OSError: the daemon is gone; its closed pipe stops this door
-        with trio.move_on_after(HAND_TIMEOUT_S), contextlib.suppress(OSError):
+    # OSError: the daemon is gone; its closed pipe stops this door
+    with trio.move_on_after(HAND_TIMEOUT_S), contextlib.suppress(OSError):
+        for counted in view.take_counts():
             await send_datagram(hub, encoder.encode(counted), [])
 
 
@@ -190,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload is the daemon's, not a door's
     setup_logging(args.log_level)
     trio.run(serve, args.listen, args.hub)
     return 0

@@ -21,6 +21,7 @@ without doors: a broken door costs its cores, never the API.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -38,9 +39,15 @@ PUBLISH_EVERY_S = 0.1  # how stale a door's /health may be (a drain's 503, a swa
 VIEW_TIMEOUT_S = 5.0  # a door that does not take its view for this long is stuck
 STOP_S = 5.0  # a door stopping: for its last handoffs and its exit
 RESTART_EVERY_S = 1.0  # a door that keeps dying restarts at most this often
-# With no door ready for this long, the daemon accepts itself: longer than a door takes
-# to start (about half a second), so a normal start or restart is not a fallback.
-FALLBACK_AFTER_S = 2.0
+# A door reports four times a second (its counts, or none) once it accepts: one silent
+# for HEARD_WITHIN_S is not accepting (stuck, stopped, or gone).
+HEARD_WITHIN_S = 1.0
+# Steady: reporting without a break for STEADY_S. A door that keeps dying soon after it
+# starts never is, whatever it managed before it died.
+STEADY_S = 2.0
+# With no steady door for this long, the daemon accepts itself: longer than a door
+# takes to start and become steady (about 2.5 s), so a normal start is no fallback.
+FALLBACK_AFTER_S = 5.0
 
 
 @dataclass
@@ -53,15 +60,27 @@ class Door:
     restarts: int = 0
     process: trio.Process | None = None
     sent: bytes = b""  # the last view it was sent
+    heard_at: float = -math.inf  # its last report
+    reporting_since: float | None = None  # reports without a break since
 
     def report(self) -> dict[str, int]:
         return {"pid": self.pid, "answered": self.answered, "handed": self.handed,
                 "restarts": self.restarts}
 
-    @property
-    def ready(self) -> bool:
-        """Running, with its view: accepting."""
-        return bool(self.sent) and self.process is not None and self.process.returncode is None
+    def started(self, process: trio.Process) -> None:
+        self.process, self.pid, self.sent = process, process.pid, b""
+        self.heard_at, self.reporting_since = -math.inf, None
+
+    def heard(self, now: float) -> None:
+        if self.reporting_since is None or now - self.heard_at > HEARD_WITHIN_S:
+            self.reporting_since = now
+        self.heard_at = now
+
+    def steady(self, now: float) -> bool:
+        """Accepting, by its own reports, without a break for ``STEADY_S``."""
+        return (self.process is not None and self.process.returncode is None
+                and self.reporting_since is not None and now - self.heard_at <= HEARD_WITHIN_S
+                and now - self.reporting_since >= STEADY_S)
 
 
 class Doors:
@@ -84,10 +103,12 @@ class Doors:
         self._restarted = restarted
         self._log_level = log_level
         self._accept_here = accept_here
-        self.accepting_here = False  # no door ready: the daemon accepts (/stats)
+        self.accepting_here = False  # no door steady: the daemon accepts (/stats)
+        self._latest = b""  # the view as the doors should have it, framed
 
     async def run(self) -> None:
         """Keep the doors running, with the current view, until cancelled."""
+        self._latest = framed(self._view())
         async with trio.open_nursery() as nursery:
             for door in self.doors:
                 nursery.start_soon(self._keep, door)
@@ -131,10 +152,11 @@ class Doors:
             raise
         finally:
             theirs.close()
-        door.pid, door.sent = door.process.pid, b""
+        door.started(door.process)
         try:
-            async with trio.open_nursery() as nursery:  # its view comes with the next
-                nursery.start_soon(self._read, ours, door)  # publish
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, ours, door)
+                nursery.start_soon(self._views_to, door)
                 return await door.process.wait()
         finally:
             with trio.CancelScope(shield=True):
@@ -142,7 +164,8 @@ class Doors:
 
     def _argv(self, hub_fd: int) -> list[str]:
         listen = [a for s in self._sockets for a in ("--listen", str(s.fileno()))]
-        return [sys.executable, "-m", "forged.daemon.doorproc", "--hub", str(hub_fd),
+        # -P: nothing from the working directory shadows an installed module
+        return [sys.executable, "-P", "-m", "forged.daemon.doorproc", "--hub", str(hub_fd),
                 "--log-level", self._log_level, *listen]
 
     async def _stop(self, ours: socket.socket, door: Door) -> None:
@@ -157,18 +180,25 @@ class Doors:
         if door.process.returncode is None:
             door.process.kill()
             await door.process.wait()
+        if door.process.stdin is not None:
+            await door.process.stdin.aclose()
         ours.close()
 
     async def _read(self, sock: socket.socket, door: Door) -> None:
         """Take the door's datagrams until its end closes."""
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, DATAGRAM_MAX, 1)
+                data, fds, flags, _ = socket.recv_fds(sock, DATAGRAM_MAX, 1)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(sock)
                 continue
             if not data and not fds:
                 return
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                # Never expected (a datagram is at most DATAGRAM_MAX): out of descriptors
+                # here (CTRUNC), the connection is lost, and this says why.
+                log.error("a datagram from door process %d was cut short (flags %#x): "
+                          "a handed connection or some counts are lost", door.pid, flags)
             self._take(door, data, fds)
 
     def _take(self, door: Door, data: bytes, fds: list[int]) -> None:
@@ -187,45 +217,63 @@ class Doors:
         for fd in fds:  # a descriptor with no Handed: never expected, never leaked
             os.close(fd)
         if isinstance(message, Counted):
+            door.heard(trio.current_time())
             door.answered += sum(n for *_, n in message.counts)
             self._counted(message)
 
     async def _fall_back(self) -> None:
-        """Accept in the daemon after ``FALLBACK_AFTER_S`` with no door ready; stop
+        """Accept in the daemon after ``FALLBACK_AFTER_S`` with no steady door; stop
         when one is. Checked as often as views are published."""
-        none_since = trio.current_time()
-        here: trio.CancelScope | None = None
-        async with trio.open_nursery() as nursery:
-            while True:
-                await trio.sleep(PUBLISH_EVERY_S)
-                if any(door.ready for door in self.doors):
-                    none_since = trio.current_time()
-                    if here is not None:
-                        here.cancel()
-                        here = None
-                        log.info("a door process is ready: the doors accept the API's "
-                                 "connections again")
-                elif here is None and trio.current_time() - none_since >= FALLBACK_AFTER_S:
-                    here = await nursery.start(self._accepting)
+        last_steady = trio.current_time()
+        while True:
+            await trio.sleep(PUBLISH_EVERY_S)
+            now = trio.current_time()
+            if any(door.steady(now) for door in self.doors):
+                last_steady = now
+            elif now - last_steady >= FALLBACK_AFTER_S:
+                await self._accept_until_steady()
+                last_steady = trio.current_time()
 
-    async def _accepting(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-        with trio.CancelScope() as scope:
-            log.error("no door process is ready: the daemon accepts the API's connections "
-                      "itself until one is")
-            self.accepting_here = True
-            task_status.started(scope)
+    async def _accept_until_steady(self) -> None:
+        log.error("no door process is ready: the daemon accepts the API's connections "
+                  "itself until one is")
+        self.accepting_here = True
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._accepting)
+                while True:
+                    await trio.sleep(PUBLISH_EVERY_S)
+                    if any(door.steady(trio.current_time()) for door in self.doors):
+                        break
+                nursery.cancel_scope.cancel()
+        finally:
+            self.accepting_here = False
+        log.info("a door process is ready: the doors accept the API's connections again")
+
+    async def _accepting(self) -> None:
+        """The daemon's own accepting; an error in it (out of descriptors to copy the
+        sockets with) is logged and tried again, never the end of the listener."""
+        while True:
             try:
                 await self._accept_here()
-            finally:
-                self.accepting_here = False
+            except OSError as exc:
+                log.error("the daemon cannot accept either: %s; retrying in 1 s", exc)
+            await trio.sleep(1.0)
 
     async def _publish(self) -> None:
-        """Send each door the view whenever it changes."""
+        """Keep the view the doors should have; each door's sender sends it when it
+        changes (:meth:`_views_to`)."""
         while True:
-            view = framed(self._view())
-            for door in self.doors:
-                if door.sent != view:
-                    await self._send_view(door, view)
+            await trio.sleep(PUBLISH_EVERY_S)
+            self._latest = framed(self._view())
+
+    async def _views_to(self, door: Door) -> None:
+        """Send ``door`` the latest view whenever it changes, while it runs: one
+        sender a door, so one that is stuck delays no other's view (a drain's 503)."""
+        assert door.process is not None
+        while door.process.returncode is None:
+            if door.sent != self._latest:
+                await self._send_view(door, self._latest)
             await trio.sleep(PUBLISH_EVERY_S)
 
     async def _send_view(self, door: Door, view: bytes) -> None:

@@ -18,6 +18,7 @@ HTTP is the general path's, by construction: this module never answers an error.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -73,16 +74,21 @@ class IdleConnections:
         while True:
             await trio.sleep(every_s)
             now = trio.current_time()
-            await self._close([s for s, until in self._until.items() if until <= now])
+            await self._close([s for s, until in self._until.items() if until <= now], now)
 
     async def close_all(self) -> None:
         """At shutdown, as hypercorn does with its idle connections."""
         self.closing = True
-        await self._close(list(self._until))
+        await self._close(list(self._until), math.inf)
 
-    async def _close(self, streams: list[trio.SocketStream]) -> None:
+    async def _close(self, streams: list[trio.SocketStream], now: float) -> None:
         for stream in streams:  # its reader then gets ClosedResourceError: it leaves
-            self._until.pop(stream, None)
+            # Each close is a checkpoint: a later stream may have got its request
+            # meanwhile (busy), or be waiting for its next one (a new time).
+            until = self._until.get(stream)
+            if until is None or until > now:
+                continue
+            del self._until[stream]
             await stream.aclose()
 
 
