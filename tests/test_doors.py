@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
-from forged.daemon.doors import Doors
+from forged.daemon.doors import Door, Doors
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
@@ -270,6 +270,31 @@ async def test_a_stuck_door_delays_no_other_doors_view(
                         break
                     await trio.sleep(0.05)
             state.leaving = False
+
+
+async def test_an_error_in_the_hubs_side_of_a_door_restarts_that_door_only(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A bug in taking one door's message restarts that door (logged, counted); the
+    listener, and with it the API, goes on. (It ended the door processes' task, which
+    ended the listener.)"""
+    take = Doors._take
+    failed: list[int] = []
+
+    def failing_once(self: Doors, door: Door, data: bytes, fds: list[int]) -> None:
+        if not failed:
+            failed.append(door.pid)
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError("a bug")
+        take(self, door, data, fds)
+
+    monkeypatch.setattr(Doors, "_take", failing_once)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        await until(lambda: bool(failed) and _doors(d)[0]["restarts"] == 1)
+        door, = await _running(d)
+        assert door["pid"] != failed[0]
+    assert "failed: restarting it" in caplog.text and "RuntimeError: a bug" in caplog.text
 
 
 async def test_doors_follow_the_daemons_state_and_keys(

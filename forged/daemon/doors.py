@@ -134,6 +134,9 @@ class Doors:
                 log.error("door process %d exited with code %s: restarting", door.pid, code)
             except OSError as exc:  # out of processes or memory: the next try may not be
                 log.error("cannot start a door process: %s; retrying", exc)
+            except Exception:
+                # A bug in the hub's side of one door: that door restarts, the API goes on.
+                log.exception("door process %d failed: restarting it", door.pid)
             door.restarts += 1
             self._restarted()
             await trio.sleep(max(0.0, started + RESTART_EVERY_S - trio.current_time()))
