@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from forged.auth import add_key
+from forged.daemon import doors as doors_module
 from forged.daemon.doors import Door, Doors
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
@@ -241,6 +242,21 @@ async def test_a_door_that_dies_soon_after_it_starts_or_stops_is_no_door(
                 answer, = await _exchange(stream, _get("/health"), 1)
             assert answer.startswith(b"HTTP/1.1 200 ")
         await until(lambda: report()["daemon_accepts"] is False)
+
+
+async def test_a_door_that_stops_reporting_is_killed_and_restarted(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A door whose loop is blocked (here SIGSTOP) holds the connections it accepts:
+    silent past STUCK_S, it is killed and restarted, as a worker that misses its
+    heartbeat is."""
+    monkeypatch.setattr(doors_module, "STUCK_S", 1.5)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        door, = await _running(d)
+        os.kill(door["pid"], signal.SIGSTOP)
+        await until(lambda: _doors(d)[0]["restarts"] == 1)
+        assert not _alive(door["pid"])
+        new, = await _running(d)
+        assert new["pid"] != door["pid"]
 
 
 async def test_a_stuck_door_delays_no_other_doors_view(

@@ -48,6 +48,10 @@ STEADY_S = 2.0
 # With no steady door for this long, the daemon accepts itself: longer than a door
 # takes to start and become steady (about 2.5 s), so a normal start is no fallback.
 FALLBACK_AFTER_S = 5.0
+# A running door silent this long (stopped, or its loop blocked) is stuck: killed, and
+# restarted. Before its first report, a door gets FIRST_REPORT_S (a slow start).
+STUCK_S = 10.0
+FIRST_REPORT_S = 30.0
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Door:
     sent: bytes = b""  # the last view it was sent
     heard_at: float = -math.inf  # its last report
     reporting_since: float | None = None  # reports without a break since
+    started_at: float = 0.0
 
     def report(self) -> dict[str, int]:
         return {"pid": self.pid, "answered": self.answered, "handed": self.handed,
@@ -70,11 +75,19 @@ class Door:
     def started(self, process: trio.Process) -> None:
         self.process, self.pid, self.sent = process, process.pid, b""
         self.heard_at, self.reporting_since = -math.inf, None
+        self.started_at = trio.current_time()
 
     def heard(self, now: float) -> None:
         if self.reporting_since is None or now - self.heard_at > HEARD_WITHIN_S:
             self.reporting_since = now
         self.heard_at = now
+
+    def stuck(self, now: float) -> bool:
+        """Running, and silent past ``STUCK_S`` (past ``FIRST_REPORT_S`` from its start
+        if it never reported)."""
+        if self.heard_at == -math.inf:
+            return now - self.started_at > FIRST_REPORT_S
+        return now - self.heard_at > STUCK_S
 
     def steady(self, now: float) -> bool:
         """Accepting, by its own reports, without a break for ``STEADY_S``."""
@@ -272,9 +285,16 @@ class Doors:
 
     async def _views_to(self, door: Door) -> None:
         """Send ``door`` the latest view whenever it changes, while it runs: one
-        sender a door, so one that is stuck delays no other's view (a drain's 503)."""
-        assert door.process is not None
-        while door.process.returncode is None:
+        sender a door, so one that is stuck delays no other's view (a drain's 503).
+        A door that stops reporting is killed (its keeper restarts it)."""
+        process = door.process
+        assert process is not None
+        while process.returncode is None:
+            if door.stuck(trio.current_time()):
+                log.error("door process %d has not reported for %gs: killing it",
+                          door.pid, trio.current_time() - max(door.heard_at, door.started_at))
+                process.kill()
+                return
             if door.sent != self._latest:
                 await self._send_view(door, self._latest)
             await trio.sleep(PUBLISH_EVERY_S)
