@@ -4,10 +4,12 @@ daemon, which alone admits, counts and limits. Two doors, real processes, real s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -203,6 +205,37 @@ async def test_the_daemon_accepts_itself_while_no_door_is_ready(
         await until(lambda: report()["daemon_accepts"] is False)
         await _running(d)  # the door answers again
     assert "the daemon accepts the API's connections itself" in caplog.text
+
+
+async def test_the_daemons_own_accepting_retries_what_fails(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Out of descriptors when the fallback copies the listening sockets (likely when
+    doors cannot start either): logged and tried again a second later, never the end
+    of the listener."""
+    monkeypatch.setattr(Doors, "_argv", lambda self, fd: [sys.executable, "-c", "pass"])
+    dup = socket.socket.dup
+    failures = [2]
+
+    def failing_dup(self: socket.socket) -> socket.socket:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return dup(self)
+
+    monkeypatch.setattr(socket.socket, "dup", failing_dup)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        await until(lambda: failures[0] == 0)
+        with trio.fail_after(10):
+            while True:
+                try:
+                    async with await _connect(d) as stream:
+                        answer, = await _exchange(stream, _get("/health"), 1)
+                    break
+                except (OSError, trio.BrokenResourceError, trio.TooSlowError):
+                    await trio.sleep(0.2)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+    assert "the daemon cannot accept either" in caplog.text
 
 
 async def test_a_door_that_dies_soon_after_it_starts_or_stops_is_no_door(

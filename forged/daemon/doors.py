@@ -272,8 +272,9 @@ class Doors:
         while True:
             try:
                 await self._accept_here()
-            except OSError as exc:
-                log.error("the daemon cannot accept either: %s; retrying in 1 s", exc)
+            except* OSError as group:  # from the accept loops' nursery: in a group
+                log.error("the daemon cannot accept either: %s; retrying in 1 s",
+                          "; ".join(map(str, group.exceptions)))
             await trio.sleep(1.0)
 
     async def _publish(self) -> None:
