@@ -201,6 +201,7 @@ async def test_the_daemon_accepts_itself_while_no_door_is_ready(
                                      base_url="http://admin", timeout=30) as admin:
             shown = "\n".join(status_door((await admin.get("/stats")).json()))
         assert "no door process is ready: the daemon accepts itself" in shown
+        assert "restarts, not reporting steadily" in shown
         broken[0] = False
         await until(lambda: report()["daemon_accepts"] is False)
         await _running(d)  # the door answers again

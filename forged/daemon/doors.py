@@ -70,7 +70,7 @@ class Door:
 
     def report(self) -> dict[str, int]:
         return {"pid": self.pid, "answered": self.answered, "handed": self.handed,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "steady": int(self.steady(trio.current_time()))}
 
     def started(self, process: trio.Process) -> None:
         self.process, self.pid, self.sent = process, process.pid, b""

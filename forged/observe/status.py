@@ -139,7 +139,9 @@ def _door(stats: dict[str, Any]) -> list[str]:
         lines.append(f"            door processes {door['processes']} "
                      f"({door['processes_why']})")
     lines += [f"            door pid {p['pid']}: {p['answered']} answered, {p['handed']} "
-              f"handed to the daemon, {p['restarts']} restarts" for p in door.get("process", [])]
+              f"handed to the daemon, {p['restarts']} restarts"
+              + ("" if p.get("steady", 1) else ", not reporting steadily")
+              for p in door.get("process", [])]
     if door.get("daemon_accepts"):
         lines.append("            no door process is ready: the daemon accepts itself")
     return lines
