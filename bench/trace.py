@@ -26,7 +26,7 @@ import trio
 from bench.consistency import breakdown, shipped_sections
 from bench.daemonproc import DaemonProcess, free_port, write_config
 from bench.run import MAX_TOKENS, MODEL
-from forged.engine.stats import Totals
+from forged.engine.stats import Counts, Totals, prompt_step_shares
 from forged.observe.loadtest import make_prompts, run_load
 from forged.observe.status import fetch_stats
 
@@ -77,19 +77,19 @@ def _totals(admin: str) -> Totals:
 def step_mix(a: Totals, b: Totals) -> dict[str, float]:
     """The steps between two reports: how many carried prompt work, their share of the
     time and of the tokens generated, and each kind's mean time and tokens (decoders)."""
-    steps, prompt = b.steps - a.steps, b.prompt_steps - a.prompt_steps
-    seconds = b.step_seconds - a.step_seconds
-    prompt_s = b.prompt_step_seconds - a.prompt_step_seconds
-    tokens = b.tokens_generated - a.tokens_generated
-    prompt_t = b.prompt_step_tokens - a.prompt_step_tokens
-    decode = max(1.0, steps - prompt)
-    return {"prompt_steps_share": round(prompt / max(1.0, steps), 3),
-            "prompt_time_share": round(prompt_s / max(1e-9, seconds), 3),
-            "prompt_tokens_share": round(prompt_t / max(1.0, tokens), 3),
+    d = Counts(**{f: getattr(b, f) - getattr(a, f) for f in (
+        "steps", "prompt_steps", "step_seconds", "prompt_step_seconds", "tokens_generated",
+        "prompt_step_tokens")})
+    steps_share, time_share, tokens_share = prompt_step_shares(d) or (0.0, 0.0, 0.0)
+    prompt, prompt_s, prompt_t = d.prompt_steps, d.prompt_step_seconds, d.prompt_step_tokens
+    decode = max(1.0, d.steps - prompt)
+    return {"prompt_steps_share": round(steps_share, 3),
+            "prompt_time_share": round(time_share, 3),
+            "prompt_tokens_share": round(tokens_share, 3),
             "prompt_step_ms": round(prompt_s / max(1.0, prompt) * 1000, 1),
             "prompt_step_tokens": round(prompt_t / max(1.0, prompt), 2),
-            "decode_step_ms": round((seconds - prompt_s) / decode * 1000, 1),
-            "decode_step_tokens": round((tokens - prompt_t) / decode, 2)}
+            "decode_step_ms": round((d.step_seconds - prompt_s) / decode * 1000, 1),
+            "decode_step_tokens": round((d.tokens_generated - prompt_t) / decode, 2)}
 
 
 if __name__ == "__main__":

@@ -142,9 +142,11 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
     handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
     here = partial(door.serve, handoff=handoff)
     if plain and (n := state.cfg.door_processes[0]):
-        async def accept_here() -> None:  # no door ready: as without doors, on copies
-            async with trio.open_nursery() as accepting:  # of the sockets (an accept
-                for sock in plain:  # loop closes its socket when it ends)
+        async def accept_here() -> None:
+            """No door ready: accept as without doors, on copies of the sockets (an
+            accept loop closes its socket when it ends)."""
+            async with trio.open_nursery() as accepting:
+                for sock in plain:
                     accepting.start_soon(accept_bursts, sock.dup(), here, nursery)
 
         return out, binds, _doors(n, plain, hub, hc, partial(_after_door, hypercorn, nursery),

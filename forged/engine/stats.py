@@ -139,6 +139,15 @@ class StepTally:
         out.prompt_step_seconds = self.prompt_seconds
 
 
+def prompt_step_shares(c: Counts) -> tuple[float, float, float] | None:
+    """The steps that carried prompt work: their share of the steps, of the steps' time
+    and of the tokens generated; None before any step."""
+    if not (c.steps and c.step_seconds and c.tokens_generated):
+        return None
+    return (c.prompt_steps / c.steps, c.prompt_step_seconds / c.step_seconds,
+            c.prompt_step_tokens / c.tokens_generated)
+
+
 _COUNTS = msgspec.structs.fields(Counts)
 C = TypeVar("C", bound=Counts)
 

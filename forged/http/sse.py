@@ -210,16 +210,16 @@ class CompletionFormat(Format):
     def delta(self, text: str, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> bytes:
         if self.logprobs is None:
-            return self._text_chunk(text, index, self._plain)
+            return self._text_chunk(text, index, self._text_choice)
         return self._text(text, index, self.logprobs[index].tokens(logprobs or []))
 
     def _text(self, text: str, index: int, logprobs: dict[str, Any] | None) -> bytes:
-        return self._chunk({"index": index, "text": text, "logprobs": logprobs,
-                            "finish_reason": None})
+        return self._chunk(self._text_choice(text, index, logprobs))
 
     @staticmethod
-    def _plain(text: str, index: int) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    def _text_choice(text: str, index: int, logprobs: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _final_chunk(self, done: Done, reason: str) -> bytes:
         return self._chunk({"index": done.index, "text": "", "logprobs": None,

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from forged.engine.stats import Totals, WorkerStats
+from forged.engine.stats import Totals, WorkerStats, prompt_step_shares
 from forged.errors import ForgedError
 
 
@@ -213,11 +213,11 @@ def render_pool(nodes: list[tuple[str, dict[str, Any] | str]]) -> str:
 def _step_mix(s: WorkerStats) -> list[str]:
     """How much of the work the steps with prompt work were: past half of the tokens
     generated, a stream's median gap is such a step's."""
-    if not (s.steps and s.step_seconds and s.tokens_generated):
+    if (shares := prompt_step_shares(s)) is None:
         return []
-    return [f"  with prompt work {s.prompt_steps / s.steps:.0%} of steps, "
-            f"{s.prompt_step_seconds / s.step_seconds:.0%} of their time, "
-            f"{s.prompt_step_tokens / s.tokens_generated:.0%} of the tokens generated"]
+    steps, time, tokens = shares
+    return [f"  with prompt work {steps:.0%} of steps, {time:.0%} of their time, "
+            f"{tokens:.0%} of the tokens generated"]
 
 
 def _steps(s: WorkerStats) -> list[str]:
