@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import select
 import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
@@ -86,10 +87,22 @@ class IdleConnections:
             # Each close is a checkpoint: a later stream may have got its request
             # meanwhile (busy), or be waiting for its next one (a new time).
             until = self._until.get(stream)
-            if until is None or until > now:
-                continue
+            if until is None or until > now or _readable(stream):
+                continue  # readable: a request (or the client's close) its reader takes
             del self._until[stream]
             await stream.aclose()
+
+
+def _readable(stream: trio.SocketStream) -> bool:
+    """Bytes wait on ``stream`` (or its end): a request that has arrived, which closing
+    the connection would answer with nothing (curl: "empty reply"). Seen at a drain's
+    start, on a connection accepted just before it and not yet read."""
+    fd = stream.socket.fileno()
+    if fd < 0:  # closed already (its reader left): closing it again does nothing
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class Handoff(NamedTuple):
