@@ -16,9 +16,13 @@ from typing import cast
 import msgspec
 import pytest
 import trio
+import trio.testing
+from hypercorn.config import Config as HyperConfig
 
 from forged.auth import add_key
-from forged.daemon.accept import accept_bursts
+from forged.daemon.accept import ResponseTail, accept_bursts
+from forged.daemon.doorproc import DoorView
+from forged.daemon.doorwire import View
 from forged.engine.events import Delta, Event
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
@@ -198,10 +202,10 @@ async def test_idle_connections_close_after_keep_alive_and_all_at_shutdown(
     first, second = trio.SocketStream(a), trio.SocketStream(c)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(idle.sweep)
-        assert idle.waiting(first)
+        assert idle.waiting(first, True)
         await trio.sleep(20)
-        assert idle.waiting(second)
-        assert idle.waiting(first)  # still waiting: its time is not renewed
+        assert idle.waiting(second, True)
+        assert idle.waiting(first, True)  # still waiting: its time is not renewed
         await trio.sleep(11)  # past the first's 30 s, and within the second's
         with pytest.raises(trio.ClosedResourceError):
             await first.send_all(b"x")
@@ -209,11 +213,11 @@ async def test_idle_connections_close_after_keep_alive_and_all_at_shutdown(
         idle.busy(second)  # a request arrived: no longer idle
         await trio.sleep(60)
         await second.send_all(b"x")
-        assert idle.waiting(second)
+        assert idle.waiting(second, True)
         await idle.close_all()
         with pytest.raises(trio.ClosedResourceError):
             await second.send_all(b"x")
-        assert not idle.waiting(second)  # shutting down: no more waiting
+        assert not idle.waiting(second, True)  # shutting down: no more waiting
         nursery.cancel_scope.cancel()
     b.close()
     d.close()
@@ -241,7 +245,7 @@ async def test_the_sweep_leaves_a_connection_that_got_its_request_meanwhile(
     first, second = Conn(), Conn()
     first.on_close = lambda: idle.busy(cast(trio.SocketStream, second))  # a head arrives
     streams = [cast(trio.SocketStream, c) for c in (first, second)]
-    assert all(idle.waiting(s) for s in streams)
+    assert all(idle.waiting(s, True) for s in streams)
     await trio.sleep(31)
     await idle._close(streams, trio.current_time())
     assert first.closed and not second.closed  # the second is being served
@@ -259,16 +263,56 @@ async def test_at_shutdown_a_connection_whose_request_has_arrived_is_answered_no
     idle = IdleConnections(lambda: 30.0)
     (a, b), (c, d) = trio.socket.socketpair(), trio.socket.socketpair()
     idle_one, arrived = trio.SocketStream(a), trio.SocketStream(c)
-    assert idle.waiting(idle_one) and idle.waiting(arrived)
+    assert idle.waiting(idle_one, True) and idle.waiting(arrived, True)
     await d.send(b"GET /health HTTP/1.1\r\n\r\n")
     await idle.close_all()
     with pytest.raises(trio.ClosedResourceError):
         await idle_one.send_all(b"x")
     assert await arrived.receive_some(100) == b"GET /health HTTP/1.1\r\n\r\n"
-    assert not idle.waiting(arrived)  # after its answer, the reader closes it
+    assert not idle.waiting(arrived, True)  # after its answer, the reader closes it
     await arrived.aclose()
     b.close()
     d.close()
+
+
+async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered() -> None:
+    """close_all closes the connections between requests (one answered, nothing of the
+    next read); one just accepted, whose client has not written yet, or that has sent
+    part of a head, is read and answered, with ``connection: close``. (Both were
+    closed: a request sent just after a drain's start got an empty reply or a reset.)"""
+    view = DoorView(View(on=True, health_status=200, health=b'{"status":"ok"}',
+                         models=b"{}", keys=[], keep_alive_s=30.0, max_requests=100))
+    door = HotDoor(view, ResponseTail(HyperConfig()))
+    idle = IdleConnections(lambda: 30.0)
+
+    async def general(stream: trio.abc.Stream) -> None:
+        raise AssertionError("a hot request was handed over")
+
+    handoff = hotdoor.Handoff(general, lambda: 100, idle)
+    peers = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            ours, theirs = trio.socket.socketpair()
+            nursery.start_soon(door.serve, trio.SocketStream(ours), handoff)
+            peers.append(trio.SocketStream(theirs))
+        fresh, partial, between = peers
+        await partial.send_all(b"GET /health HTTP/1.1\r\n")
+        answer, = await _exchange(between, _get("/health"), 1)
+        assert b"connection: close" not in answer
+        await trio.testing.wait_all_tasks_blocked()
+        await idle.close_all()
+        assert await between.receive_some(100) == b""  # closed
+        await fresh.send_all(_get("/health"))
+        await partial.send_all(b"Host: forged\r\n\r\n")
+        for peer in (fresh, partial):
+            with trio.fail_after(10):
+                data = b""
+                while chunk := await peer.receive_some(65536):
+                    data += chunk
+            assert data.startswith(b"HTTP/1.1 200 ")
+            assert b"\r\nconnection: close\r\n" in data and data.endswith(b'{"status":"ok"}')
+    for peer in peers:
+        await peer.aclose()
 
 
 async def test_an_accept_that_fails_for_one_connection_leaves_the_listener_accepting(

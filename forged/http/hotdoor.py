@@ -54,22 +54,33 @@ class IdleConnections:
     scope around every read: on a loaded door, a deadline per read cost a third of the
     request rate and pushed p99 from 13 ms to about 500 ms (docs/benchmarks.md). A
     connection's time starts when it waits for a request (hypercorn's keep-alive
-    timeout, which also bounds slow headers) and ends when a whole head has arrived."""
+    timeout, which also bounds slow headers) and ends when a whole head has arrived.
+
+    At shutdown only the connections *between* requests (one answered, nothing of the
+    next read) are closed, as hypercorn closes its idle ones: a client knows that a
+    kept-alive connection may close. A connection that has sent nothing yet, or part of
+    a head, was accepted for a request the client has sent or is sending: it is read
+    and answered (and then closed), within the listener's grace time."""
 
     def __init__(self, keep_alive_s: Callable[[], float]) -> None:
         self._keep_alive_s = keep_alive_s  # read when needed: a reload changes it
         self._until: dict[trio.SocketStream, float] = {}
+        self._between: set[trio.SocketStream] = set()  # waiting after an answer
         self.closing = False  # the listener is shutting down: no more waiting
 
-    def waiting(self, stream: trio.SocketStream) -> bool:
-        """Note that ``stream`` waits (from now, unless it already was); False once the
-        listener is shutting down, when an idle connection is closed instead."""
+    def waiting(self, stream: trio.SocketStream, between: bool) -> bool:
+        """Note that ``stream`` waits (from now, unless it already was), ``between``
+        requests or for its first (or the rest of a head); False once the listener is
+        shutting down and it is between requests, when it is closed instead."""
         if stream not in self._until:
             self._until[stream] = trio.current_time() + self._keep_alive_s()
-        return not self.closing
+            if between:
+                self._between.add(stream)
+        return not (self.closing and between)
 
     def busy(self, stream: trio.SocketStream) -> None:
         self._until.pop(stream, None)
+        self._between.discard(stream)
 
     async def sweep(self, every_s: float = 1.0) -> None:
         while True:
@@ -78,9 +89,9 @@ class IdleConnections:
             await self._close([s for s, until in self._until.items() if until <= now], now)
 
     async def close_all(self) -> None:
-        """At shutdown, as hypercorn does with its idle connections."""
+        """At shutdown: those between requests, as hypercorn does with its idle ones."""
         self.closing = True
-        await self._close(list(self._until), math.inf)
+        await self._close([s for s in self._until if s in self._between], math.inf)
 
     async def _close(self, streams: list[trio.SocketStream], now: float) -> None:
         for stream in streams:  # its reader then gets ClosedResourceError: it leaves
@@ -89,7 +100,7 @@ class IdleConnections:
             until = self._until.get(stream)
             if until is None or until > now or _readable(stream):
                 continue  # readable: a request (or the client's close) its reader takes
-            del self._until[stream]
+            self.busy(stream)
             await stream.aclose()
 
 
@@ -211,7 +222,9 @@ class HotDoor:
             while True:
                 end = buf.find(b"\r\n\r\n", start)
                 if end < 0 and len(buf) - start <= MAX_HEAD:
-                    data = await _receive(stream) if handoff.idle.waiting(stream) else b""
+                    between = served > 0 and start == len(buf)
+                    waits = handoff.idle.waiting(stream, between)
+                    data = await _receive(stream) if waits else b""
                     if not data:  # the client left, or the sweeper closed it
                         await stream.aclose()
                         return
@@ -224,7 +237,8 @@ class HotDoor:
                     break
                 start = end + 4
                 served += 1
-                if not await _send(stream, answer, served >= handoff.max_requests()):
+                last = served >= handoff.max_requests() or handoff.idle.closing
+                if not await _send(stream, answer, last):
                     return
         finally:
             handoff.idle.busy(stream)
