@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -396,6 +396,79 @@ async def test_a_drain_stops_the_doors_and_lets_their_streams_finish(
                     stream = await _connect(d)
                     await stream.aclose()
                     await trio.sleep(0.05)
+
+
+async def test_at_a_drains_start_the_port_refuses_while_the_doors_stop(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the doors are told to stop, a new connection is refused (or, under socket
+    activation, waits in systemd's socket for the next daemon), however long a door
+    takes to exit. (The daemon kept its copy of the listening socket until every door
+    had exited: a connection made meanwhile was queued, then reset.)"""
+    argv = Doors._argv
+
+    def slow_to_exit(self: Doors, hub_fd: int) -> list[str]:
+        real = argv(self, hub_fd)
+        code = ("import runpy, sys, time\nsys.argv[0] = 'doorproc'\ntry:\n"
+                "    runpy.run_module('forged.daemon.doorproc', run_name='__main__')\n"
+                "finally:\n    time.sleep(2)")
+        return [sys.executable, "-c", code, *real[real.index("--hub"):]]
+
+    monkeypatch.setattr(Doors, "_argv", slow_to_exit)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        door, = await _running(d)
+        d.daemon.begin_drain()
+        await trio.sleep(0.5)  # the door has stopped accepting; it exits 1.5 s later
+        assert _alive(door["pid"])
+        host, port = d.url.removeprefix("http://").rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):  # the kernel answers: no blocking
+            socket.create_connection((host, int(port)), timeout=5).close()
+        await until(lambda: not _alive(door["pid"]))
+
+
+async def test_a_request_a_door_accepted_before_its_stop_is_answered_by_the_daemon(
+        tiny_model: Path, start_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture,
+        ) -> None:
+    """A connection a door accepted just before it was told to stop, whose client had
+    sent nothing yet or part of a head, is read and handed to the daemon, which answers
+    from its state now: during a drain, /health's 503. A second SIGTERM (``systemctl
+    kill``, then the daemon's own) does not cut the door's stop short. (Such a
+    connection was closed unanswered, and a second SIGTERM killed the door.)"""
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        door, = await _running(d)
+        fresh, partial = await _connect(d), await _connect(d)
+        await partial.send_all(b"GET /health HTTP/1.1\r\n")
+        await until(lambda: _holds(door["pid"], fresh) and _holds(door["pid"], partial))
+        os.kill(door["pid"], signal.SIGTERM)
+        await trio.sleep(0.2)
+        os.kill(door["pid"], signal.SIGTERM)
+        await trio.sleep(0.2)
+        assert d.daemon.state is not None
+        d.daemon.state.leaving = True  # the daemon's state changed after the door's view
+        await fresh.send_all(_get("/health"))
+        await partial.send_all(b"Host: forged\r\n\r\n")
+        for stream in (fresh, partial):
+            answer, = await _exchange(stream, b"", 1)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer
+            await stream.aclose()
+        await until(lambda: _doors(d)[0]["restarts"] == 1)
+        d.daemon.state.leaving = False
+    assert f"door process {door['pid']} exited with code 0" in caplog.text
+
+
+def _holds(pid: int, stream: trio.SocketStream) -> bool:
+    """Process ``pid`` holds the server's end of ``stream`` (it has accepted it)."""
+    port = stream.socket.getsockname()[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port:  # its remote end: ours
+                inodes.add(f"socket:[{fields[9]}]")
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with suppress(FileNotFoundError):  # closed meanwhile
+            held.add(os.readlink(fd))
+    return bool(held & inodes)
 
 
 def _door_pids(daemon_pid: int) -> list[int]:

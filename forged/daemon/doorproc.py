@@ -39,7 +39,7 @@ REPORT_EVERY_S = 0.25
 COUNTS_A_DATAGRAM = 500  # (rule, status, key, n) entries: well within DATAGRAM_MAX
 HAND_TIMEOUT_S = 10.0  # a daemon that takes no connection for this long has stalled
 FIRST_VIEW_S = 30.0  # the daemon sends the first view as it starts a door
-STOP_S = 2.0  # after the last accept, for connections in the middle of a head
+STOP_S = 2.0  # after the last accept, for the requests of connections accepted
 
 
 class DoorView:
@@ -48,6 +48,9 @@ class DoorView:
 
     def __init__(self, view: View) -> None:
         self.counts: Counter[tuple[str, int, str]] = Counter()
+        # Told to stop (a drain's start): what the door still reads, the daemon answers,
+        # from its state now (a drain's 503), not from a view that may predate it.
+        self.stopping = False
         self.set(view)
 
     def set(self, view: View) -> None:
@@ -56,7 +59,7 @@ class DoorView:
 
     @property
     def on(self) -> bool:
-        return self.view.on
+        return self.view.on and not self.stopping
 
     @property
     def keys(self) -> KeyStore:
@@ -150,11 +153,15 @@ async def flush(hub: socket.socket, view: DoorView) -> None:
             await send_datagram(hub, encoder.encode(counted), [])
 
 
-async def until_term(stop: trio.CancelScope) -> None:
+async def until_term(stop: trio.CancelScope, view: DoorView) -> None:
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async for _ in signals:
-            stop.cancel()
-            return
+            break
+    # A second SIGTERM (``systemctl kill`` and then the daemon's, say) must not cut
+    # short the stop, which reads and hands the requests of connections accepted.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    view.stopping = True
+    stop.cancel()
 
 
 async def serve(listen_fds: list[int], hub_fd: int) -> None:
@@ -175,7 +182,7 @@ async def serve(listen_fds: list[int], hub_fd: int) -> None:
             top.start_soon(follow, views, view, top.cancel_scope)
             top.start_soon(report, hub, view)
             top.start_soon(idle.sweep)
-            top.start_soon(until_term, top.cancel_scope)
+            top.start_soon(until_term, top.cancel_scope, view)
             for fd in listen_fds:
                 top.start_soon(accept_bursts, socket.socket(fileno=fd),
                                partial(door.serve, handoff=handoff), connections)

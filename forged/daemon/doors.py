@@ -117,6 +117,7 @@ class Doors:
         self._log_level = log_level
         self._accept_here = accept_here
         self.accepting_here = False  # no door steady: the daemon accepts (/stats)
+        self.closed = False  # the listening sockets are closed: no door starts
         self._latest = b""  # the view as the doors should have it, framed
 
     async def run(self) -> None:
@@ -134,13 +135,17 @@ class Doors:
                 "daemon_accepts": self.accepting_here}
 
     def close(self) -> None:
-        """Close the daemon's copies of the listening sockets, once the doors are
-        stopped: then nothing accepts on them."""
+        """Close the daemon's copies of the listening sockets, before the doors are
+        told to stop: the sockets then close as the last door's accept loop ends.
+        (Closed after the doors had gone, the daemon's copy queued the connections made
+        while they stopped, which its close then reset; under socket activation
+        systemd's copy keeps them for the next daemon either way.)"""
+        self.closed = True
         for sock in self._sockets:
             sock.close()
 
     async def _keep(self, door: Door) -> None:
-        while True:
+        while not self.closed:
             started = trio.current_time()
             try:
                 code = await self._run_one(door)

@@ -61,8 +61,8 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
-                    nursery.start_soon(raise_shutdown, shutdown_trigger)
-                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    for trigger in (shutdown_trigger, context.terminate.wait):
+                        nursery.start_soon(raise_shutdown, partial(_closing, trigger, doors))
                     nursery.start_soon(idle.sweep)
                     for listener, handler in listeners:
                         nursery.start_soon(_accept, listener, handler, server_nursery)
@@ -81,6 +81,14 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
                 server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+async def _closing(trigger: Callable[[], Awaitable[None]], doors: Doors | None) -> None:
+    """``trigger``, then the daemon's copies of the doors' sockets closed before the
+    doors stop (Doors.close)."""
+    await trigger()
+    if doors is not None:
+        doors.close()
 
 
 async def _shielded_close(app: Any, scope: Scope, receive: ASGIReceiveCallable,
