@@ -331,3 +331,53 @@ def test_a_pre_encoded_text_chunk_is_the_chunk_encoded_whole(
                      "choices": [choice],
                      **({"system_fingerprint": fingerprint} if fingerprint else {})}
             assert out.delta(text, index) == b"data: " + msgspec.json.encode(whole) + b"\n\n"
+
+
+async def _general_until_drain(rs: RequestStream, engine: Any, deadline_s: float,
+                               coalesce_ms: float, read_s: float) -> bytes:
+    """The general path's body (its frames joined) with the drain's deadline at
+    ``deadline_s`` from now, the events pushed by ``engine(rs)`` and a client that
+    takes ``read_s`` to read each write."""
+    state, f, body = _state(coalesce_ms), _frames(), b""
+    state.drain.set(trio.current_time() + deadline_s)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine, rs)
+        async for frames in _stream(state, rs, [], f.out, True, f.outcome, None):
+            body += frames
+            await trio.sleep(read_s)
+        nursery.cancel_scope.cancel()
+    return body
+
+
+async def test_events_taken_before_the_drains_deadline_are_written(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Tokens a millisecond apart share a write for up to the 5 ms budget; the drain's
+    deadline passing within that wait still writes what was taken, and a stream whose
+    last event came meanwhile ends as finished. (They were dropped, and the stream
+    reported cut short.)"""
+    events = _events()[:3] + _events()[-1:]  # three tokens, then the end
+
+    async def engine(rs: RequestStream) -> None:
+        for ev in events:
+            await trio.sleep(0.001)
+            rs.push(ev)
+
+    body = await _general_until_drain(_stream_of(), engine, 0.0035, 5.0, 0.0)
+    assert b"tok001" in body and b"tok002" in body
+    assert b'"finish_reason":"length"' in body and b"cut short" not in body
+
+
+async def test_the_drains_deadline_cuts_a_stream_whose_events_are_always_waiting(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A client that reads slower than tokens come finds events waiting at every
+    turn: the deadline still cuts the stream, with its 503 frame. (Waiting events
+    returned without a checkpoint, so the deadline never fired: the stream ran on to
+    its end, holding the drain open.)"""
+    async def engine(rs: RequestStream) -> None:
+        for ev in _events():
+            await trio.sleep(0.005)
+            rs.push(ev)
+
+    body = await _general_until_drain(_stream_of(), engine, 0.1, 0.0, 0.01)
+    assert b"cut short" in body and b'"finish_reason":"length"' not in body
+    assert b"tok%03d" % (TOKENS - 1) not in body

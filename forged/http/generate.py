@@ -232,18 +232,24 @@ async def _until_admitted(rs: RequestStream, outcome: Outcome) -> list[Event]:
 async def _next_events(drain: DrainDeadlines, rs: RequestStream, pace: Pace | None = None,
                        sink: StepSink | None = None) -> list[Event] | None:
     """The request's next events (with ``pace``, those that arrive soon after them
-    too), or None once the drain's deadline has passed. A direct stream's ``sink``
-    holds from the moment they are taken: later events queue behind them."""
+    too), or None once the drain's deadline has passed. The deadline cuts only the
+    wait: events taken go out (a pace's gathering is bounded by its budget). A direct
+    stream's ``sink`` holds from the moment they are taken: later events queue behind
+    them."""
     scope = drain.wait_scope()
     try:
         with scope:
+            # Events already waiting return without a checkpoint: a deadline that has
+            # passed must be seen even by a stream that never waits for them.
+            await trio.lowlevel.checkpoint_if_cancelled()
             events = await rs.receive()
-            if sink is not None:
-                sink.held = True
-            return events + await pace.gather(rs) if pace is not None else events
-        return None
     finally:
         drain.end_wait(scope)
+    if scope.cancelled_caught:
+        return None
+    if sink is not None:
+        sink.held = True
+    return events + await pace.gather(rs) if pace is not None else events
 
 
 class _Reader:
