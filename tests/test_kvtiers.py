@@ -5,14 +5,16 @@ test_kvtiers_daemon.py."""
 
 from __future__ import annotations
 
+import errno
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
-from forged.engine import kvtiers
+from forged.engine import kvdisk, kvtiers
 from forged.engine.core import WorkerCore
 from forged.engine.costmodel import CostModel
 from forged.engine.events import Admitted, Delta, Done, Event
@@ -245,6 +247,44 @@ def test_a_step_never_waits_on_a_disk_write(tmp_path: Path) -> None:
     core.account_disk()
     assert not core.writing and not list(tmp_path.glob("*.kv"))
     assert_nothing_left(core, backend)
+
+
+def test_a_disk_gone_read_only_costs_the_disk_tier_never_the_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system remounted read-only (a disk's errors) fails every write and every
+    delete, even of a missing file (EROFS): each is logged, the states are lost, and
+    the worker goes on, starts and stops. (A failed write's cleanup raised: the I/O
+    thread died, the evicted state it held stayed in memory forever, and a start that
+    found a leftover temporary file, or a stop that saved the sessions, crashed the
+    worker.)"""
+    (tmp_path / "left.tmp").write_bytes(b"x")  # a write a crash cut short
+    real_open = open
+
+    def read_only_open(file: Path, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        if "w" in mode:
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, mode, *args, **kw)
+
+    def read_only_unlink(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(kvdisk, "open", read_only_open, raising=False)
+    monkeypatch.setattr(Path, "unlink", read_only_unlink)
+    store = DiskStore(tmp_path, "m")
+    assert store.scan() == []
+    core, backend = tiered({5: [1, 2, EOS], 6: [3, EOS]}, disk=store, cache_ram_bytes=1)
+    submit(core, 1, prompt(5), session="chat")
+    run(core)
+    submit(core, 2, prompt(6))  # takes the one slot: the session's state goes to disk
+    run(core)
+    store.wait_writes()
+    core.account_disk()
+    assert not core.writing  # the write failed and ended: nothing held for it
+    submit(core, 3, prompt(5, tail=(1, 2, 9)), session="chat")
+    assert text(run(core), 3)  # computed from its prompt
+    core.persist()  # the worker stops: the session's state cannot be kept
+    assert_nothing_left(core, backend)
+    assert [p.name for p in tmp_path.iterdir()] == ["left.tmp"]
 
 
 class GatedReads(DiskStore):

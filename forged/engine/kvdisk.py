@@ -65,6 +65,16 @@ def _log(message: str) -> None:
     print(f"forged worker: kv cache: {message}", file=sys.stderr, flush=True)
 
 
+def _unlink(path: Path) -> None:
+    """Delete ``path`` if it is there. On a file system remounted read-only (a disk's
+    errors), unlink fails with EROFS even for a missing file: logged, never raised,
+    so that a disk gone bad costs the disk tier, not the worker."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        _log(f"cannot delete {path.name}: {exc}")
+
+
 # States waiting for the writer thread at most: past it, the caller writes at once (the
 # disk is slower than eviction, and the states waiting are held in memory).
 WRITES_QUEUED = 8
@@ -127,13 +137,21 @@ class DiskStore:
         while True:
             entry, state = self._todo.get()
             try:
-                if state is None:
-                    self._done.put(Read(entry, self.read(entry)))
-                else:
-                    key, nbytes = self._write_file(entry, state) or ("", 0)
-                    self._done.put(Written(entry, key, nbytes))
+                self._done.put(self._io_one(entry, state))
             finally:
                 self._todo.task_done()
+
+    def _io_one(self, entry: Entry, state: bytearray | None) -> Written | Read:
+        """One write or read; whatever goes wrong is its failure, never the thread's
+        end (the step would wait for the rest forever, and a stop for every write)."""
+        try:
+            if state is None:
+                return Read(entry, self.read(entry))
+            key, nbytes = self._write_file(entry, state) or ("", 0)
+            return Written(entry, key, nbytes)
+        except Exception as exc:
+            _log(f"cannot {'read' if state is None else 'write'} a session's state: {exc}")
+            return Read(entry, None) if state is None else Written(entry, "", 0)
 
     def scan(self) -> list[Entry]:
         """The valid files' entries, oldest first; invalid ones are deleted."""
@@ -145,7 +163,7 @@ class DiskStore:
                     0, header.tokens, header.tenant, header.session, Tier.DISK,
                     path.stat().st_size, path.stem)))
         for tmp in self.root.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)  # a write the last run did not finish
+            _unlink(tmp)  # a write the last run did not finish
         return [e for _, e in sorted(found, key=lambda f: f[0])]
 
     def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
@@ -168,7 +186,7 @@ class DiskStore:
                 os.fsync(f.fileno())
             tmp.rename(self._path(key))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            _unlink(tmp)
             _log(f"cannot write a session's state: {exc}")
             return None
         return key, len(state) + len(header) + len(MAGIC) + _HEADER_LEN
@@ -202,7 +220,7 @@ class DiskStore:
             self.remove_key(entry.key)
 
     def remove_key(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        _unlink(self._path(key))
 
     def _path(self, key: str) -> Path:
         return self.root / (key + _SUFFIX)
@@ -233,4 +251,4 @@ class DiskStore:
 
     def _reject(self, path: Path, why: str) -> None:
         _log(f"{path.name} dropped: {why}")
-        path.unlink(missing_ok=True)
+        _unlink(path)
