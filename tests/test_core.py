@@ -431,6 +431,21 @@ def test_a_draw_with_no_token_fails_its_request_and_the_step_goes_on() -> None:
     assert_nothing_left(core, backend)
 
 
+def test_a_slot_whose_last_draw_failed_holds_only_what_it_recorded() -> None:
+    """The failed draw's chunk was decoded (its cells written) but not recorded: its
+    cells are removed, so a next prompt that extends what the slot recorded is
+    computed in place. (They stayed: llama.cpp refused every such prompt's decode,
+    positions out of order, until the slot was evicted; a retry hit it first.)"""
+    core, backend = core_with({5: [1, 2, NO_TOKEN, 3], 9: [4, EOS]}, slots=1, max_running=1)
+    submit(core, 1, [5, 1, 1], max_tokens=4)
+    assert [e.code for e in of(run(core), 1) if isinstance(e, Failed)] == ["bad_request"]
+    submit(core, 2, [5, 1, 1, 1, 2, 9], max_tokens=4, sampling=Sampling(seed=4))  # script 9
+    events = run(core)
+    assert not [e for e in events if isinstance(e, Failed)]
+    assert of(events, 2)[0] == Admitted(rid=2, cached=4, queue_time=0.0)
+    assert_nothing_left(core, backend)
+
+
 def test_a_failed_step_fails_a_request_of_n_choices_once() -> None:
     core, backend = core_with({5: [1] * 20}, step_tokens=64)
     submit(core, 1, [5, 1, 1], max_tokens=8, n=3)

@@ -354,6 +354,9 @@ class WorkerCore:
             return
         undrawn = self._undrawn
         sampled = {key: tok for key, tok in sampled.items() if key[0] not in undrawn}
+        for c in plan.chunks:
+            if c.rid in undrawn:  # decoded, but not recorded: the slot keeps what it was
+                self.backend.seq_rm(c.seq, c.pos)
         ran = plan if not (failed or undrawn) else StepPlan(
             [], [c for c in plan.chunks if c.rid not in failed and c.rid not in undrawn],
             plan.shape)
