@@ -574,6 +574,34 @@ def test_held_tokens_go_before_a_step_that_computes_a_prompt() -> None:
     assert all(before == at for _, before, at in tokens_only)  # before its decode
 
 
+def test_held_tokens_go_before_a_steps_memory_operations() -> None:
+    """An admission may first copy a state out of its slot or into it (a save, a
+    restore from disk): held tokens go before those, not after, so none waits past its
+    budget for them. (They went after.)"""
+    core, backend = core_with({5: [1] * 30, 6: [2, EOS], 7: [3, EOS], 8: [4] * 5},
+                              hold_ms=5.0, slots=2, max_running=2)
+    submit(core, 1, [6])
+    submit(core, 2, [7])
+    run(core)  # both slots now hold a finished request's cache
+    held_at_ops: list[int] = []
+    seq_rm = backend.seq_rm
+
+    def recorded(seq: int, p0: int) -> None:
+        held_at_ops.append(sum(isinstance(e, Delta) for e in core.events))
+        seq_rm(seq, p0)
+
+    backend.seq_rm = recorded  # type: ignore[method-assign]
+    submit(core, 3, [5], max_tokens=30)
+    now = 0.0
+    for step in range(12):
+        if step == 6:
+            submit(core, 4, [8], max_tokens=5)  # evicts the other slot's cache
+        core.step(now, flush=lambda at=now: core.frame(at))
+        core.frame(now, hold=True)
+        now += 0.001
+    assert len(held_at_ops) == 2 and held_at_ops == [0, 0]
+
+
 def test_held_tokens_go_before_a_decode_priced_past_their_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The hold predicts the next step from the last one. A step the cost model prices

@@ -9,9 +9,8 @@ socket, no event loop and no llama.cpp: it drives a :class:`Backend` (the real o
 :class:`~forged.engine.scheduler.Scheduler`.
 
 * ``handle(frame, now)`` takes a ``Submit``, ``Cancel`` or ``SetLimits`` frame;
-* ``step(now)`` runs one scheduling step: expire queued requests, ask the scheduler for
-  a plan, apply its KV memory operations, decode (isolating the requests whose chunks
-  fail: :func:`~forged.engine.decoding.run_isolating`), sample, and turn tokens into text;
+* ``step(now)`` runs one step: expire queued requests, plan, apply the plan's KV memory
+  operations, decode (isolating failing requests: ``decoding.run_isolating``), sample;
 * ``frame(now, force)`` returns the ``Step`` frame to send: the events since the last
   one, and the statistics when they are due.
 
@@ -221,6 +220,8 @@ class WorkerCore:
             assert self.disk is not None
             self.disk.wait_done(_STAGE_WAIT_S)
         if plan is not None:
+            if plan.ops and self.events:
+                flush()  # held tokens go before a state's copy out of or into a slot
             # Before the admissions are reported: a refused restore changes them.
             recompute = self.apply_memory_ops(plan.ops)
             if recompute:
