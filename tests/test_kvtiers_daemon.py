@@ -101,6 +101,23 @@ async def test_a_session_survives_a_restart_with_the_same_answer(
     assert again["choices"][0]["message"] == ref["choices"][0]["message"]
 
 
+async def test_saved_states_no_worker_reads_are_deleted_at_start(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """A worker's folder beyond a lowered ``engine.workers`` goes at the next start, and
+    every saved state once ``engine.cache_disk_mib`` is 0 ("keeps nothing on disk").
+    (Both stayed forever: never read, never counted against a budget.)"""
+    with trio.fail_after(90):
+        await serve_first_turn(start_daemon, tiny_model)
+        (saved,) = (tmp_path / "state" / "kvcache").glob("*/worker-0/*.kv")
+        extra = saved.parent.parent / "worker-1"  # as two workers left it
+        extra.mkdir()
+        (extra / "old.kv").write_bytes(b"x")
+        async with start_daemon(tiny_model, engine=ENGINE):
+            assert not extra.exists() and saved.exists()
+        async with start_daemon(tiny_model, engine={**ENGINE, "cache_disk_mib": 0}):
+            assert not list((tmp_path / "state" / "kvcache").iterdir())
+
+
 async def test_a_corrupt_cache_file_is_dropped_and_the_turn_recomputed(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
     with trio.fail_after(90):

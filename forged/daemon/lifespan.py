@@ -79,14 +79,23 @@ def _live_server_settings(hc: HyperConfig, cfg: fc.Config) -> None:
 
 
 def prune_kv_caches(state_dir: str, keep: set[Path]) -> None:
-    """Delete saved KV states of models no longer configured (and of the one-folder
-    layout before models had their own): their files could never be restored."""
+    """Delete the saved KV states no worker of this start reads, ``keep`` being the
+    folders of those that do: a model's no longer configured (and the one-folder layout
+    before models had their own), a worker's beyond a lowered ``engine.workers``, and
+    every one of a model whose ``engine.cache_disk_mib`` is now 0. None could ever be
+    restored, and none would count against a budget."""
     root = Path(state_dir) / "kvcache"
     if not root.is_dir():
         return
+    models = {folder.parent for folder in keep}
     for child in root.iterdir():
-        if child not in keep and child.is_dir():
-            log.info("deleting saved KV states of a model no longer served: %s", child)
+        if child in models:
+            for folder in child.iterdir():
+                if folder.is_dir() and folder not in keep:
+                    log.info("deleting saved KV states no worker reads: %s", folder)
+                    shutil.rmtree(folder, ignore_errors=True)
+        elif child.is_dir():  # a model no longer served, or with cache_disk_mib = 0
+            log.info("deleting saved KV states no worker reads: %s", child)
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -152,7 +161,7 @@ class Daemon:
             self._applied_default = (groups[0].model.path, groups[0].file.stamp)
             self._applied = {g.key: (g.model, g.file.stamp) for g in groups[1:]}
             await trio.to_thread.run_sync(prune_kv_caches, self.cfg.server.state_dir,
-                                          self.models.cache_dirs(self.cfg.server.state_dir))
+                                          self.models.disk_folders())
             await self._serve_models(task_status)
         finally:
             # Closing twice is harmless: a swap closes the vocabularies it retires.

@@ -288,8 +288,9 @@ class Models:
     def memory_in_use(self) -> int:
         return sum(g.memory for g in self.all())
 
-    def cache_dirs(self, state_dir: str) -> set[Path]:
-        return {g.pool.cache_dir for g in self.all()}
+    def disk_folders(self) -> set[Path]:
+        """Every worker's folder of saved KV states (forged.engine.pool.Pool.disk_folders)."""
+        return {f for g in self.all() for f in g.pool.disk_folders()}
 
 
 def kv_cache_dir(state_dir: str, file: ModelFile) -> Path:

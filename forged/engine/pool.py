@@ -259,10 +259,18 @@ class EnginePool:
     def _outbox_limit(self) -> int:
         return 2 * (self.limits.max_queued + self.limits.max_running) + _OUTBOX_SPARE
 
+    def disk_folders(self) -> set[Path]:
+        """The folders its workers keep saved KV states in (none without a disk tier):
+        what else is under its ``cache_dir`` is no worker's (forged.daemon.lifespan)."""
+        return {f for i in range(len(self.workers)) if (f := self._disk_folder(i))}
+
+    def _disk_folder(self, index: int) -> Path | None:
+        # Each worker its own folder: a session's state is restored where it was saved.
+        return self.cache_dir / f"worker-{index}" if self.cfg.engine.cache_disk_mib else None
+
     def _init(self, index: int) -> fr.Init:
         e = self.cfg.engine
-        # Each worker its own folder: a session's state is restored where it was saved.
-        cache_dir = str(self.cache_dir / f"worker-{index}") if e.cache_disk_mib else ""
+        cache_dir = str(folder) if (folder := self._disk_folder(index)) else ""
         path = f"/proc/self/fd/{self.model_fd}" if self.model_fd >= 0 else self.model.path
         return fr.Init(model_path=path, threads=e.threads,
                        flash_attn=None if e.flash_attn == "auto" else e.flash_attn,
