@@ -210,6 +210,42 @@ async def test_a_lost_worker_s_unadmitted_requests_go_to_another_worker() -> Non
                                                                        queued.rid}
 
 
+async def test_a_worker_whose_process_is_being_stopped_takes_no_request() -> None:
+    """Between a process's loss (its outbox gone) and the supervisor's noting it, after
+    stopping the process (which may take seconds), the worker is not routable: a new
+    request goes elsewhere, and another worker's lost requests wait for a worker
+    rather than go to it. (It was: the submit failed its assertion, a 500 for a new
+    request, and for a resubmission the end of the model's pool.)"""
+    pool = pool_of(2)
+    stopping = pool.workers[0]
+    stopping.outbox = None  # as WorkerSupervisor._run_process leaves it, still ready
+    assert not stopping.routable(time.monotonic())
+    async with pool.open_request(request(1, 2)) as rs:
+        assert rs.worker == 1
+        lose(pool, 1)  # no worker to take it: it waits
+        assert pool._parked and rs.worker is None
+        up(stopping)
+        pool.unpark()
+        assert rs.worker == 0 and submits(pool, 0) == [rs.rid]
+
+
+async def test_a_lost_workers_requests_go_to_a_late_worker_once_it_is_heard() -> None:
+    """A lost worker's requests wait while the other worker is late (a long step), and
+    go to it as soon as it is heard again. (They waited for the lost worker's restart,
+    a model load away, and failed if that took longer than the queue timeout.)"""
+    pool = pool_of(2)
+    async with pool.open_request(request(1, 2)) as first, \
+            pool.open_request(request(3, 4)) as rs:
+        assert (first.worker, rs.worker) == (0, 1)
+        late = pool.workers[0]
+        late.last_heard = time.monotonic() - 3600
+        lose(pool, 1)
+        assert rs.rid in pool._parked
+        late.last_heard = time.monotonic()
+        pool._deliver(0, fr.Step(events=[], stats=None))
+        assert rs.worker == 0 and submits(pool, 0) == [first.rid, rs.rid]
+
+
 async def test_with_no_worker_left_a_request_waits_for_the_restarted_one() -> None:
     pool = pool_of(1)
     async with pool.open_request(request(1, 2)) as rs:

@@ -306,9 +306,12 @@ class EnginePool:
     # --- what workers say ----------------------------------------------------------------
 
     def _deliver(self, index: int, step: fr.Step) -> None:
-        # A worker was heard: requests waiting for a late one may go (_late_workers).
+        # A worker was heard: requests waiting for a late one may go (_late_workers),
+        # and so may those a lost worker left, not only at a restarted one's start.
         self._heard.set()
         self._heard = trio.Event()
+        if self._parked:
+            self.unpark()
         if step.digests is not None:
             self.router.reported(index, step.digests)
         pending = self.pending[index]

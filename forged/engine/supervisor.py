@@ -85,9 +85,11 @@ class WorkerSupervisor:
         self.exit_note = ""  # how the last process ended by itself, for the log
 
     def routable(self, now: float) -> bool:
-        """Ready, and heard from recently: a worker whose heartbeat is late may be
-        wedged, and a request routed to it would wait for its death."""
-        return self.ready and now - self.last_heard <= self.engine.heartbeat_late
+        """Ready, with a process to send to, and heard from recently: a worker whose
+        heartbeat is late may be wedged, and a request routed to it would wait for its
+        death."""
+        return (self.ready and self.outbox is not None
+                and now - self.last_heard <= self.engine.heartbeat_late)
 
     def send(self, frame: fr.ToWorker) -> None:
         """Queue ``frame`` for the running process."""
@@ -154,8 +156,9 @@ class WorkerSupervisor:
                 wedged = isinstance(worker_fault(exc), trio.TooSlowError)
                 raise
             finally:
-                # From here on nothing is routed to this process; frames still in its
-                # outbox die with it (their requests fail with WorkerLost).
+                # From here on nothing is routed to this process (routable(); stopping
+                # it may take seconds); frames still in its outbox die with it (their
+                # requests fail with WorkerLost).
                 self.outbox = None
                 with trio.CancelScope(shield=True):
                     self.exit_note = _exit_note(await _stop_process(proc, stream,
