@@ -511,6 +511,50 @@ async def test_a_model_whose_workers_fail_to_load_is_refused_and_forgotten(
             assert await answer(c) == before
 
 
+async def test_a_swap_naming_no_model_replaces_the_model_table(
+        fim_model: Path, tiny_model: Path, other_model: Path,
+        start_daemon: DaemonFactory) -> None:
+    """``forged model swap PATH`` replaces [model] (its help says so), whatever its
+    role: with a FIM model there and a chat model in [[models]], the FIM model goes.
+    (The first chat model went: the FIM model's place was resolved as a chat request's
+    default.)"""
+    with trio.fail_after(120):
+        async with start_daemon(fim_model, models=[{"path": str(tiny_model)}]) as d, \
+                admin(d) as a:
+            r = await a.post("/models/swap", json={"path": str(other_model)})
+            assert r.status_code == 200, r.text
+            serving = d.daemon.models.serving
+            assert [g.number for g in serving] == [3, 2]
+            assert serving[1].model.path == str(tiny_model)
+
+
+async def test_a_reload_whose_model_cannot_be_read_is_refused_and_the_daemon_serves_on(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A new table's file that cannot be read when its load starts (its package
+    removed meanwhile, a disk error): the addition is refused and logged, and the
+    models serving serve on. (The OSError ended the daemon.)"""
+    from forged.daemon import swap
+
+    def unreadable(*args: Any, **kw: Any) -> Any:
+        raise FileNotFoundError(2, "No such file or directory", str(fim_model))
+
+    monkeypatch.setattr(swap, "open_group", unreadable)
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            fc.drop_in_dir(d.daemon.config_path).mkdir()
+            (fc.drop_in_dir(d.daemon.config_path) / "coder.toml").write_text(
+                f'[[models]]\npath = "{fim_model}"\nname = "coder"\n')
+            d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
+            d.daemon.reload()
+            await d.daemon.models_applied.wait()
+            assert [g.model_id for g in d.daemon.models.all()] == ["tiny"]
+            assert "the addition of coder" in caplog.text
+            assert "No such file or directory" in caplog.text
+            await answer(c)
+
+
 async def test_a_swap_cancelled_while_loading_leaves_nothing_behind(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     """An admin's client that leaves mid-swap cancels it: the new group is stopped

@@ -186,7 +186,7 @@ class Swapper:
             new = await trio.to_thread.run_sync(
                 lambda: open_group(self.config_path, cfg, place, model, number,
                                    test_hooks=self.test_hooks))
-        except fc.ConfigError as exc:
+        except (fc.ConfigError, OSError) as exc:  # OSError: its file gone or unreadable
             raise SwapRefused(f"the new model cannot be loaded: {exc}") from exc
         self._check_memory(cfg, new)
         new.pool.nice = LOAD_NICE

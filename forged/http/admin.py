@@ -141,7 +141,9 @@ async def _swap(state: AppState) -> Response:
     200 once it serves; 409 with the reason when refused (the old model serves on)."""
     try:
         req = msgspec.json.decode(await request.get_data(), type=SwapRequest)
-        group = state.models.resolve(req.model, embed=None)
+        # No model named: [model]'s place, whatever its role (not a chat's default).
+        group = (state.models.default if req.model is None
+                 else state.models.resolve(req.model, embed=None))
     except (msgspec.MsgspecError, ModelNotFound) as exc:
         return _answer({"error": str(exc)}, 400)
     if state.leaving or state.draining or state.swapper is None:
