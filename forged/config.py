@@ -320,6 +320,16 @@ class Config(_Section, frozen=True):
         """Every model served: [model] first (the default), then [[models]]."""
         return [self.model, *self.models]
 
+    def placed(self, place: int, model: ModelConfig) -> Config:
+        """This config with ``model`` served at ``place`` (0: [model]): a swap's new model
+        takes its predecessor's place, so what is divided among the models served (the
+        automatic threads) counts it once, not beside the model it replaces."""
+        if place == 0:
+            return msgspec.structs.replace(self, model=model)
+        models = [*self.models]
+        models[place - 1:place] = [model]  # past the end: one more
+        return msgspec.structs.replace(self, models=models)
+
     def for_model(self, model: ModelConfig) -> Config:
         """This config as ``model``'s workers see it: [engine] with the model's own
         settings over it (checked at load: see ``_check``), its threads resolved."""

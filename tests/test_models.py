@@ -555,6 +555,30 @@ async def test_a_reload_whose_model_cannot_be_read_is_refused_and_the_daemon_ser
             await answer(c)
 
 
+async def test_a_swaps_model_gets_the_threads_of_the_model_it_replaces(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine.threads = 0`` divides the cores among the models served; a swap's new
+    model takes its predecessor's place, and its threads, also when a reload follows.
+    (It was counted as one more model: half the threads for the rest of its life.)"""
+    from forged.daemon.swap import open_group
+    monkeypatch.setattr(fc, "physical_cores", lambda cpus: 8)
+    async with start_daemon(tiny_model, engine={"threads": 0}) as d:
+        cfg = d.daemon.cfg
+        assert d.daemon.models.default.pool.cfg.engine.threads == 8
+        model = msgspec.structs.replace(cfg.model, path=str(other_model))
+        with open_group(d.daemon.config_path, cfg, 0, model, 2, test_hooks=False) as group:
+            assert group.pool.cfg.engine.threads == 8
+        with trio.fail_after(60):
+            async with admin(d) as a:
+                r = await a.post("/models/swap", json={"path": str(other_model)})
+                assert r.status_code == 200, r.text
+        d.daemon.config_path.write_text(as_toml(cfg))
+        d.daemon.reload()  # every model's settings derived again
+        await d.daemon.models_applied.wait()
+        assert all(g.pool.cfg.engine.threads == 8 for g in d.daemon.models.serving)
+
+
 async def test_a_swap_cancelled_while_loading_leaves_nothing_behind(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     """An admin's client that leaves mid-swap cancels it: the new group is stopped

@@ -326,7 +326,9 @@ class Daemon:
         self.state.cfg = new
         self.state.keys = keys
         for group in self.models.all():
-            group.pool.set_limits(new.for_model(group.model))
+            placed = (new.placed(self.models.place_of(group), group.model)
+                      if group in self.models.serving else new)
+            group.pool.set_limits(placed.for_model(group.model))
         self.models_applied = trio.Event()
         self.swapper.engine.start_soon(self._apply_models, new, self.models_applied)
         self._reload_listeners(new)

@@ -54,6 +54,7 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
     file is a ConfigError here. Its workers get [engine] with the model's own engine
     settings over it. Blocking: run it in a thread. Its caller closes it (it is a
     context manager), or hands it to the swapper, which does when it is retired."""
+    cfg = cfg.placed(place, model)
     threads_why = cfg.threads_why(model)
     cfg = cfg.for_model(model)
     with contextlib.ExitStack() as opened:  # closed unless the group is made
