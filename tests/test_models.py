@@ -579,6 +579,45 @@ async def test_a_swaps_model_gets_the_threads_of_the_model_it_replaces(
         assert all(g.pool.cfg.engine.threads == 8 for g in d.daemon.models.serving)
 
 
+async def test_a_tables_new_file_loads_before_its_old_model_is_withdrawn(
+        tiny_model: Path, fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited [[models]] path (a new file name, so a new id): the new model loads
+    while the old one serves, FIM requests naming no model included, and the old one
+    is withdrawn once the new one serves. (It was withdrawn first: /infill had no
+    model for the whole load.)"""
+    from forged.daemon import swap
+    old, new = tmp_path / "coder-a.gguf", tmp_path / "coder-b.gguf"
+    shutil.copy(fim_model, old)
+    shutil.copy(fim_model, new)
+    loading, release = trio.Event(), trio.Event()
+    warm_up = swap.warm_up
+
+    async def held(group: Any) -> None:
+        loading.set()
+        await release.wait()
+        await warm_up(group)
+
+    infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, models=[{"path": str(old)}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as c:
+            assert (await c.post("/infill", json=infill)).json()["model"] == "coder-a"
+            cfg = d.daemon.cfg
+            table = msgspec.structs.replace(cfg.models[0], path=str(new))
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, models=[table])))
+            monkeypatch.setattr(swap, "warm_up", held)
+            d.daemon.reload()
+            await loading.wait()
+            r = await c.post("/infill", json=infill)
+            assert r.status_code == 200 and r.json()["model"] == "coder-a", r.text
+            release.set()
+            await d.daemon.models_applied.wait()
+            assert [g.model_id for g in d.daemon.models.serving] == ["tiny", "coder-b"]
+            assert (await c.post("/infill", json=infill)).json()["model"] == "coder-b"
+
+
 async def test_a_swap_cancelled_while_loading_leaves_nothing_behind(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     """An admin's client that leaves mid-swap cancels it: the new group is stopped

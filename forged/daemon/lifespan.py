@@ -376,12 +376,25 @@ class Daemon:
             self._applied_default = (model.path, new.file.stamp)
 
     async def _apply_tables(self, cfg: fc.Config) -> None:
-        """[[models]] tables (models.d/ among them), told apart by their ids: withdrawn
-        when gone, swapped when changed (or their file), added when new."""
+        """[[models]] tables (models.d/ among them), told apart by their ids: swapped
+        when changed (or their file), added when new, withdrawn when gone. Withdrawn
+        last: a table whose path was edited to another file name has a new id, and its
+        old model serves (FIM requests naming no model, say) until the new one does;
+        but first if the new ids take one of its."""
         tables = {m.model_id: m for m in cfg.models}
-        for key in self.models.extra().keys() - tables.keys():
+        gone = self.models.extra().keys() - tables.keys()
+        wanted = {i for m in tables.values() for i in m.ids}
+        first = {k for k in gone if wanted & set(self.models.extra()[k].ids)}
+        await self._withdraw(cfg, first)
+        await self._swap_and_add(cfg, tables)
+        await self._withdraw(cfg, gone - first)
+
+    async def _withdraw(self, cfg: fc.Config, keys: set[str]) -> None:
+        for key in keys:
             await self.swapper.withdraw(cfg, key)
             self._applied.pop(key, None)
+
+    async def _swap_and_add(self, cfg: fc.Config, tables: dict[str, fc.ModelConfig]) -> None:
         for key, model in tables.items():
             group = self.models.extra().get(key)  # now: a swap may have replaced it
             if group is not None and self._applied.get(key) == (model,
