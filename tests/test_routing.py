@@ -246,6 +246,20 @@ async def test_a_lost_workers_requests_go_to_a_late_worker_once_it_is_heard() ->
         assert rs.worker == 0 and submits(pool, 0) == [first.rid, rs.rid]
 
 
+def test_a_reload_raises_the_running_processes_outbox_limit() -> None:
+    """The frames a worker may leave unread follow the admission limits; a reload that
+    raises them raises the running process's bound too. (Only the next process got it:
+    a burst within the new limits killed a healthy worker as one that stopped
+    reading.)"""
+    pool = pool_of(1)
+    cfg = pool.cfg
+    raised = msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
+        cfg.limits, max_queued=cfg.limits.max_queued * 4))
+    pool.set_limits(raised)
+    outbox = pool.workers[0].outbox
+    assert outbox is not None and outbox.limit == pool._outbox_limit() > 64
+
+
 async def test_with_no_worker_left_a_request_waits_for_the_restarted_one() -> None:
     pool = pool_of(1)
     async with pool.open_request(request(1, 2)) as rs:

@@ -300,7 +300,8 @@ class EnginePool:
         frame = fr.SetLimits(limits=self.limits)
         for w in self.workers:
             w.engine, w.outbox_limit = cfg.engine, self._outbox_limit()
-            if w.outbox is not None:
+            if w.outbox is not None:  # the running process's too, not only the next's
+                w.outbox.limit = w.outbox_limit
                 w.outbox.put(frame)
 
     # --- what workers say ----------------------------------------------------------------
