@@ -275,11 +275,14 @@ async def test_at_shutdown_a_connection_whose_request_has_arrived_is_answered_no
     d.close()
 
 
-async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered() -> None:
+async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered(
+        autojump_clock: trio.testing.MockClock) -> None:
     """close_all closes the connections between requests (one answered, nothing of the
-    next read); one just accepted, whose client has not written yet, or that has sent
-    part of a head, is read and answered, with ``connection: close``. (Both were
-    closed: a request sent just after a drain's start got an empty reply or a reset.)"""
+    next read) at once; one just accepted, whose client has not written yet, or that
+    has sent part of a head, is read and answered, with ``connection: close``, if its
+    request comes within the grace time, and closed after it if not. (Both were closed
+    at once: a request sent just after a drain's start got an empty reply or a
+    reset.)"""
     view = DoorView(View(on=True, health_status=200, health=b'{"status":"ok"}',
                          models=b"{}", keys=[], keep_alive_s=30.0, max_requests=100))
     door = HotDoor(view, ResponseTail(HyperConfig()))
@@ -291,26 +294,30 @@ async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered
     handoff = hotdoor.Handoff(general, lambda: 100, idle)
     peers = []
     async with trio.open_nursery() as nursery:
-        for _ in range(3):
+        for _ in range(4):
             ours, theirs = trio.socket.socketpair()
             nursery.start_soon(door.serve, trio.SocketStream(ours), handoff)
             peers.append(trio.SocketStream(theirs))
-        fresh, partial, between = peers
+        fresh, partial, between, silent = peers
         await partial.send_all(b"GET /health HTTP/1.1\r\n")
         answer, = await _exchange(between, _get("/health"), 1)
         assert b"connection: close" not in answer
         await trio.testing.wait_all_tasks_blocked()
-        await idle.close_all()
-        assert await between.receive_some(100) == b""  # closed
+        nursery.start_soon(idle.close_all)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await between.receive_some(100) == b""  # closed at once
+        started = trio.current_time()
+        await trio.sleep(0.5)
         await fresh.send_all(_get("/health"))
         await partial.send_all(b"Host: forged\r\n\r\n")
         for peer in (fresh, partial):
-            with trio.fail_after(10):
-                data = b""
-                while chunk := await peer.receive_some(65536):
-                    data += chunk
+            data = b""
+            while chunk := await peer.receive_some(65536):
+                data += chunk
             assert data.startswith(b"HTTP/1.1 200 ")
             assert b"\r\nconnection: close\r\n" in data and data.endswith(b'{"status":"ok"}')
+        assert await silent.receive_some(100) == b""  # closed after the grace time
+        assert trio.current_time() - started == pytest.approx(hotdoor.CLOSING_GRACE_S)
     for peer in peers:
         await peer.aclose()
 

@@ -33,6 +33,8 @@ from forged.http.direct import CONNECTION
 
 MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
 READ_SIZE = 65536  # a read of a connection
+# At shutdown, how long a connection accepted without its request yet has to send it.
+CLOSING_GRACE_S = 1.0
 # Headers whose presence means the general path must answer: a body, a connection
 # option, a protocol switch, a CORS origin's or a dialect's shape (Anthropic's
 # anthropic-version on /v1/models).
@@ -67,6 +69,7 @@ class IdleConnections:
         self._until: dict[trio.SocketStream, float] = {}
         self._between: set[trio.SocketStream] = set()  # waiting after an answer
         self.closing = False  # the listener is shutting down: no more waiting
+        self._emptied = trio.Event()  # closing, and no connection waits any more
 
     def waiting(self, stream: trio.SocketStream, between: bool) -> bool:
         """Note that ``stream`` waits (from now, unless it already was), ``between``
@@ -81,6 +84,8 @@ class IdleConnections:
     def busy(self, stream: trio.SocketStream) -> None:
         self._until.pop(stream, None)
         self._between.discard(stream)
+        if self.closing and not self._until:
+            self._emptied.set()
 
     async def sweep(self, every_s: float = 1.0) -> None:
         while True:
@@ -88,10 +93,17 @@ class IdleConnections:
             now = trio.current_time()
             await self._close([s for s, until in self._until.items() if until <= now], now)
 
-    async def close_all(self) -> None:
-        """At shutdown: those between requests, as hypercorn does with its idle ones."""
+    async def close_all(self, grace_s: float = CLOSING_GRACE_S) -> None:
+        """At shutdown: those between requests at once, as hypercorn does with its idle
+        ones; those waiting for a first request (or the rest of a head) get ``grace_s``
+        to send it, then go too, so that a connection that sends nothing never holds a
+        shutdown for the listener's whole grace time."""
         self.closing = True
         await self._close([s for s in self._until if s in self._between], math.inf)
+        with trio.move_on_after(grace_s):
+            if self._until:  # each leaves once its head has arrived (busy)
+                await self._emptied.wait()
+        await self._close(list(self._until), math.inf)
 
     async def _close(self, streams: list[trio.SocketStream], now: float) -> None:
         for stream in streams:  # its reader then gets ClosedResourceError: it leaves
