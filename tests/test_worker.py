@@ -3,8 +3,11 @@ decode, restart backoff, and refusing a prompt that keeps killing workers."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -21,6 +24,7 @@ from forged.engine.pool import EnginePool, retry_after_seconds
 from forged.engine.scheduler import Scheduler
 from forged.engine.stats import WorkerStats
 from forged.engine.supervisor import backoff_delay
+from forged.engine.worker import WorkerShell
 from forged.errors import Overloaded
 
 
@@ -88,6 +92,7 @@ def test_the_door_refuses_when_every_worker_estimates_a_wait_past_the_timeout() 
     pool = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
     for w, wait in zip(pool.workers, (100.0, 75.5), strict=True):
         w.ready, w.last_heard, w.stats = True, time.monotonic(), WorkerStats(wait_estimate_s=wait)
+        w.outbox = Outbox(limit=64)  # a running process
     with pytest.raises(Overloaded) as refused:
         pool.check_capacity()
     # the least loaded worker's estimate, less the 60 s queue timeout, in whole seconds
@@ -179,3 +184,30 @@ async def test_a_worker_heard_in_time_is_kept_and_a_silent_one_is_not(
         gave_up = trio.current_time() - t0
     assert heard == pytest.approx([0.0, 0.6, 1.2, 1.8, 2.4], abs=0.01)
     assert gave_up == pytest.approx(3.4, abs=0.01)
+
+
+def test_a_step_past_the_frame_limit_goes_as_several_frames(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several requests' embeddings finished in one step can pass MAX_FRAME together,
+    each within it alone: the worker sends the step as several frames, its events in
+    order, the statistics and digests with the first. (Encoding it raised, and the
+    worker died with every request it held.)"""
+    monkeypatch.setattr(fr, "MAX_FRAME", 4096)
+    events = [Delta(rid=i, text="x" * 1500) for i in range(6)]
+    shell = object.__new__(WorkerShell)
+    ours, theirs = socket.socketpair()
+    shell.sock, shell._last_send = ours, 0.0
+    shell.core = cast(Any, SimpleNamespace(frame=lambda now, force, hold: fr.Step(
+        events=events, stats=WorkerStats(), digests=[7])))
+    shell.send(force=True)
+    ours.close()
+    data = b""
+    while chunk := theirs.recv(65536):
+        data += chunk
+    theirs.close()
+    frames = [fr.from_worker_decoder.decode(b) for b in fr.FrameBuffer().feed(data)]
+    steps = [f for f in frames if isinstance(f, fr.Step)]
+    assert len(steps) == len(frames) > 1
+    assert [e for f in steps for e in f.events] == events
+    assert steps[0].stats is not None and steps[0].digests == [7]
+    assert all(f.stats is None and f.digests is None for f in steps[1:])

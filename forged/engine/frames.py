@@ -145,6 +145,21 @@ def encode(frame: ToWorker | FromWorker) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def encode_step(step: Step) -> list[bytes]:
+    """``step`` on the wire: one frame, or several when one would pass MAX_FRAME (the
+    embeddings of requests that finished together, each within it alone), its events
+    in order, the statistics and digests with the first. One event past it raises."""
+    try:
+        return [encode(step)]
+    except FrameTooLarge:
+        if len(step.events) < 2:
+            raise
+    half = len(step.events) // 2
+    return (encode_step(Step(events=step.events[:half], stats=step.stats,
+                             digests=step.digests))
+            + encode_step(Step(events=step.events[half:], stats=None)))
+
+
 def encoded_size(frame: ToWorker | FromWorker) -> int:
     return len(_encoder.encode(frame))
 

@@ -104,7 +104,8 @@ class WorkerShell:
         if frame is not None:
             if frame.stats:  # a worker left nicer than asked (no RLIMIT_NICE) shows it
                 frame.stats.nice = os.getpriority(os.PRIO_PROCESS, 0)
-            self.sock.sendall(fr.encode(frame))
+            for data in fr.encode_step(frame):
+                self.sock.sendall(data)
             self._last_send = now
 
     def _flush(self) -> None:
