@@ -62,7 +62,7 @@ class IdleConnections:
     next read) are closed, as hypercorn closes its idle ones: a client knows that a
     kept-alive connection may close. A connection that has sent nothing yet, or part of
     a head, was accepted for a request the client has sent or is sending: it is read
-    and answered (and then closed), within the listener's grace time."""
+    and answered (and then closed) if it comes within ``CLOSING_GRACE_S``."""
 
     def __init__(self, keep_alive_s: Callable[[], float]) -> None:
         self._keep_alive_s = keep_alive_s  # read when needed: a reload changes it
