@@ -69,6 +69,15 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _wrapped_door(real: list[str], before: str = "", after: str = "pass") -> list[str]:
+    """A door process's argv (``real``) run through ``python -c``: ``before`` first, and
+    ``after`` once the door has returned (or raised)."""
+    code = (f"import runpy, sys\n{before}\nsys.argv[0] = 'doorproc'\ntry:\n"
+            "    runpy.run_module('forged.daemon.doorproc', run_name='__main__')\n"
+            f"finally:\n    {after}")
+    return [sys.executable, "-c", code, *real[real.index("--hub"):]]
+
+
 async def test_doors_answer_the_hot_routes_and_hand_the_rest(
         tiny_model: Path, start_daemon: DaemonFactory) -> None:
     async with start_daemon(tiny_model, server=TWO) as d:
@@ -253,10 +262,8 @@ async def test_a_door_that_dies_soon_after_it_starts_or_stops_is_no_door(
         real = argv(self, hub_fd)
         if not dying[0]:
             return real
-        code = ("import os, runpy, sys, threading; threading.Timer(0.4, os._exit, (3,)).start();"
-                " sys.argv[0] = 'doorproc'; runpy.run_module('forged.daemon.doorproc', "
-                "run_name='__main__')")
-        return [sys.executable, "-c", code, *real[real.index("--hub"):]]
+        return _wrapped_door(real, before="import os, threading; "
+                             "threading.Timer(0.4, os._exit, (3,)).start()")
 
     monkeypatch.setattr(Doors, "_argv", short_lived)
     async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
@@ -407,11 +414,7 @@ async def test_at_a_drains_start_the_port_refuses_while_the_doors_stop(
     argv = Doors._argv
 
     def slow_to_exit(self: Doors, hub_fd: int) -> list[str]:
-        real = argv(self, hub_fd)
-        code = ("import runpy, sys, time\nsys.argv[0] = 'doorproc'\ntry:\n"
-                "    runpy.run_module('forged.daemon.doorproc', run_name='__main__')\n"
-                "finally:\n    time.sleep(2)")
-        return [sys.executable, "-c", code, *real[real.index("--hub"):]]
+        return _wrapped_door(argv(self, hub_fd), after="import time; time.sleep(2)")
 
     monkeypatch.setattr(Doors, "_argv", slow_to_exit)
     async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
