@@ -382,9 +382,10 @@ class Daemon:
         old model serves (FIM requests naming no model, say) until the new one does;
         but first if the new ids take one of its."""
         tables = {m.model_id: m for m in cfg.models}
-        gone = self.models.extra().keys() - tables.keys()
+        extra = self.models.extra()
+        gone = extra.keys() - tables.keys()
         wanted = {i for m in tables.values() for i in m.ids}
-        first = {k for k in gone if wanted & set(self.models.extra()[k].ids)}
+        first = {k for k in gone if wanted & set(extra[k].ids)}
         await self._withdraw(cfg, first)
         await self._swap_and_add(cfg, tables)
         await self._withdraw(cfg, gone - first)

@@ -355,7 +355,7 @@ class WorkerCore:
             return
         undrawn = self._undrawn
         sampled = {key: tok for key, tok in sampled.items() if key[0] not in undrawn}
-        for c in plan.chunks:
+        for c in plan.chunks if undrawn else ():  # the decode loop: nothing, as a rule
             if c.rid in undrawn:  # decoded, but not recorded: the slot keeps what it was
                 self.backend.seq_rm(c.seq, c.pos)
         ran = plan if not (failed or undrawn) else StepPlan(

@@ -289,7 +289,7 @@ class Models:
         return sum(g.memory for g in self.all())
 
     def disk_folders(self) -> set[Path]:
-        """Every worker's folder of saved KV states (forged.engine.pool.Pool.disk_folders)."""
+        """Every worker's folder of saved KV states (EnginePool.disk_folders)."""
         return {f for g in self.all() for f in g.pool.disk_folders()}
 
 
