@@ -421,6 +421,23 @@ def test_memory_ops_save_before_they_free_and_restore_before_truncating() -> Non
     assert plan.chunks[0].pos == LONG
 
 
+def test_a_save_whose_entry_a_fit_chose_before_its_bytes_came_keeps_nothing() -> None:
+    """In one plan: "y"'s state B is to be saved, "y"'s older C is restored and kept
+    (so B is now "y"'s least recently used), and "x"'s A is saved. A's bytes push RAM
+    past its budget; the fit takes "y"'s oldest, B, whose bytes have not come yet. B's
+    save that follows must not keep bytes nobody accounts or ever frees."""
+    core, _ = tiered({}, cache_ram_bytes=6, cache_disk_bytes=0)
+    tiers = core.sched.cache.tiers
+    c, _ = tiers.save([1] * LONG, "y", None)
+    core.apply_memory_ops([SeqSave(0, c.eid)])
+    b, _ = tiers.save([2] * LONG, "y", None)
+    tiers.take(c, keep=True)
+    a, _ = tiers.save([3] * LONG, "x", None)
+    core.apply_memory_ops([SeqSave(1, a.eid), SeqSave(2, b.eid)])
+    assert set(core.ram) == {e.eid for e in tiers.entries(Tier.RAM)}
+    assert tiers.used(Tier.RAM) == sum(len(s) for s in core.ram.values()) <= 6
+
+
 def _brute_longest(tiers: Tiers, tenant: str, prompt: list[int], limit: int) -> int:
     return max((min(common_prefix(e.tokens, prompt), limit) for t in Tier
                 for e in tiers.entries(t) if e.tenant == tenant), default=0)

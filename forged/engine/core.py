@@ -248,7 +248,7 @@ class WorkerCore:
                     self.backend.seq_cp_stream(src, dst, n)
                 case SeqCp(src=src, dst=dst, n=n):
                     self.backend.seq_cp(src, dst, n)
-                case SeqSave(seq=seq, eid=eid):
+                case SeqSave(seq=seq, eid=eid) if self.sched.cache.tiers.in_ram(eid):
                     state = self.ram[eid] = self.backend.seq_save(seq)
                     self._tier_ops(self.sched.cache.tiers.sized(eid, len(state)))
                 case SeqLoad(seq=seq, entry=entry, keep=keep):

@@ -316,6 +316,11 @@ class Tiers:
         self.stats.saves += 1
         return entry, ops
 
+    def in_ram(self, eid: int) -> bool:
+        """Whether ``eid`` is a RAM entry: a save's entry may have gone before its bytes
+        came (a fit in the same plan chose it), and then they are not kept."""
+        return eid in self._lru[Tier.RAM]
+
     def sized(self, eid: int, nbytes: int) -> list[TierOp]:
         """The saved state of ``eid`` takes ``nbytes``: make RAM fit its budget."""
         entry = self._lru[Tier.RAM].get(eid)
