@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 
@@ -36,7 +35,17 @@ from forged.engine.costmodel import CostModel
 from forged.engine.decoding import Backend, NoKVSpace, TokenLogprob, TokenSampler, run_isolating
 from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
 from forged.engine.hold import TokenHold
-from forged.engine.kvtiers import Demote, Drop, Entry, Read, Stage, Tier, TierOp, Written
+from forged.engine.kvtiers import (
+    Demote,
+    DiskTier,
+    Drop,
+    Entry,
+    Read,
+    Stage,
+    Tier,
+    TierOp,
+    Written,
+)
 from forged.engine.limits import SchedulerLimits
 from forged.engine.logprobs import Scores
 from forged.engine.plan import (
@@ -62,35 +71,6 @@ _NEVER = -float("inf")  # a logit bias that bans a token
 # How long a step with nothing to compute waits for a restore's read from disk (then
 # the next step looks again).
 _STAGE_WAIT_S = 1.0
-
-
-class DiskTier(Protocol):
-    """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
-
-    def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
-        """Store ``state`` now: the file's key and size; None if it failed."""
-
-    def write_later(self, entry: Entry, state: bytearray) -> bool:
-        """Hand ``state`` to a writer beside the decode loop; False if it is busy."""
-
-    def read_later(self, entry: Entry) -> bool:
-        """Read ``entry`` beside the decode loop (as ``read``); False if it is busy."""
-
-    def finished(self) -> list[Written | Read]:
-        """The writes and reads handed over that have ended since the last call."""
-
-    def wait_done(self, timeout: float) -> None:
-        """Until one handed over has ended, or ``timeout`` seconds."""
-
-    def wait_writes(self) -> None: ...
-
-    def remove_key(self, key: str) -> None: ...
-
-    def read(self, entry: Entry) -> bytearray | None:
-        """``entry``'s state, checked against its model and tokens; None (the file
-        dropped, with a log line) when it is missing, corrupt or stale."""
-
-    def remove(self, entry: Entry) -> None: ...
 
 
 @dataclass

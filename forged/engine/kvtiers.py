@@ -35,6 +35,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from forged.engine.stats import WorkerStats
 
@@ -103,6 +104,35 @@ class Read:
 
     entry: Entry
     state: bytearray | None
+
+
+class DiskTier(Protocol):
+    """Where sessions' saved states go when they leave RAM (forged.engine.kvdisk)."""
+
+    def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        """Store ``state`` now: the file's key and size; None if it failed."""
+
+    def write_later(self, entry: Entry, state: bytearray) -> bool:
+        """Hand ``state`` to a writer beside the decode loop; False if it is busy."""
+
+    def read_later(self, entry: Entry) -> bool:
+        """Read ``entry`` beside the decode loop (as ``read``); False if it is busy."""
+
+    def finished(self) -> list[Written | Read]:
+        """The writes and reads handed over that have ended since the last call."""
+
+    def wait_done(self, timeout: float) -> None:
+        """Until one handed over has ended, or ``timeout`` seconds."""
+
+    def wait_writes(self) -> None: ...
+
+    def remove_key(self, key: str) -> None: ...
+
+    def read(self, entry: Entry) -> bytearray | None:
+        """``entry``'s state, checked against its model and tokens; None (the file
+        dropped, with a log line) when it is missing, corrupt or stale."""
+
+    def remove(self, entry: Entry) -> None: ...
 
 
 @dataclass
