@@ -214,6 +214,31 @@ def test_sessions_persist_to_disk_and_a_new_core_restores_them(tmp_path: Path) -
     assert not list(tmp_path.glob("*.kv"))  # the slot holds it now
 
 
+class RecordedWrites(DiskStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, "m")
+        self.sessions: list[str | None] = []
+
+    def write(self, entry: Entry, state: bytearray) -> tuple[str, int] | None:
+        self.sessions.append(entry.session)
+        return super().write(entry, state)
+
+
+def test_a_stop_writes_the_newest_sessions_first_and_the_next_start_keeps_their_order(
+        tmp_path: Path) -> None:
+    """A stop has a grace: what it cuts short must be the oldest conversations. The
+    files' times are then set in the order of use, which the next start reads back."""
+    disk = RecordedWrites(tmp_path)
+    core, _ = tiered({h: [1, EOS] for h in (5, 6, 7)}, disk=disk)
+    for rid, head in enumerate((5, 6, 7), 1):  # one slot: each evicts the one before
+        submit(core, rid, prompt(head), session=f"s{head}")
+        run(core)
+    core.persist()
+    assert disk.sessions == ["s7", "s6", "s5"]
+    found = DiskStore(tmp_path, "m").scan()
+    assert [e.session for e in found] == ["s5", "s6", "s7"]  # least recently used first
+
+
 class GatedStore(DiskStore):
     """A disk whose writes wait for the test to open the gate (at most 5 s, then the
     write fails the test where it waited)."""

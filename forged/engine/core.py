@@ -324,6 +324,7 @@ class WorkerCore:
         self._tier_ops(self.sched.cache.tiers.demote_sessions(), later=False)
         self.disk.wait_writes()  # those the saves above evicted from RAM
         self.account_disk()
+        self.disk.order(self.sched.cache.tiers.entries(Tier.DISK))
 
     def _decode(self, plan: StepPlan) -> None:
         t0 = self.clock()

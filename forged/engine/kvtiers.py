@@ -134,6 +134,10 @@ class DiskTier(Protocol):
 
     def remove(self, entry: Entry) -> None: ...
 
+    def order(self, entries: Iterable[Entry]) -> None:
+        """Give the files of ``entries`` (least recently used first) times in that
+        order, so that the next start's index has the same order."""
+
 
 @dataclass
 class TierStats:
@@ -460,14 +464,20 @@ class Tiers:
 
     def demote_sessions(self) -> list[TierOp]:
         """Before the worker exits: every session's RAM entry goes to disk, as far as
-        the disk budget holds them (the most recently used are kept)."""
+        the disk budget holds them (the most recently used are kept), written newest
+        first: a stop has a grace (supervisor.STOP_GRACE), and what it cuts short is
+        then the oldest conversations. The disk store orders the files' times after
+        (``DiskTier.order``): its next start reads them least recently used first."""
         if not self.disk_bytes:
             return []
-        ops: list[TierOp] = []
-        for e in [e for e in self._lru[Tier.RAM].values() if e.session is not None]:
+        moved = [e for e in self._lru[Tier.RAM].values() if e.session is not None]
+        for e in moved:  # in their order of use: the disk's LRU order stays true
             self._demote(e)
-            ops.append(Demote(e))
-        return ops + self._fit(Tier.DISK)
+        dropped = self._fit(Tier.DISK)
+        gone, ids = {op.entry.eid for op in dropped}, {e.eid for e in moved}
+        return [*(op for op in dropped if op.entry.eid not in ids),  # files there before
+                *(Demote(e) for e in reversed(moved) if e.eid not in gone),
+                *(Drop(e, Tier.RAM) for e in moved if e.eid in gone)]  # never written
 
     def report(self, out: WorkerStats) -> None:
         """Its fields of the worker's statistics: use against budget, and what moved."""
