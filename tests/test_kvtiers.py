@@ -190,6 +190,27 @@ def test_a_refused_restore_computes_the_prompt_and_reports_no_cache() -> None:
     assert_nothing_left(core, backend)
 
 
+def test_a_refused_restore_of_a_kept_entry_is_not_tried_again() -> None:
+    """A prompt sharing only the head of a long saved state restores it and keeps it
+    saved (its tail serves others). If llama.cpp refuses it, it is gone: every later
+    match would pay the refusal again."""
+    backend = RefusingBackend({5: [1, EOS], 6: [3, EOS]})
+    lim = limits(slots=1, max_running=1, cache_ram_bytes=1 << 20)
+    core = WorkerCore(backend, lim, CostModel(), clock=Clock())
+    submit(core, 1, prompt(5, 2 * LONG))
+    run(core)
+    submit(core, 2, prompt(6))
+    run(core)
+    submit(core, 3, prompt(5, LONG, tail=(9,)))  # shares LONG tokens of 2 * LONG + 1
+    events = run(core)
+    assert done(events, 3).cached_tokens == 0 and text(events, 3) == "a"
+    assert core.statistics().kv_restore_failures == 1
+    tiers = core.sched.cache.tiers
+    assert [len(e.tokens) for e in tiers.entries(Tier.RAM)] == [LONG + 1]  # the second's
+    assert set(core.ram) == {e.eid for e in tiers.entries(Tier.RAM)}
+    assert_nothing_left(core, backend)
+
+
 # --- disk -----------------------------------------------------------------------------
 
 

@@ -253,7 +253,12 @@ class WorkerCore:
             state = self.disk.read(entry) if self.disk is not None else None
             if self.disk is not None and not keep:
                 self.disk.remove(entry)  # the slot holds it now; saved again on eviction
-        return state is not None and self.backend.seq_load(seq, state, len(entry.tokens))
+        if state is not None and self.backend.seq_load(seq, state, len(entry.tokens)):
+            return True
+        if keep:  # a kept entry llama.cpp refuses goes: each match would try it again
+            self.sched.cache.tiers.lost(entry)
+            self._tier_ops([Drop(entry, entry.tier)])
+        return False
 
     def _tier_ops(self, ops: list[TierOp], later: bool = True) -> None:
         """Move or free the tiers' bytes as the scheduler's Tiers decided; ``later``:
