@@ -353,6 +353,39 @@ async def test_an_error_in_the_hubs_side_of_a_door_restarts_that_door_only(
         assert door["pid"] != failed[0]
     assert "failed: restarting it" in caplog.text and "RuntimeError: a bug" in caplog.text
 
+async def test_a_door_whose_stop_fails_too_is_still_killed(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The bug of the test above, again while the door is stopped: the stop still kills
+    the door and closes its pipes (it skipped them: the old door lived on beside the
+    new one, holding the listening socket)."""
+    take = Doors._take
+    failed: list[int] = []
+
+    def failing_twice(self: Doors, door: Door, data: bytes, fds: list[int]) -> None:
+        if len(failed) < 2:
+            failed.append(door.pid)
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError("a bug")
+        take(self, door, data, fds)
+
+    stop = Doors._stop
+    stopped: list[socket.socket] = []
+
+    async def recorded(self: Doors, ours: socket.socket, door: Door) -> None:
+        stopped.append(ours)
+        await stop(self, ours, door)
+
+    monkeypatch.setattr(Doors, "_take", failing_twice)
+    monkeypatch.setattr(Doors, "_stop", recorded)
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        await until(lambda: len(failed) == 2 and _doors(d)[0]["restarts"] == 1)
+        await until(lambda: not _alive(failed[0]))
+        door, = await _running(d)
+        assert door["pid"] != failed[0]
+        assert stopped[0].fileno() == -1  # the hub's end of the first door's pipe
+
 
 async def test_doors_follow_the_daemons_state_and_keys(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:

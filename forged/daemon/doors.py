@@ -193,17 +193,19 @@ class Doors:
         """SIGTERM the door if it runs, and serve what it hands until it has gone
         (its end of the socket closes with it), within ``STOP_S``."""
         assert door.process is not None
-        with trio.move_on_after(STOP_S):
+        try:
+            with trio.move_on_after(STOP_S):
+                if door.process.returncode is None:
+                    door.process.terminate()
+                await self._read(ours, door)
+                await door.process.wait()
+        finally:  # whatever _read raised: no door outlives its stop, no pipe stays open
             if door.process.returncode is None:
-                door.process.terminate()
-            await self._read(ours, door)
-            await door.process.wait()
-        if door.process.returncode is None:
-            door.process.kill()
-            await door.process.wait()
-        if door.process.stdin is not None:
-            await door.process.stdin.aclose()
-        ours.close()
+                door.process.kill()
+                await door.process.wait()
+            if door.process.stdin is not None:
+                await door.process.stdin.aclose()
+            ours.close()
 
     async def _read(self, sock: socket.socket, door: Door) -> None:
         """Take the door's datagrams until its end closes."""
