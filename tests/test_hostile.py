@@ -9,6 +9,7 @@ watches the event loop itself."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
@@ -243,6 +244,29 @@ async def test_tokenize_and_retrieve_are_limited_per_key(
                 r = await c.post(path, json=body, headers=auth)
                 assert r.status_code == 429, (path, r.text)
                 _usage(d, "counter").side -= 1
+
+
+async def test_every_api_route_but_health_needs_a_key(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """Every route of the API app, as registered, refuses a caller without a key, and so
+    does a path it does not know: a new alias cannot slip past the keys (llama.cpp's
+    ``POST /embeddings`` did: it was served to anyone)."""
+    add_key(tmp_path / "keys.toml", "someone", max_streams=1, max_queued=1,
+            priority="interactive")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            rules = list(d.daemon._api_app.url_map.iter_rules())
+            assert {"/embeddings", "/v1/embeddings", "/api/chat"} <= {r.rule for r in rules}
+            for rule in rules:
+                if rule.rule == "/health" or rule.endpoint == "static":
+                    continue
+                path = re.sub(r"<[^>]+>", "x", rule.rule)
+                for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+                    r = await c.request(method, path, json={})
+                    assert r.status_code == 401, (method, path, r.status_code)
+            assert (await c.get("/not-a-route")).status_code == 401
+            assert (await c.get("/health")).status_code == 200
 
 
 # --- restarts ------------------------------------------------------------------------------

@@ -87,9 +87,9 @@ from forged.http.tools import ToolPlan
 from forged.retrieval.store import cursor_names
 
 # Routes outside /v1/ that need an API key as /v1/ does: llama.cpp's and Ollama's (/api/).
-_KEYED_PATHS = ("/infill", "/tokenize", "/detokenize", "/completion", "/completions",
-                "/props", "/apply-template", "/embedding")
-_KEYED_PREFIXES = ("/v1/", "/api/")
+# With keys, every path but these needs one: a route (or an alias) added later is keyed
+# unless it is named here. A load balancer's probe carries no key.
+_OPEN_PATHS = frozenset({"/health"})
 T = TypeVar("T")
 
 
@@ -174,8 +174,7 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
 
     @app.before_request
     async def _caller() -> None:
-        if state.keys.enabled and (request.path.startswith(_KEYED_PREFIXES)
-                                   or request.path in _KEYED_PATHS):
+        if state.keys.enabled and request.path not in _OPEN_PATHS:
             call().key = await _authenticate(state.keys)
 
     @app.after_request
