@@ -207,3 +207,26 @@ def test_the_repositorys_git_config_runs_no_command(tmp_path: Path) -> None:
         idx.update()
         assert idx.search("open_nursery")
     assert list(ran.iterdir()) == []
+
+
+def test_a_racily_clean_file_runs_no_clean_filter(tmp_path: Path) -> None:
+    """A file whose time is later than the git index's is "racily clean": git reads its
+    content to compare, through the clean filter, even in diff-files. The repository's
+    owner can make one at will (a future mtime, then `git update-index --refresh`)."""
+    repo = tmp_path / "repo"
+    make_repo(repo)
+    (repo / ".gitattributes").write_text("*.py filter=evil\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "attributes")
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    git(repo, "config", "filter.evil.clean", f"touch {ran}/clean; cat")
+    later = 2_051_222_400  # 2035: after the git index's own time
+    os.utime(repo / "main.py", (later, later))
+    git(repo, "update-index", "--refresh")  # the owner's git runs the filter: fine
+    for made in ran.iterdir():
+        made.unlink()
+    with Index.create(tmp_path / "index", "r", repo) as idx:
+        idx.update()
+        assert idx.search("open_nursery")
+    assert list(ran.iterdir()) == []

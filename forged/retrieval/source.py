@@ -66,6 +66,19 @@ class SourceTree:
             return None
         return f"{st.st_size}:{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
 
+    def as_recorded(self, rel: str, recorded: dict[str, int]) -> bool:
+        """Whether the file ``rel`` is as the git index recorded it (``_index_entries``),
+        by its stat data as git compares it (32 bits of ino and size), and older than
+        the index itself (else git would read it to know)."""
+        try:
+            st = self._stat(rel)
+        except OSError:
+            return False
+        mask = 0xFFFFFFFF
+        return (st.st_mtime_ns == recorded.get("mtime") and st.st_ctime_ns == recorded.get(
+            "ctime") and st.st_ino & mask == recorded.get("ino") and st.st_size & mask ==
+            recorded.get("size") and st.st_mtime_ns < recorded["index"])
+
     def read(self, rel: str, max_bytes: int) -> tuple[bytes | None, str | None]:
         """The bytes of the regular file ``rel``, or None and why it is skipped: too
         large, binary, or unreadable (also: a symlink, or beyond one)."""
@@ -186,19 +199,13 @@ def _list_git(tree: SourceTree) -> Iterator[tuple[str, str]]:
     # tracked file beyond a symlink (its folder swapped for one) is "edited" to git, and
     # has no version here: it is left out.
     root = tree.root
-    # diff-files compares the git index's stat data only: `git diff` would refresh the
-    # index, running the repository's clean filters (a command its owner chose) on
-    # every file whose stat data changed.
-    dirty = set(_git_paths(root, "diff-files", "--name-only", "--relative", "-z"))
-    for entry in (_git(root, "ls-files", "-s", "-z") or b"").split(b"\0"):
-        if not entry:
-            continue
+    for entry, recorded in _index_entries(root):
         meta, _, raw = entry.partition(b"\t")
         mode, blob, _stage = meta.split(b" ")
         rel = os.fsdecode(raw)
         if mode in (b"120000", b"160000") or _skipped_dir(rel):
             continue  # symlinks and submodules are not this repository's text
-        if rel in dirty:
+        if not tree.as_recorded(rel, recorded):
             version = tree.version(rel)
             if version:
                 yield rel, version
@@ -219,6 +226,42 @@ def _list_folder(tree: SourceTree) -> Iterator[tuple[str, str]]:
             version = tree.version(rel)
             if version:
                 yield rel, version
+
+
+# `git ls-files --debug` writes these lines of stat data after each entry.
+_DEBUG_LINES = 5  # ctime, mtime, dev and ino, uid and gid, size and flags
+
+
+def _index_entries(root: Path) -> Iterator[tuple[bytes, dict[str, int]]]:
+    """The git index's entries ("mode blob stage\\tpath"), each with the stat data git
+    recorded for it (mtime and ctime in ns, ino, size) and the index file's mtime
+    (``index``). Edited files are found by comparing these here: any git command that
+    compares them (diff-files too) reads a "racily clean" file's content through the
+    repository's clean filter, a command its owner chose (a file newer than the index
+    is one, and the owner can make one at will)."""
+    where = (_git(root, "rev-parse", "--git-path", "index") or b"").strip()
+    try:  # .git may be a file naming the folder (a worktree's)
+        index_ns = (root / os.fsdecode(where)).stat().st_mtime_ns if where else 0
+    except OSError:
+        index_ns = 0  # no index file: every entry counts as edited
+    pieces = (_git(root, "ls-files", "-s", "--debug", "-z") or b"").split(b"\0")
+    entry = pieces[0]
+    for piece in pieces[1:]:
+        *lines, following = piece.split(b"\n", _DEBUG_LINES)
+        yield entry, {"index": index_ns, **_stat_data(lines)}
+        entry = following
+
+
+def _stat_data(lines: list[bytes]) -> dict[str, int]:
+    """``  mtime: SEC:NSEC`` as ns, ``  ino: N`` as N; what does not read so is left out
+    (and the file then counts as edited)."""
+    out: dict[str, int] = {}
+    for field in b"\t".join(lines).split(b"\t"):
+        name, _, value = field.strip().partition(b": ")
+        sec, colon, ns = value.partition(b":")
+        if (sec + ns).isdigit():
+            out[name.decode()] = int(sec) * 1_000_000_000 + int(ns) if colon else int(sec)
+    return out
 
 
 def _git_paths(root: Path, *args: str) -> list[str]:
