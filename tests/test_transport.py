@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from forged.daemon.tls import TLS
 from tests.conftest import DaemonFactory
 from tests.daemonproc import free_port
 from tests.test_models import as_toml
@@ -74,6 +75,35 @@ async def test_the_api_speaks_tls_and_a_reload_renews_the_certificate(
             d.daemon.reload()
             assert await trio.to_thread.run_sync(served_certificate, port) == \
                 fingerprint(new_cert)
+
+async def test_a_reload_of_a_mismatched_pair_keeps_serving_the_old_one(
+        tmp_path: Path) -> None:
+    """A renewed certificate copied in before its key: the reload fails, and the old
+    pair must still serve (OpenSSL had installed the new certificate before it found
+    the key did not match: every handshake then failed)."""
+    cert, key = self_signed(tmp_path, "first")
+    first = fingerprint(cert)
+    tls = TLS(str(cert), str(key))
+    cert.write_bytes(self_signed(tmp_path, "second")[0].read_bytes())
+    tls.reload()
+    with trio.fail_after(30):
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]
+
+        async def serve_one() -> None:
+            raw = await listener.accept()
+            try:
+                await trio.SSLStream(raw, tls.context, server_side=True).do_handshake()
+            except trio.BrokenResourceError:
+                pass  # the client says why
+            finally:
+                await raw.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_one)
+            seen = await trio.to_thread.run_sync(served_certificate, port)
+        await listener.aclose()
+    assert seen == first
 
 
 async def test_admin_actions_on_tcp_need_the_admin_token(

@@ -33,6 +33,10 @@ class TLS:
     def reload(self) -> None:
         """Read the files again; if they cannot be read, keep serving the old pair."""
         try:
+            # A scratch context first: OpenSSL installs the certificate before it reads
+            # the key, so a key that fails (or does not match) would leave the served
+            # context with the new certificate and the old key, and no handshake works.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key)
             self.context.load_cert_chain(certfile=self.cert, keyfile=self.key)
         except (OSError, ssl.SSLError) as exc:
             log.error("reload: TLS certificate %s or key %s unreadable, the old pair is "
