@@ -77,11 +77,15 @@ class KeyStore:
         return self.by_hash.get(hash_key(authorization[7:].strip()))
 
     @classmethod
-    def load(cls, path: Path) -> KeyStore:
-        """Read the keys file; a missing file means no keys (an open API)."""
+    def load(cls, path: Path, missing_ok: bool = True) -> KeyStore:
+        """Read the keys file; a missing file means no keys (an open API), unless not
+        ``missing_ok`` (a reload with keys: a moved file or a typo must not open it)."""
         try:
             raw = path.read_bytes()
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if not missing_ok:
+                raise ConfigError(f"{path}: no such file, and keys are in use: an empty "
+                                  "file opens the API, if that is meant") from exc
             return cls()
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc

@@ -28,6 +28,7 @@ from forged.http.keylimits import KeyUsage
 from forged.http.tools import parse_arguments
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, serve_model, write_config
+from tests.test_models import as_toml
 from tests.test_security import worker_restarts
 
 
@@ -267,6 +268,30 @@ async def test_every_api_route_but_health_needs_a_key(
                     assert r.status_code == 401, (method, path, r.status_code)
             assert (await c.get("/not-a-route")).status_code == 401
             assert (await c.get("/health")).status_code == 200
+
+
+async def test_a_reload_that_finds_the_keys_file_gone_keeps_the_keys(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A keys file moved away (or a typo in ``auth.keys_file``) read as "no keys" at a
+    reload: the API was open to anyone, with an info line. An empty file still opens it
+    on purpose (``forged keys revoke --allow-open``)."""
+    key = add_key(tmp_path / "keys.toml", "someone", max_streams=1, max_queued=1,
+                  priority="interactive")
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            d.daemon.config_path.write_text(as_toml(d.daemon.cfg))
+            (tmp_path / "keys.toml").rename(tmp_path / "keys.toml.bak")
+            d.daemon.reload()
+            assert (await c.get("/v1/models")).status_code == 401
+            ok = await c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert ok.status_code == 200
+            assert "keys.toml" in caplog.text and "reload refused" in caplog.text
+            (tmp_path / "keys.toml").write_text("")
+            d.daemon.reload()
+            assert (await c.get("/v1/models")).status_code == 200
+            assert "the API is open to anyone" in caplog.text
 
 
 # --- restarts ------------------------------------------------------------------------------

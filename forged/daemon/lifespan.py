@@ -316,11 +316,14 @@ class Daemon:
                         ", ".join(restart))
             new = keep_restart_keys(self.cfg, new)
         try:
-            keys = KeyStore.load(Path(new.auth.keys_file))
+            keys = KeyStore.load(Path(new.auth.keys_file), missing_ok=not self.state.keys.enabled)
         except fc.ConfigError as exc:
             log.error("reload refused, keeping the running config and keys: %s", exc)
             self.notifier.ready(_status_line(self.state))
             return
+        if self.state.keys.enabled and not keys.enabled:
+            log.warning("reload: %s holds no key: the API is open to anyone",
+                        new.auth.keys_file)
         self._rename_models(new)
         self.cfg = new
         self.state.cfg = new
