@@ -25,7 +25,7 @@ from forged import errors as e
 from forged.auth import add_key
 from forged.engine.grammar import MAX_REPETITION, gbnf_depth, schema_grammar
 from forged.http.keylimits import KeyUsage
-from forged.http.tools import parse_arguments
+from forged.http.tools import _parse_call, parse_arguments, plan_tools
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, serve_model, write_config
 from tests.test_models import as_toml
@@ -117,6 +117,64 @@ def test_deep_tool_call_arguments_are_a_400() -> None:
     with pytest.raises(e.BadRequest) as caught:
         parse_arguments(_deep(1001), "p")
     assert caught.value.param == "p"
+
+
+def _tool(parameters: Any) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize("pattern", ["^a{,5000}$", "^a{ 5000}$", "^a{1, 5000}$",
+                                     "^\\\\{5000}$", "^a{0,1000000}$"])
+def test_every_spelling_of_a_pattern_repetition_is_bounded(pattern: str) -> None:
+    """The converter reads ``{,m}``, ``{ n}``, ``{n, m}`` and a quantifier after an
+    escaped backslash; the bound did not, and a tool's grammar was never checked:
+    ``^a{,1000000}$`` in a tool's parameters crashed the daemon in llama.cpp's parser."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}},
+              "required": ["s"]}
+    for build in (lambda: schema_grammar(schema, "s"),
+                  lambda: plan_tools(_tool(schema), "auto", None)):
+        with pytest.raises(e.BadRequest):
+            build()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": []}, {"type": "object", "properties": "abc"},
+    {"$ref": 5}, {"allOf": [{"$ref": 5}]}, {"anyOf": "ab"}, {"prefixItems": "x"},
+    {"type": "object", "allOf": "x"}, {"type": "string", "format": ["x"]},
+    {"format": {}}, {"type": "object", "required": "a"}, {"type": 5},
+    {"type": "object", "properties": {"a": {}}, "required": ["b"]},
+    {"type": "object", "properties": {"": {"type": "integer"}}},
+])
+def test_a_malformed_schema_is_a_400(schema: dict[str, Any]) -> None:
+    with pytest.raises(e.BadRequest):
+        schema_grammar(schema, "s")
+    with pytest.raises(e.BadRequest):
+        plan_tools(_tool({"type": "object", "properties": {"x": schema}}), "auto", None)
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "string",
+                                                             "maxLength": 5}, True, []])
+def test_a_tool_whose_parameters_are_not_an_object_is_a_400(parameters: Any) -> None:
+    """The call's arguments are an object: a string schema made the model write
+    ``"arguments": "abc"``, which the dialects then failed to read (a 500)."""
+    with pytest.raises(e.BadRequest) as caught:
+        plan_tools(_tool(parameters), "required", None)
+    assert caught.value.param is not None and "parameters" in caught.value.param
+
+
+def test_a_tool_choice_whose_function_is_not_an_object_is_a_400() -> None:
+    with pytest.raises(e.BadRequest):
+        plan_tools(_tool({"type": "object"}), {"type": "function", "function": "f"}, None)
+
+
+def test_a_call_whose_arguments_are_not_an_object_is_no_call() -> None:
+    assert _parse_call('{"name": "f", "arguments": "abc"}') is None
+    call = _parse_call('{"name": "f", "arguments": {"x": "é", "n": 1e400}}')
+    assert call is None or json.loads(call.arguments, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} is not JSON")
 
 
 # --- a door that never blocks -------------------------------------------------------------

@@ -41,7 +41,7 @@ _FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uu
 _WHY = {
     "oneOf": "a grammar cannot enforce that exactly one branch matches; use anyOf",
 }
-_MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_BYTES = 64 * 1024
 # Bounds on what a grammar may cost. llama-cpp-python's converter writes a repetition
 # out in full, one nesting level per optional item (``maxLength: 200000`` is a grammar
 # 200,000 levels deep), and llama.cpp's parser recurses once per level, on the stack of
@@ -52,8 +52,18 @@ MAX_REPETITION = 1000
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 1200  # a full MAX_REPETITION nests about MAX_REPETITION deep
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
-# A repetition in a regex pattern: x{n}, x{n,}, x{n,m}.
-_PATTERN_COUNT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+# A repetition in a regex pattern: whatever is between braces, as the converter reads
+# it ({n}, {n,}, {,m}, { n}, {n, m}, and after an escaped backslash, \\{n}). A literal
+# brace with a large number inside is refused too: rare, and said clearly.
+_PATTERN_BRACES = re.compile(r"\{([^}]*)\}")
+# What each keyword's value must be, checked before the converter reads it (it raised
+# AttributeError or TypeError on the others).
+_KINDS: dict[str, type | tuple[type, ...]] = {
+    "properties": dict, "$defs": dict, "definitions": dict, "anyOf": list, "allOf": list,
+    "prefixItems": list, "$ref": str, "format": str, "pattern": str, "required": list,
+    "enum": list, "type": (str, list), "items": (dict, bool, list),
+    "additionalProperties": (dict, bool),
+}
 # llama-cpp-python's converter lets a string hold raw control characters, which JSON
 # forbids (llama.cpp's own converter and JSON grammar exclude them): its rule, mended.
 _LOOSE_CHAR = r'char ::= [^"\\] |'
@@ -65,8 +75,8 @@ def schema_grammar(schema: Any, param: str) -> Grammar:
     grammar could not enforce."""
     if not isinstance(schema, dict):
         raise e.BadRequest("a JSON schema must be an object", param=param)
-    if len(json.dumps(schema)) > _MAX_SCHEMA_BYTES:
-        raise e.BadRequest(f"the JSON schema is larger than {_MAX_SCHEMA_BYTES} bytes",
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise e.BadRequest(f"the JSON schema is larger than {MAX_SCHEMA_BYTES} bytes",
                            param=param)
     check_schema(schema, param)
     gbnf = _convert(schema, "", param)
@@ -107,7 +117,8 @@ def _convert(schema: dict[str, Any], name: str, param: str) -> str:
     schema = copy.deepcopy(schema)  # resolve_refs rewrites the $refs in place
     try:
         gbnf = schema_gbnf(schema, name, param, order)
-    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
+            RecursionError) as exc:
         raise e.BadRequest(f"the JSON schema cannot be turned into a grammar: {exc}",
                            param=param) from exc
     return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR)
@@ -140,6 +151,8 @@ def check_schema(node: Any, where: str, depth: int = 0) -> None:
             why = _WHY.get(key, "the grammar cannot enforce it")
             raise e.BadRequest(f"the JSON schema keyword {key!r} is not supported ({why})",
                                param=at)
+        if key in _KINDS and not isinstance(value, _KINDS[key]):
+            raise e.BadRequest(f"{at} must be a JSON {_kind_name(_KINDS[key])}", param=at)
         if key in _COUNTS:
             _check_count(value, at)
         if key == "pattern":
@@ -149,6 +162,27 @@ def check_schema(node: Any, where: str, depth: int = 0) -> None:
                                f"enforces {', '.join(sorted(_FORMATS))}", param=at)
         for i, sub in _subschemas(key, value):
             check_schema(sub, f"{at}{i}", depth + 1)
+    _check_object(node, where)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean"}
+    return " or ".join(names[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+
+
+def _check_object(node: dict[str, Any], where: str) -> None:
+    """What the converter would turn into an object no answer can give: a required
+    property that is not listed, or one named "" (its rule became the root's)."""
+    props = node.get("properties", {})
+    if "" in props:
+        raise e.BadRequest("a property's name must not be empty", param=f"{where}.properties")
+    types = node.get("type")
+    if not all(isinstance(t, str) for t in (types if isinstance(types, list) else [types or ""])):
+        raise e.BadRequest(f"{where}.type must name JSON types", param=f"{where}.type")
+    for name in node.get("required", []):
+        if not isinstance(name, str) or ("properties" in node and name not in props):
+            raise e.BadRequest(f"required names {name!r}, which is not among the properties",
+                               param=f"{where}.required")
 
 
 def _check_count(value: Any, where: str) -> None:
@@ -162,8 +196,8 @@ def _check_count(value: Any, where: str) -> None:
 def _check_pattern(value: Any, where: str) -> None:
     if not isinstance(value, str):
         raise e.BadRequest(f"{where} must be a string", param=where)
-    for m in _PATTERN_COUNT.finditer(value):
-        if max(int(n) for n in m.groups() if n) > MAX_REPETITION:
+    for m in _PATTERN_BRACES.finditer(value):
+        if max((int(n) for n in re.findall(r"\d+", m.group(1))), default=0) > MAX_REPETITION:
             raise e.BadRequest(f"{where} repeats {m.group()}; a grammar can enforce at "
                                f"most {MAX_REPETITION} repetitions", param=where)
 
@@ -195,6 +229,7 @@ def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> 
         'tool-ws ::= [ \\n]{0,2}',
         _convert(calls, "call", "tools"),
     ]
+    check_gbnf("\n".join(rules), "tools")
     # Lazy: from the first "<tool_call>" the model writes, the grammar holds.
     triggers = [r"[\s\S]*?(" + re.escape(TOOL_OPEN) + r")[\s\S]*"] if lazy else []
     return Grammar(gbnf="\n".join(rules), lazy=lazy, trigger_patterns=triggers)

@@ -24,6 +24,7 @@ trained on (Qwen2.5, Hermes, SmolLM3, ...)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -31,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forged import errors as e
+from forged.engine.grammar import MAX_SCHEMA_BYTES, call_grammar, check_schema
 from forged.engine.grammar import TOOL_CLOSE as CLOSE
 from forged.engine.grammar import TOOL_OPEN as OPEN
-from forged.engine.grammar import call_grammar, check_schema
 from forged.engine.request import Grammar
 from forged.http.schemas import json_depth
 
@@ -101,6 +102,14 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
         raise e.BadRequest("a function name has 1 to 64 letters, digits, _ or -",
                            param=f"{where}.function.name")
     params = fn.get("parameters", {"type": "object", "properties": {}})
+    # A call's arguments are an object (OpenAI's and Anthropic's rule): another root
+    # would let the model write "arguments": "abc", which no dialect can return.
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise e.BadRequest("a function's parameters must be a JSON schema of type "
+                           "object", param=f"{where}.function.parameters.type")
+    if len(json.dumps(params)) > MAX_SCHEMA_BYTES:
+        raise e.BadRequest(f"a function's parameters are larger than {MAX_SCHEMA_BYTES} "
+                           "bytes", param=f"{where}.function.parameters")
     check_schema(params, f"{where}.function.parameters")
     out = {"name": fn["name"], "parameters": params}
     if isinstance(fn.get("description"), str):
@@ -114,8 +123,9 @@ def _choice(choice: Any, names: list[str]) -> str:
         return "auto"
     if choice in ("none", "auto", "required"):
         return str(choice)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict):
+        name = choice["function"].get("name")
         if name in names:
             return str(name)
         raise e.BadRequest(f"tool_choice names {name!r}, which is not among the tools",
@@ -271,4 +281,12 @@ def _parse_call(body: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", {})
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            args = json.loads(args)
+    if not isinstance(args, dict):
+        return None  # the dialects return arguments as an object: this is text
+    try:  # 1e400 reads as inf, which is not JSON: then it is text too
+        return ToolCall(obj["name"], json.dumps(args, allow_nan=False, ensure_ascii=False))
+    except ValueError:
+        return None
