@@ -91,8 +91,7 @@ def schema_gbnf(schema: dict[str, Any], name: str, param: str,
     """GBNF for a JSON schema (llama.cpp's converter, nothing fetched); its top rule is
     ``name`` ("" is ``root``). The converter's own exceptions pass through: it raises
     AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError or
-    RecursionError on a schema it
-    cannot convert."""
+    RecursionError on a schema it cannot convert."""
     converter = SchemaConverter(  # type: ignore[no-untyped-call]
         prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
     converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
