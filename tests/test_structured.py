@@ -467,3 +467,21 @@ def _model_path(d: DaemonProcess) -> Path:
         if line.startswith("path = "):
             return Path(json.loads(line.split(" = ", 1)[1]))
     raise AssertionError("no model path in the config")
+
+
+def test_a_literal_with_escapes_is_valid_json_in_the_grammar() -> None:
+    """JSON escapes in an enum's or const's value (a newline, a quote, a backslash) are
+    literal backslashes in the JSON the model writes: the converter left them as the
+    grammar's own escapes (a raw newline inside a JSON string; a quote that ended the
+    grammar's literal)."""
+    newline = schema_grammar({"enum": ["a\nb"]}, "s").gbnf
+    assert '"\\"a\\\\nb\\""' in newline  # the grammar's "\"a\\nb\"": JSON's "a\nb"
+    assert "\\\\\\\"hi\\\\\\\"" in schema_grammar({"enum": ['say "hi"']}, "s").gbnf
+    assert '"\\"C:\\\\\\\\dir\\""' in schema_grammar({"const": "C:\\dir"}, "s").gbnf
+
+
+def test_a_type_list_keeps_the_schemas_other_constraints() -> None:
+    """``"type": ["string", "null"]`` (OpenAI's way to say optional) with maxLength: the
+    converter made it any string or null."""
+    gbnf = schema_grammar({"type": ["string", "null"], "maxLength": 3}, "s").gbnf
+    assert "(char (char (char)?)?)?" in gbnf and "null" in gbnf

@@ -11,6 +11,7 @@ own C memory and free it in ``close()``; each is also a context manager.
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -86,13 +87,24 @@ def chat_formatter(template: str, eos: str, bos: str) -> Jinja2ChatFormatter:
                                add_generation_prompt=True)
 
 
+class _Converter(SchemaConverter):
+    """llama-cpp-python's converter, with literals escaped for GBNF in full: it left a
+    backslash as is, so JSON's ``\\n`` in an enum's value became the grammar's newline
+    (a raw line break inside a JSON string), and ``\\"`` ended the grammar's literal."""
+
+    _ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
+
+    def _format_literal(self, literal: str) -> str:
+        return '"' + re.sub(r'[\\\r\n"]', lambda m: self._ESCAPES[m.group()], literal) + '"'
+
+
 def schema_gbnf(schema: dict[str, Any], name: str, param: str,
                 prop_order: dict[str, int]) -> str:
     """GBNF for a JSON schema (llama.cpp's converter, nothing fetched); its top rule is
     ``name`` ("" is ``root``). The converter's own exceptions pass through: it raises
     AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError or
     RecursionError on a schema it cannot convert."""
-    converter = SchemaConverter(  # type: ignore[no-untyped-call]
+    converter = _Converter(  # type: ignore[no-untyped-call]
         prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
     converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
     return str(converter.format_grammar())  # type: ignore[no-untyped-call]

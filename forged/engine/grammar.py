@@ -114,7 +114,7 @@ def gbnf_depth(gbnf: str) -> int:
 def _convert(schema: dict[str, Any], name: str, param: str) -> str:
     """GBNF for ``schema``, its top rule called ``name`` ("" is ``root``)."""
     order = {"name": 0, "arguments": 1}  # a tool call's name before its arguments
-    schema = copy.deepcopy(schema)  # resolve_refs rewrites the $refs in place
+    schema = _split_type_lists(schema)  # a copy: resolve_refs rewrites the $refs in place
     try:
         gbnf = schema_gbnf(schema, name, param, order)
     except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
@@ -122,6 +122,32 @@ def _convert(schema: dict[str, Any], name: str, param: str) -> str:
         raise e.BadRequest(f"the JSON schema cannot be turned into a grammar: {exc}",
                            param=param) from exc
     return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+def _split_type_lists(node: Any) -> Any:
+    """A copy of ``node`` where a schema whose ``type`` is a list is an anyOf of one copy
+    per type: the converter made each type a bare branch, dropping every other
+    constraint (``"type": ["string", "null"]``, OpenAI's optional field, with maxLength
+    was any string). Definitions stay where the $refs find them."""
+    if not isinstance(node, dict):
+        return copy.deepcopy(node)
+    out = {key: _split_within(key, value) for key, value in node.items()}
+    if not isinstance(types := out.get("type"), list):
+        return out
+    defs = {k: out.pop(k) for k in ("$defs", "definitions") if k in out}
+    del out["type"]
+    return {"anyOf": [{**out, "type": t} for t in types], **defs}
+
+
+def _split_within(key: str, value: Any) -> Any:
+    match key:
+        case "properties" | "$defs" | "definitions" if isinstance(value, dict):
+            return {k: _split_type_lists(v) for k, v in value.items()}
+        case "anyOf" | "allOf" | "prefixItems" | "items" if isinstance(value, list):
+            return [_split_type_lists(v) for v in value]
+        case "items" | "additionalProperties":
+            return _split_type_lists(value)
+    return copy.deepcopy(value)
 
 
 def json_object_grammar() -> Grammar:
