@@ -15,8 +15,11 @@ class BadRequest(ForgedError):
 
 
 class ContextTooLong(BadRequest):
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, asked: tuple[int, int, int] | None = None) -> None:
+        """``asked``: the prompt's tokens, the completion's asked for and the context,
+        when both together pass it (a dialect may say it in its own words)."""
         super().__init__(message, param="messages", code="context_length_exceeded")
+        self.asked = asked
 
 
 class ModelNotFound(ForgedError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import anthropic
 import httpx
 import msgspec
 import pytest
+import quart_trio
 import trio
 
 from forged.auth import add_key
@@ -25,6 +27,7 @@ from forged.http.anthropic import (
     chat_request,
     error_detail,
     error_response,
+    model_page,
 )
 from forged.http.responses import http_error
 from forged.retrieval.store import Index
@@ -156,6 +159,28 @@ def test_a_system_prompt_as_blocks_is_the_same_prompt_as_its_text(tiny: Tiny) ->
     assert text.input_tokens == blocks.input_tokens > plain
 
 
+def test_a_system_prompt_as_blocks_takes_the_repository_chunks_as_its_text_does(
+        tiny: Tiny) -> None:
+    """Claude Code sends its system prompt as blocks: with a key's default_repo, the
+    chunks went into a second system message before the client's own."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "where is open_nursery?"}]}
+    counts = [tiny.post("/v1/messages/count_tokens", {**body, "system": system},
+                        key=tiny.rag_key).json()["input_tokens"]
+              for system in ("Be brief.", [{"type": "text", "text": "Be brief."}])]
+    assert counts[0] == counts[1]
+
+
+def test_max_tokens_past_the_context_is_said_as_anthropic_says_it(tiny: Tiny) -> None:
+    """Claude Code reads Anthropic's wording (the numbers) to retry with a lower
+    max_tokens; a prompt too long alone keeps OpenAI's."""
+    r = tiny.post("/v1/messages", {"model": "tiny", "max_tokens": 1024, "messages": HELLO})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert re.search(r"input length and `max_tokens` exceed context limit: "
+                     r"\d+ \+ 1024 > 1024, decrease input length or `max_tokens` and try "
+                     r"again", message), message
+
+
 def test_count_tokens_is_the_prompt_a_message_is_given(tiny: Tiny) -> None:
     messages = [*HELLO, {"role": "assistant", "content": "Hi."},
                 {"role": "user", "content": [{"type": "text", "text": "Count "},
@@ -261,6 +286,17 @@ def test_models_are_listed_in_anthropics_shape_to_its_clients(tiny: Tiny) -> Non
     assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
 
 
+async def test_a_page_before_an_id_is_the_page_just_before_it() -> None:
+    app = quart_trio.QuartTrio("t")
+    models = [{"id": m, "created": 1_750_000_000} for m in "abc"]
+    async with app.test_request_context("/v1/models?before_id=c&limit=1"):
+        page = model_page(models)
+    assert [m["id"] for m in page["data"]] == ["b"] and page["has_more"]
+    async with app.test_request_context("/v1/models?before_id=c&limit=5"):
+        page = model_page(models)
+    assert [m["id"] for m in page["data"]] == ["a", "b"] and not page["has_more"]
+
+
 def test_a_prompt_too_long_is_a_bad_request(tiny: Tiny) -> None:
     long = [{"role": "user", "content": "word " * 2000}]
     with pytest.raises(anthropic.BadRequestError) as info:
@@ -295,6 +331,12 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}]},
      "messages[1]"),
     ({"frobnicate": True}, "frobnicate"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": []}, *HELLO]},
+     "messages[1].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages[0].content[0].text"),
     ({"max_tokens": None}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),
     ({"stop_sequences": [""]}, "stop_sequences"),

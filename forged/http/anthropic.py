@@ -55,6 +55,14 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
         try:
             req = await state.off_loop(chat_request, body)
             return await api.run_chat(state, req, MessageFormat)
+        except e.ContextTooLong as exc:
+            if exc.asked is None:
+                raise
+            # Anthropic's words: Claude Code reads the numbers to retry with less.
+            raise e.BadRequest(
+                "input length and `max_tokens` exceed context limit: {} + {} > {}, decrease "
+                "input length or `max_tokens` and try again".format(*exc.asked),
+                param="max_tokens", code=exc.code) from exc
         except e.BadRequest as exc:
             exc.param = anthropic_param(exc.param)
             raise
@@ -279,11 +287,18 @@ def _messages(body: CountTokensRequest) -> list[ChatMessage]:
 def _turn(m: Message, where: str) -> list[ChatMessage]:
     """One Anthropic message as chat messages: an assistant's tool_use blocks are its
     tool_calls; a user's tool results are tool messages, in their place among its text."""
+    if not m.content:  # Anthropic's rule (only a last assistant's may be, refused above)
+        raise e.BadRequest("all messages must have non-empty content",
+                           param=f"{where}.content")
     if isinstance(m.content, str):
         return [ChatMessage(m.role, m.content)]
     allowed = (TextBlock, ToolUseBlock if m.role == "assistant" else ToolResultBlock)
     blocks = [_block(raw, allowed, f"{where}.content[{j}]")
               for j, raw in enumerate(m.content)]
+    for j, b in enumerate(blocks):
+        if isinstance(b, TextBlock) and not b.text:
+            raise e.BadRequest("text content blocks must be non-empty",
+                               param=f"{where}.content[{j}].text")
     if m.role == "assistant":
         calls = [{"id": b.id, "type": "function",
                   "function": {"name": b.name, "arguments": b.input}}
@@ -555,6 +570,7 @@ def model_page(models: list[dict[str, Any]]) -> dict[str, Any]:
     by its ``limit``, ``after_id`` and ``before_id``."""
     data = [model_info(m) for m in models]
     args = request.args
+    before = False
     for name, after in (("after_id", True), ("before_id", False)):
         if (given := args.get(name)) is not None:
             ids = [m["id"] for m in data]
@@ -562,13 +578,14 @@ def model_page(models: list[dict[str, Any]]) -> dict[str, Any]:
                 raise e.BadRequest(f"{name}: no model {given!r}", param=name)
             at = ids.index(given)
             data = data[at + 1:] if after else data[:at]
+            before = not after
     try:
         limit = int(args.get("limit", "20"))
     except ValueError:
         limit = 0
     if not 1 <= limit <= 1000:
         raise e.BadRequest("limit: expected an integer from 1 to 1000", param="limit")
-    page = data[:limit]
+    page = data[-limit:] if before else data[:limit]  # the page just before the id
     return {"data": page, "has_more": len(data) > len(page),
             "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None}

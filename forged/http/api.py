@@ -555,8 +555,8 @@ def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | N
         raise e.ContextTooLong(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in "
-            "the completion). Please reduce the length of the prompt or completion."
-        )
+            "the completion). Please reduce the length of the prompt or completion.",
+            asked=(n_prompt, requested, limit))
     else:
         max_tokens = requested
     if min_tokens > max_tokens:

@@ -32,7 +32,7 @@ from forged.auth import KeyEntry
 from forged.engine.fim import SNIPPET_SEPARATOR
 from forged.engine.prompts import Prompter
 from forged.http.door import in_thread
-from forged.http.schemas import ChatMessage, ChatRequest
+from forged.http.schemas import ChatMessage, ChatRequest, ContentPart
 from forged.http.sse import Format, MakeFormat
 from forged.http.state import AppState
 from forged.retrieval.errors import IndexError_
@@ -224,6 +224,9 @@ def chat_with_context(req: ChatRequest, found: Retrieved | None) -> ChatRequest:
     if first.role in ("system", "developer") and isinstance(first.content, str):
         messages = [msgspec.structs.replace(first, content=f"{first.content}\n\n{block}"),
                     *rest]
+    elif first.role in ("system", "developer") and first.content:  # parts: as its text
+        parts = [*first.content, ContentPart("text", f"\n\n{block}")]
+        messages = [msgspec.structs.replace(first, content=parts), *rest]
     else:
         messages = [ChatMessage(role="system", content=block), *req.messages]
     return msgspec.structs.replace(req, messages=messages)
