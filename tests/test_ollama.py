@@ -18,6 +18,8 @@ import trio
 
 from forged.auth import add_key
 from forged.engine import testhooks
+from forged.http.ollama import _budget
+from forged.http.ollama_shapes import _line
 from tests.conftest import DaemonFactory
 from tests.test_api import until
 
@@ -211,6 +213,8 @@ async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
          "options.num_predict"),
         (lambda c: c.chat("tiny", HI, options={"num_predict": 4000}), 400, "context"),
         (lambda c: c.chat("tiny", HI, think=True), 400, "think"),
+        (lambda c: c.chat("tiny", [*HI, {"role": "assistant", "content": "The answer is"}]),
+         400, "messages[1]"),
         (lambda c: c.chat("tiny", [{**HI[0], "images": [b"\x89PNG"]}]), 400, "images"),
         (lambda c: c.generate("tiny", "x", template="{{ .Prompt }}"), 400, "template"),
         (lambda c: c.generate("tiny", "x", raw=True, system="s"), 400, "system"),
@@ -327,3 +331,17 @@ async def test_smollm2_calls_a_tool(real_model: Path, start_daemon: DaemonFactor
             assert final.done and final.message.content and not final.message.tool_calls
             assert final.prompt_eval_count and answer.prompt_eval_count
             assert final.prompt_eval_count > answer.prompt_eval_count
+
+
+async def test_a_line_separator_in_a_token_stays_inside_its_ndjson_line() -> None:
+    """The ollama client reads the stream with httpx's line decoder, which splits on
+    U+2028 and U+2029 too (str.splitlines): written raw, a token holding one cut its
+    line in two and the client failed mid-stream. Ollama (Go's JSON) escapes them."""
+    raw = _line({"response": "a\u2028b\u2029c\x85d"}).decode()
+    lines = httpx._decoders.LineDecoder().decode(raw)
+    assert len(lines) == 1 and json.loads(lines[0]) == {"response": "a\u2028b\u2029c\x85d"}
+
+
+async def test_num_predict_minus_2_fills_the_context() -> None:
+    assert _budget(-2) == -1  # forged's "until the context is full"
+    assert _budget(-1) is None  # Ollama's default: forged's default_max_tokens

@@ -304,6 +304,12 @@ def served(models: Models, name: str, *, embed: bool | None = False) -> ModelGro
 
 def chat_request(body: ChatBody, group: ModelGroup) -> ChatRequest:
     refuse(body, _REFUSED)
+    if body.messages and body.messages[-1].role == "assistant":
+        # Ollama continues it; forged's chat always opens a new assistant turn.
+        last = f"messages[{len(body.messages) - 1}]"
+        raise e.BadRequest(f"a last assistant message (a prefill to continue) is not "
+                           f"supported: end with a user message ({last})", param=last,
+                           code="unsupported_field")
     if body.tools and _structured(body.format):
         raise e.BadRequest("format cannot be combined with tools", param="format")
     return _converted({
@@ -386,11 +392,16 @@ def _generation_fields(body: _Body, group: ModelGroup) -> dict[str, Any]:
 
 
 def _budget(num_predict: int | None) -> int | None:
-    """``num_predict``: -1 (Ollama's default, "until the end") and -2 ("fill the
-    context") both leave it to forged: the answer runs until the model ends it, within
-    ``limits.default_max_tokens`` and the context (forged never shifts the context)."""
-    if num_predict is None or num_predict < 0:
+    """``num_predict``: -1 (Ollama's default, "until the end") leaves it to forged: the
+    answer runs until the model ends it, within ``limits.default_max_tokens`` and the
+    context (forged never shifts the context); -2 ("fill the context") is forged's -1."""
+    if num_predict == -2:
+        return -1
+    if num_predict is None or num_predict == -1:
         return None
+    if num_predict < 0:
+        raise e.BadRequest("options.num_predict must be positive, or -1 or -2",
+                           param="options.num_predict")
     if num_predict == 0:
         raise e.BadRequest("options.num_predict must be positive, or -1 or -2",
                            param="options.num_predict")

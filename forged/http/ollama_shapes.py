@@ -38,7 +38,11 @@ _json = msgspec.json.Encoder()
 
 
 def _line(obj: Any) -> bytes:
-    return _json.encode(obj) + b"\n"
+    """One NDJSON line. U+2028, U+2029 and U+0085 are escaped, as Ollama's Go encoder
+    does: the ollama client reads lines with httpx, which splits on them too. Raw, they
+    can only be inside a JSON string, where the escape means the same."""
+    return (_json.encode(obj).replace(b"\xe2\x80\xa8", b"\\u2028")
+            .replace(b"\xe2\x80\xa9", b"\\u2029").replace(b"\xc2\x85", b"\\u0085") + b"\n")
 
 
 def _timestamp(t: float | None = None) -> str:
