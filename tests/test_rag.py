@@ -291,6 +291,32 @@ async def test_an_index_survives_a_daemon_restart(
     assert answers[0] == answers[1] and answers[0][0]["path"] == "nursery.py"
 
 
+async def test_searches_see_the_previous_version_while_a_large_update_writes(
+        tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update larger than SQLite's page cache spills into the file: with a rollback
+    journal it then held an exclusive lock to its commit, and every search waited
+    BUSY_TIMEOUT and failed (503) for the rest of the build. The index's WAL lets
+    searches read the last committed version meanwhile."""
+    index(tmp_path)
+    monkeypatch.setattr("forged.retrieval.query.BUSY_TIMEOUT", 0.05)
+    writer = Index.open(tmp_path / "state" / "index", "demo").db
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            writer.execute("PRAGMA cache_size = 10")
+            writer.execute("BEGIN")
+            writer.executemany("INSERT INTO meta VALUES (?, ?)",
+                               ((f"filler-{i}", "x" * 1000) for i in range(5000)))
+            try:
+                r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "nursery"})
+                assert r.status_code == 200, r.text
+                assert r.json()["data"][0]["path"] == "nursery.py"
+            finally:
+                writer.rollback()
+    writer.close()
+
+
 async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
         fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,6 +329,8 @@ async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
     with trio.fail_after(60):
         async with start_daemon(fim_model) as d, \
                 httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            # In WAL, only a writer in exclusive locking mode locks readers out.
+            writer.execute("PRAGMA locking_mode = EXCLUSIVE")
             writer.execute("BEGIN EXCLUSIVE")
             try:
                 r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "nursery"})
@@ -313,6 +341,6 @@ async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
                 assert r.status_code == 200 and r.json()["retrieved"] == []
             finally:
                 writer.rollback()
+                writer.close()  # an exclusive locking mode holds the lock until then
             r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "open_nursery"})
             assert r.status_code == 200 and r.json()["data"]
-    writer.close()

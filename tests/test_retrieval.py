@@ -12,6 +12,7 @@ import pytest
 from forged.cli import main
 from forged.retrieval.chunking import chunk_file, line_windows, split_identifier, split_words
 from forged.retrieval.errors import IndexError_
+from forged.retrieval.query import Searcher
 from forged.retrieval.source import SourceTree, list_source
 from forged.retrieval.store import MAX_QUERY_TERMS, Index, cursor_names, query_words, rarest
 
@@ -180,6 +181,24 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["index", "add", "../x", str(tmp_path), *c]) == 1
     main(["index", "list", *c])
     assert capsys.readouterr().out.count("\n") == 1  # the header only
+
+
+def test_an_index_removed_while_the_daemon_reads_it_leaves_no_wal_behind(
+        tmp_path: Path) -> None:
+    """A reader keeps the index's -wal and -shm files; removing only the database left
+    them, and SQLite would replay that stale log into a new index of the same name."""
+    cfg = tmp_path / "forged.toml"
+    cfg.write_text(f"[server]\nstate_dir = '{tmp_path / 'state'}'\n")
+    make_repo(tmp_path / "repo")
+    c = ["--config", str(cfg)]
+    assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 0
+    folder = tmp_path / "state" / "index"
+    reader = Searcher(folder)
+    assert reader.search("r", "open_nursery", 3)
+    assert main(["index", "rm", "r", *c]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == []
+    assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 0
+    assert Searcher(folder).search("r", "open_nursery", 3)
 
 
 def test_keywords_are_neither_indexed_nor_searched() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from forged import config as fc
 from forged.progress import Progress
 from forged.retrieval.errors import IndexError_
-from forged.retrieval.store import Index, UpdateStats, index_path, list_indexes
+from forged.retrieval.store import Index, UpdateStats, index_path, list_indexes, remove_index
 from forged.retrieval.vectors import Embedding
 
 DAEMON_USER = "forged"  # systemd/forged.sysusers
@@ -118,7 +118,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     path = index_path(index_dir(args), args.name)
     if not path.exists():
         raise IndexError_(f"no index {args.name!r} in {path.parent}")
-    path.unlink()
+    remove_index(path)
     return 0
 
 

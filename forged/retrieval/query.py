@@ -5,7 +5,8 @@ limiter, in :mod:`forged.http.retrieve`), never on the event loop: a search over
 index takes milliseconds of CPU, and a stream's next token must not wait behind it. An
 SQLite connection may not cross threads, so each thread keeps its own per index, opened
 read-only (``mode=ro``): the daemon never writes an index; ``forged index update`` does,
-in one transaction, and readers keep seeing the previous version until it commits.
+in one transaction, and readers keep seeing the previous version until it commits (the
+index is in WAL mode: forged.retrieval.store).
 
 Resource handling: a thread's connections live as long as the thread (trio's thread
 cache keeps idle threads for a while, then they exit and the connections are closed

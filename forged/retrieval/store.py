@@ -132,6 +132,7 @@ class Index:
             raise IndexError_(f"index {name!r} exists already ({path})")
         if not source.is_dir():
             raise IndexError_(f"{source}: not a directory")
+        remove_index(path)  # a log left by a database removed by hand
         # The folder as it is now, symlinks resolved: later updates read that folder
         # and refuse a path that has come to pass through a symlink since.
         source = source.resolve()
@@ -140,7 +141,7 @@ class Index:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # as the daemon's user: the state folder is not its own
             raise IndexError_(f"{directory}: cannot create: {exc.strerror}") from exc
-        db = sqlite3.connect(path)
+        db = _connect(path)
         db.executescript(SCHEMA)
         with db:
             db.execute("INSERT INTO meta VALUES ('source', ?)", (str(source),))
@@ -151,7 +152,7 @@ class Index:
         path = index_path(directory, name)
         if not path.exists():
             raise IndexError_(f"no index {name!r} in {directory}")
-        db = sqlite3.connect(path)
+        db = _connect(path)
         row = db.execute("SELECT value FROM meta WHERE key = 'source'").fetchone()
         return cls(db, name, Path(row[0]))
 
@@ -236,6 +237,23 @@ class Index:
 
     def info(self) -> IndexInfo:
         return info_db(self.db, self.name)
+
+
+def remove_index(path: Path) -> None:
+    """The index's file and its WAL's: a log left behind would be replayed into a new
+    index of the same name. The database goes first (a search then finds no index)."""
+    for suffix in ("", "-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """A writer's connection, the file in WAL mode (kept in the file): the daemon's
+    searches read the last committed version while an update writes. With a rollback
+    journal, an update past the page cache locked them out until its commit, and one
+    killed meanwhile left a hot journal that only a writer can roll back."""
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode = WAL")
+    return db
 
 
 def info_db(db: sqlite3.Connection, name: str) -> IndexInfo:
