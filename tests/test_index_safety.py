@@ -230,3 +230,24 @@ def test_a_racily_clean_file_runs_no_clean_filter(tmp_path: Path) -> None:
         idx.update()
         assert idx.search("open_nursery")
     assert list(ran.iterdir()) == []
+
+
+@pytest.mark.parametrize("in_git", [True, False])
+def test_a_file_named_in_no_utf8_or_too_deep_for_ast_fails_no_update(
+        tmp_path: Path, in_git: bool) -> None:
+    """A file name that is not UTF-8 (SQLite cannot store it) and Python that ``ast``
+    cannot parse for recursion made every update of the index fail, every hour."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "main.py").write_text("def open_nursery(): pass\n")
+    (repo / os.fsdecode(b"caf\xe9.py")).write_text("def cafe(): pass\n")
+    (repo / "deep.py").write_text("x = " + "+".join(["1"] * 20_000) + "\n")
+    if in_git:
+        git(repo, "init", "-q")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", "init")
+    with Index.create(tmp_path / "index", "r", repo) as idx:
+        idx.update()
+        assert idx.search("open_nursery")
+        paths = {p for (p,) in idx.db.execute("SELECT path FROM files")}
+    assert "deep.py" in paths and not [p for p in paths if p.startswith("caf")]

@@ -183,6 +183,43 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert capsys.readouterr().out.count("\n") == 1  # the header only
 
 
+def test_an_add_whose_first_update_fails_leaves_no_index(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty index was left behind: the daemon served it, and the retried add said
+    it existed already."""
+    cfg = tmp_path / "forged.toml"
+    cfg.write_text(f"[server]\nstate_dir = '{tmp_path / 'state'}'\n")
+    c = ["--config", str(cfg)]
+    make_repo(tmp_path / "repo")
+
+    def failing(self: Index, *args: object, **kw: object) -> None:
+        raise IndexError_("the source went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(Index, "update", failing)
+        assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 1
+    assert not list((tmp_path / "state" / "index").iterdir())
+    assert main(["index", "add", "r", str(tmp_path / "repo"), *c]) == 0
+
+
+def test_an_index_that_fails_its_update_holds_up_no_other(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hourly update runs every index: one that fails (its folder gone) is said and
+    the exit status is 1, but the indexes after it are updated all the same."""
+    cfg = tmp_path / "forged.toml"
+    cfg.write_text(f"[server]\nstate_dir = '{tmp_path / 'state'}'\n")
+    c = ["--config", str(cfg)]
+    for name in ("a", "b"):
+        make_repo(tmp_path / name)
+        assert main(["index", "add", name, str(tmp_path / name), *c]) == 0
+    subprocess.run(["rm", "-rf", str(tmp_path / "a")], check=True)
+    (tmp_path / "b" / "new.py").write_text("def fresh(): pass\n")
+    capsys.readouterr()
+    assert main(["index", "update", *c]) == 1
+    err = capsys.readouterr().err
+    assert "'a'" in err and "updated 'b'" in err
+
+
 def test_an_index_removed_while_the_daemon_reads_it_leaves_no_wal_behind(
         tmp_path: Path) -> None:
     """A reader keeps the index's -wal and -shm files; removing only the database left

@@ -132,8 +132,10 @@ def line_windows(start: int, end: int, window: int, overlap: int) -> list[tuple[
 def _python_spans(text: str, lines: list[str]) -> list[_Span] | None:
     try:
         tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return None  # not Python we can read: line windows will do
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        # Not Python we can read (or nested past the parser's limits, as a generated
+        # 20,000-term sum is): line windows will do.
+        return None
     spans: list[_Span] = []
     loose: _Span | None = None  # module-level code gathered between definitions
     for node in tree.body:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import pwd
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -56,9 +57,18 @@ def cmd_add(args: argparse.Namespace) -> int:
     progress = Progress()
     try:
         with Index.create(directory, args.name, Path(args.path)) as idx:
-            stats = idx.update(progress=progress.counter(f"indexing {args.name!r}: files"),
-                               embedding=embedding, embed_progress=progress.counter(
-                                   f"embedding {args.name!r}: chunks"))
+            try:
+                stats = idx.update(progress=progress.counter(
+                    f"indexing {args.name!r}: files"), embedding=embedding,
+                    embed_progress=progress.counter(f"embedding {args.name!r}: chunks"))
+            except BaseException:
+                # Nothing committed: an empty index would be served, and a retried add
+                # refused. (Chunks committed, an embedding cut short goes on at the
+                # next update: the index stays.)
+                if not idx.db.execute("SELECT 1 FROM files LIMIT 1").fetchone():
+                    idx.db.close()
+                    remove_index(index_path(directory, args.name))
+                raise
     finally:
         progress.clear()  # an error's message then starts on a line of its own
     print(f"forged: indexed {args.name!r}: {stats.files} files, "
@@ -70,6 +80,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 def cmd_update(args: argparse.Namespace) -> int:
     directory = index_dir(args)
     embedding = _embedding(args)
+    failed = 0
     for name in [args.name] if args.name else list_indexes(directory):
         progress = Progress()
         try:
@@ -77,12 +88,18 @@ def cmd_update(args: argparse.Namespace) -> int:
                 stats = idx.update(progress=progress.counter(f"updating {name!r}: files"),
                                    embedding=embedding, embed_progress=progress.counter(
                                        f"embedding {name!r}: chunks"))
+        except (IndexError_, sqlite3.Error, OSError) as exc:
+            # One index's failure (its folder gone, its file damaged) is said, and the
+            # others are updated all the same: the hourly timer runs them all.
+            print(f"forged: cannot update {name!r}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         finally:
             progress.clear()
         print(f"forged: updated {name!r}: {stats.files} files, {stats.rechunked} "
               f"re-chunked, {stats.removed} removed, in {stats.seconds:.1f} s"
               f"{_embedded(stats)}", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 def _embedding(args: argparse.Namespace) -> Embedding | None:

@@ -176,7 +176,21 @@ def _read_at_most(fd: int, n: int) -> bytes:
 
 
 def list_source(tree: SourceTree) -> Iterator[tuple[str, str]]:
-    """``(relative path, version)`` of every candidate file in ``tree``."""
+    """``(relative path, version)`` of every candidate file in ``tree``; never one whose
+    name is not UTF-8 (the index, SQLite's text, cannot hold it: it failed the whole
+    update)."""
+    return (f for f in _listed(tree) if _utf8(f[0]))
+
+
+def _utf8(rel: str) -> bool:
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _listed(tree: SourceTree) -> Iterator[tuple[str, str]]:
     root = tree.root
     if _git(root, "rev-parse", "--is-inside-work-tree") == b"true\n":
         yield from _list_git(tree)
