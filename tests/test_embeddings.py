@@ -79,6 +79,8 @@ async def test_every_input_shape_and_encoding(
 REFUSED: list[tuple[dict[str, Any], int, str]] = [
     ({"input": []}, 400, "input"),
     ({"input": [[]]}, 400, "input"),
+    ({"input": ""}, 400, "input"),  # a BERT's [CLS] [SEP] is no text: OpenAI's 400
+    ({"input": ["a", ""]}, 400, "input"),
     ({"input": "x", "dimensions": 16}, 400, "dimensions"),
     ({"input": [99999]}, 400, "input"),
     ({"input": [1, "x"]}, 400, "input"),

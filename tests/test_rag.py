@@ -89,6 +89,7 @@ async def test_retrieve_returns_paths_and_line_ranges(
     ({"repo": "demo", "query": "x", "k": 0}, 400, "k"),
     ({"repo": "demo", "query": "x", "k": 51}, 400, "k"),  # over retrieval.max_k
     ({"repo": "demo"}, 400, None),
+    ({"repo": "demo", "query": "x", "top_k": 3}, 400, None),  # unknown: never ignored
 ])
 async def test_retrieve_refuses_bad_input_with_an_openai_error(
         tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory,

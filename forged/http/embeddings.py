@@ -208,6 +208,8 @@ def _tokens(group: ModelGroup, given: Input, truncate: bool, param: str) -> list
     longest = min(lim.max_context, lim.embed_batch)
     out = []
     for i, text in enumerate(texts):
+        if text == "":  # a BERT still gives [CLS] [SEP]: a vector of nothing
+            raise e.BadRequest(f"input {i} is empty", param=param)
         if isinstance(text, str):
             toks = group.prompter.tokenize(text, add_special=True, parse_special=False)
         else:

@@ -42,7 +42,7 @@ from forged.retrieval.store import Hit
 log = logging.getLogger("forged")
 
 
-class RetrieveRequest(msgspec.Struct, kw_only=True):
+class RetrieveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The index's name; absent: the API key's default_repo.
     repo: str | None = None
     query: Annotated[str, Meta(min_length=1, max_length=16384)]
