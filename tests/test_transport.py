@@ -6,8 +6,10 @@ README suggests for Prometheus, served ``POST /models/swap`` to anyone."""
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import ssl
+import stat
 import subprocess
 from pathlib import Path
 
@@ -126,3 +128,18 @@ async def test_admin_actions_on_tcp_need_the_admin_token(
                              headers={"Authorization": "Bearer s3cret"})
             # past the guard: the swap itself refuses a file that is not there
             assert r.status_code == 409, r.text
+
+
+async def test_the_admin_socket_lets_its_group_connect(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """Under the unit's UMask=0027 the socket was 0750: connecting needs write
+    permission, so the forged group the docs name (sudo adduser alice forged) could not
+    run forged status. Its folder (0750 under /run) keeps everyone else out."""
+    old = os.umask(0o027)
+    try:
+        with trio.fail_after(60):
+            async with start_daemon(tiny_model) as d:
+                mode = stat.S_IMODE(os.stat(d.admin_sock).st_mode)
+    finally:
+        os.umask(old)
+    assert mode & 0o060 == 0o060 and not mode & 0o007, oct(mode)

@@ -220,6 +220,10 @@ class Daemon:
             Path(admin[5:]).parent.mkdir(parents=True, exist_ok=True)
         admin_binds = await self._serve(
             http, create_admin_app(state, test_hooks=self.test_hooks), admin)
+        if admin.startswith("unix:"):
+            # Connecting needs write permission: under the unit's UMask=0027 the socket
+            # is 0750 and only root and forged could. Its folder keeps others out.
+            os.chmod(admin[5:], 0o660)
         log.info("admin listener on %s", ", ".join(admin_binds))
         if server.metrics_listen:
             self.metrics_binds = await self._serve(http, create_metrics_app(state),
