@@ -110,7 +110,10 @@ def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
     entry = KeyEntry(name=name, sha256=hash_key(key), max_streams=max_streams,
                      max_queued=max_queued, priority=priority, tenant=tenant, repos=repos,
                      default_repo=default_repo)
-    msgspec.convert(msgspec.to_builtins(entry), KeyEntry)  # validates the name
+    try:  # validates the name, the limits and the repositories
+        msgspec.convert(msgspec.to_builtins(entry), KeyEntry)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     block = (f'\n[[key]]\nname = "{name}"\nsha256 = "{entry.sha256}"\n'
              f"max_streams = {max_streams}\nmax_queued = {max_queued}\n"
              f'priority = "{priority}"\n' + (f'tenant = "{tenant}"\n' if tenant else "")
@@ -119,12 +122,16 @@ def add_key(path: Path, name: str, *, max_streams: int, max_queued: int,
              + (f"default_repo = {msgspec.json.encode(default_repo).decode()}\n"
                 if default_repo else ""))
     new = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-    with os.fdopen(fd, "a") as f:
-        if new:
-            f.write("# forged API keys: SHA-256 hashes only. Manage them with `forged keys add`,\n"
-                    "# `list`, `rotate` and `revoke`, then `systemctl reload forged`.\n")
-        f.write(block)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        with os.fdopen(fd, "a") as f:
+            if new:
+                f.write("# forged API keys: SHA-256 hashes only. Manage them with `forged "
+                        "keys add`,\n# `list`, `rotate` and `revoke`, then `systemctl "
+                        "reload forged`.\n")
+            f.write(block)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write: {exc.strerror}") from exc
     if new:
         _give_to_forged_group(path)
     return key
@@ -207,6 +214,13 @@ def _named(path: Path, tables: list[tuple[KeyEntry | None, str]], name: str) -> 
 def _rewrite(path: Path, texts: list[str]) -> None:
     """Replace ``path`` by ``texts`` at once (a reload never reads half a file), with
     its owner, group and mode."""
+    try:
+        _replace(path, texts)
+    except OSError as exc:  # not root, say: the folder or the file is root's
+        raise ConfigError(f"{path}: cannot write: {exc.strerror}") from exc
+
+
+def _replace(path: Path, texts: list[str]) -> None:
     st = path.stat()
     tmp = path.with_name(f".{path.name}.new")
     tmp.unlink(missing_ok=True)  # a crash's leftover: its mode must not be kept
@@ -232,5 +246,8 @@ def _give_to_forged_group(path: Path) -> None:
         gid = grp.getgrnam("forged").gr_gid
     except KeyError:
         return  # a development machine without the forged group
-    os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
+    try:
+        os.chown(path, 0 if os.geteuid() == 0 else -1, gid)
+    except PermissionError:  # neither root nor in the group: the file stays the user's
+        return
     os.chmod(path, 0o640)

@@ -3,13 +3,15 @@ side, a reload under a live stream, is in test_security)."""
 
 from __future__ import annotations
 
+import grp
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
-from forged import cli
+from forged import auth, cli
 from forged.auth import KeyStore, add_key, hash_key, list_keys, revoke_key, rotate_key
 from forged.config import ConfigError
 
@@ -117,3 +119,52 @@ def test_a_rewrite_keeps_the_mode_whatever_the_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["bad name"], "name"), (["dev", "--max-streams", "0"], "max_streams"),
+    (["dev", "--repo", "../x"], "repos")])
+def test_a_bad_argument_is_a_clear_error_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+        named: str) -> None:
+    """These were tracebacks (msgspec.ValidationError)."""
+    assert cli.main(["keys", "add", *extra, "--keys-file", str(tmp_path / "k.toml")]) == 78
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+    assert not (tmp_path / "k.toml").exists()
+
+
+def test_a_keys_file_it_cannot_write_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin in the forged group (which may read the file) running add or rotate
+    without sudo got a PermissionError traceback."""
+    path, _ = three_keys(tmp_path)
+    real_open = os.open
+
+    def refused(file: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refused)
+    for argv in (["add", "dave"], ["rotate", "alice"]):
+        assert cli.main(["keys", *argv, "--keys-file", str(path)]) == 78
+        err = capsys.readouterr().err
+        assert str(path) in err and "Permission denied" in err and "Traceback" not in err
+
+
+def test_a_group_it_cannot_give_the_file_still_prints_the_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not root and not in the forged group: chown failed after the key's hash was
+    written, and the key was never shown (and its name taken)."""
+    def refused(*args: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chown", refused)
+    monkeypatch.setattr(auth.grp, "getgrnam", lambda name: grp.struct_group(
+        ("forged", "x", 4242, [])))
+    assert cli.main(["keys", "add", "dev", "--keys-file", str(tmp_path / "k.toml")]) == 0
+    key = capsys.readouterr().out.strip()
+    assert KeyStore.load(tmp_path / "k.toml").lookup(f"Bearer {key}") is not None
