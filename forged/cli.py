@@ -103,10 +103,9 @@ def setup_logging(level: str) -> None:
 def load_checked(args: argparse.Namespace) -> fc.Config:
     from forged.auth import KeyStore
 
-    path = Path(args.config)
     # Every key has a default: without the default file (a developer's machine, a
     # trial), forged runs on them. A file named with --config must exist.
-    cfg = fc.load(path, require_file=path != fc.DEFAULT_CONFIG_PATH)
+    cfg = _config(args)
     cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
                             model=getattr(args, "model", None))
     fc.check_model(args.config, cfg)
@@ -203,13 +202,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> fc.Config:
+    """The config as forged serve reads it: the default file may be absent (the daemon
+    then runs on the defaults); a file named with --config must exist."""
+    path = Path(args.config)
+    return fc.load(path, require_file=path != fc.DEFAULT_CONFIG_PATH)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from forged.errors import ForgedError
     from forged.observe.status import fetch_stats, render
 
     if args.url and len(args.url) > 1:
         return _status_pool(args.url, as_json=args.json)
-    admin = (args.url or [args.admin])[0] or fc.load(Path(args.config)).server.admin_listen
+    admin = (args.url or [args.admin])[0] or _config(args).server.admin_listen
     try:
         stats = fetch_stats(admin)
     except ForgedError as exc:
@@ -307,7 +313,7 @@ def _status_pool(urls: list[str], *, as_json: bool) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from forged.observe.telemetry import read_report, render_report
 
-    path = Path(fc.load(Path(args.config)).server.state_dir)
+    path = Path(_config(args).server.state_dir)
     try:
         since = (dt.datetime.strptime(args.since, "%Y-%m-%d").replace(tzinfo=dt.UTC)
                  .timestamp() if args.since else 0.0)

@@ -3,11 +3,13 @@ and a stop that tells the balancer before it drains."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from forged import cli
 from forged import config as fc
 from forged.agent.weight import NodeLoad, agent_reply, node_load, weight_percent
 from forged.engine.stats import WorkerStats
@@ -190,3 +193,50 @@ async def test_the_agent_says_down_while_no_worker_is_ready(
             while not (line := await trio.to_thread.run_sync(ask_agent, bind)).startswith("up"):  # noqa: ASYNC110
                 await trio.sleep(0.05)
             assert line == "up ready 100%\n"
+
+
+class _NotAdmin(http.server.BaseHTTPRequestHandler):
+    """The API port's answer to /stats: a 404 in OpenAI's body."""
+
+    def do_GET(self) -> None:
+        body = b'{"error": {"message": "not found", "type": "invalid_request_error"}}'
+        self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_forged_status_at_no_admin_listener_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The API's port given for the admin's (a 404 read as stats), a port that is no
+    number: tracebacks (KeyError, ValueError), and a pool listing lost whole."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), _NotAdmin)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        api = f"127.0.0.1:{server.server_address[1]}"
+        for admin in (api, "127.0.0.1:abc", "http://127.0.0.1:99999"):
+            assert cli.main(["status", "--admin", admin]) == 1
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and admin in err, err
+        assert cli.main(["status", "--url", api, "--url", "127.0.0.1:abc"]) == 1
+        assert "unreachable" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_forged_status_runs_without_the_default_config_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon may run on the defaults alone (no /etc/forged/forged.toml): forged
+    status then read the defaults' admin socket, as forged serve does; it said the file
+    was missing (exit 78)."""
+    absent = tmp_path / "forged.toml"
+    monkeypatch.setattr(fc, "DEFAULT_CONFIG_PATH", absent)
+    assert cli.main(["status"]) == 1  # no daemon here: the defaults' socket is absent
+    assert "cannot read the admin listener at unix:/run/forged/admin.sock" in \
+        capsys.readouterr().err

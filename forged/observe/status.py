@@ -39,24 +39,31 @@ def _connect(admin: str, timeout: float) -> http.client.HTTPConnection:
 def fetch_stats(admin: str, timeout: float = 5.0) -> dict[str, Any]:
     """GET /stats from ``admin`` (``unix:PATH``, ``HOST:PORT`` or ``http://HOST:PORT``,
     a node's admin listener where the admin exposes it on the network)."""
-    return admin_call(admin, "GET", "/stats", timeout=timeout)[1]
+    status, stats = admin_call(admin, "GET", "/stats", timeout=timeout)
+    if status != 200 or not isinstance(stats, dict) or "engine" not in stats:
+        raise ForgedError(f"{admin} answered HTTP {status} without statistics: not an "
+                          "admin listener? (the API's port is not the admin's)")
+    return stats
 
 
 def admin_call(admin: str, method: str, path: str, body: dict[str, Any] | None = None,
                *, timeout: float = 5.0, token: str = "") -> tuple[int, dict[str, Any]]:
     """One request to the admin listener: its status and JSON answer. ``token``: the
     admin token, which actions need on a TCP listener."""
-    conn = _connect(admin, timeout)
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    try:
+        conn = _connect(admin, timeout)  # a port that is no number: ValueError
+    except ValueError as exc:
+        raise ForgedError(f"not an admin listener address: {admin!r}: {exc}") from exc
     try:
         conn.request(method, path, body=None if body is None else json.dumps(body),
                      headers=headers)
         resp = conn.getresponse()
         data: dict[str, Any] = json.loads(resp.read())
         return resp.status, data
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise ForgedError(f"cannot read the admin listener at {admin}: {exc}") from exc
     finally:
         conn.close()
