@@ -296,6 +296,13 @@ async def test_a_swap_to_a_missing_or_corrupt_file_keeps_the_old_model(
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["tiny"]
             bad = await a.post("/models/swap", json={"path": "relative.gguf"})
             assert bad.status_code == 400
+            # A NUL byte was a 500; a FIFO held the swap lock (and the stop) forever.
+            fifo = tmp_path / "fifo.gguf"
+            os.mkfifo(fifo)
+            for path_text in ("/a\u0000b.gguf", str(fifo), str(tmp_path)):
+                with trio.fail_after(10):
+                    bad = await a.post("/models/swap", json={"path": path_text})
+                assert bad.status_code == 400 and "regular file" in bad.json()["error"]
 
 
 async def test_a_swap_that_would_not_fit_in_memory_is_refused(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import os
 import time
 
 import msgspec
@@ -150,6 +151,10 @@ async def _swap(state: AppState) -> Response:
         return _answer({"error": "the server is shutting down"}, 409)
     if not req.path.startswith("/"):
         return _answer({"error": f"path must be absolute: {req.path!r}"}, 400)
+    # A missing file is the load's refusal (409); a NUL byte made open() raise (a 500),
+    # and a FIFO blocked the loading thread, the swap lock and a stop, forever.
+    if "\0" in req.path or await trio.to_thread.run_sync(_not_a_file, req.path):
+        return _answer({"error": f"not a regular file: {req.path!r}"}, 400)
     # The place's current config (its name, its aliases as the last reload left them),
     # with the new file.
     place = state.models.place_of(group)
@@ -160,6 +165,10 @@ async def _swap(state: AppState) -> Response:
     except SwapRefused as exc:
         return _answer({"error": str(exc)}, 409)
     return _answer(_model(group))
+
+
+def _not_a_file(path: str) -> bool:
+    return os.path.lexists(path) and not os.path.isfile(path)
 
 
 def _model(group: ModelGroup) -> dict[str, object]:
