@@ -81,6 +81,9 @@ class KeyStore:
         """Read the keys file; a missing file means no keys (an open API), unless not
         ``missing_ok`` (a reload with keys: a moved file or a typo must not open it)."""
         try:
+            if path.stat().st_mode & stat.S_IWOTH:
+                raise ConfigError(f"{path}: writable by anyone, who could add a key of "
+                                  f"their own: chmod 0640 {path}")
             raw = path.read_bytes()
         except FileNotFoundError as exc:
             if not missing_ok:

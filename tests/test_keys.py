@@ -168,3 +168,14 @@ def test_a_group_it_cannot_give_the_file_still_prints_the_key(
     assert cli.main(["keys", "add", "dev", "--keys-file", str(tmp_path / "k.toml")]) == 0
     key = capsys.readouterr().out.strip()
     assert KeyStore.load(tmp_path / "k.toml").lookup(f"Bearer {key}") is not None
+
+
+def test_a_keys_file_anyone_may_write_is_refused(tmp_path: Path) -> None:
+    """Whoever may write the file may add a hash of their own and get in at the next
+    reload: a world-writable file is refused, naming it (as sshd refuses such keys)."""
+    path, _ = three_keys(tmp_path)
+    path.chmod(0o666)
+    with pytest.raises(ConfigError, match=f"{path}.*writable"):
+        KeyStore.load(path)
+    path.chmod(0o640)
+    assert KeyStore.load(path).enabled
