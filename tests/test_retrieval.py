@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from forged.cli import main
-from forged.retrieval.chunking import chunk_file, line_windows, split_identifier, split_words
+from forged.retrieval.chunking import (
+    MAX_CHUNK_CHARS,
+    chunk_file,
+    line_windows,
+    split_identifier,
+    split_words,
+)
 from forged.retrieval.errors import IndexError_
 from forged.retrieval.query import Searcher
 from forged.retrieval.source import SourceTree, list_source
@@ -93,6 +99,34 @@ def test_long_definition_and_other_files_are_overlapping_windows() -> None:
     assert line_windows(1, 10, 60, 15) == [(1, 10)]
     assert chunk_file("broken.py", "def (:\n")[0].end_line == 1  # unparsable: windows
     assert chunk_file("empty.py", "") == []
+
+
+@pytest.mark.parametrize("line", ["\x0c", "s = 'a\u2028b'", "s = 'a\x85b'"])
+def test_lines_are_the_lines_editors_and_ast_count(line: str) -> None:
+    """str.splitlines also splits on form feeds, U+2028 and the like: the chunk of
+    ``a`` lost its body and every later chunk's lines were off."""
+    text = f"import os\n{line}\ndef a():\n    return 1\n\n\ndef b():\n    x = 2\n    return x\n"
+    chunks = {c.defines[0]: c for c in chunk_file("m.py", text) if c.defines}
+    assert chunks["a"].text.endswith("def a():\n    return 1")
+    assert (chunks["b"].start_line, chunks["b"].end_line) == (7, 9)
+    assert chunks["b"].text == "def b():\n    x = 2\n    return x"
+
+
+def test_a_byte_order_mark_does_not_hide_the_definitions() -> None:
+    chunks = chunk_file("m.py", "\ufeffdef a():\n    return 1\n")
+    assert [c.defines for c in chunks] == [("a",)] and chunks[0].text.startswith("def a")
+
+
+def test_a_comment_block_between_definitions_is_in_a_chunk() -> None:
+    text = "def a():\n    pass\n\n# the retry policy\n# is three tries\n\ndef b():\n    pass\n"
+    assert "retry policy" in "".join(c.text for c in chunk_file("m.py", text))
+
+
+def test_a_chunk_is_bounded_however_long_its_lines() -> None:
+    """A minified file is one line: it was one chunk of that size, built into every
+    answer that retrieved it."""
+    chunks = chunk_file("app.min.js", "x" * 1_000_000 + "\nmore\n")
+    assert chunks and max(len(c.text) for c in chunks) <= MAX_CHUNK_CHARS
 
 
 def test_git_repo_is_indexed_and_ranked(tmp_path: Path) -> None:

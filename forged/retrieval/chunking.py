@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 import keyword
 import re
 from dataclasses import dataclass, field
 
 WINDOW = 60
 OVERLAP = 15
+# A chunk's text at most (a minified file is one line): what a prompt or an answer
+# takes of one hit stays bounded.
+MAX_CHUNK_CHARS = 16 * 1024
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LINE_END = re.compile(r"\r\n|\r|\n")
 # Word boundaries inside an identifier: "HTTPServer" -> HTTP|Server, "openNursery" ->
 # open|Nursery, "v2Api" -> v|2|Api.
 _PARTS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
@@ -98,7 +103,12 @@ def identifiers(text: str) -> list[str]:
 
 def chunk_file(path: str, text: str, *, window: int = WINDOW,
                overlap: int = OVERLAP) -> list[Chunk]:
-    lines = text.splitlines()
+    # Lines as editors and ast count them: str.splitlines also splits on form feeds,
+    # U+2028 and the like, and every line number after one was off.
+    text = text.removeprefix("\ufeff")  # a BOM: ast refused the file
+    lines = _LINE_END.split(text)
+    if lines[-1] == "":
+        lines.pop()  # the newline ending the last line starts no line
     if not lines:
         return []
     spans = _python_spans(text, lines) if path.endswith((".py", ".pyi")) else None
@@ -107,7 +117,7 @@ def chunk_file(path: str, text: str, *, window: int = WINDOW,
     out: list[Chunk] = []
     for span in spans:
         for start, end in line_windows(span.start, span.end, window, overlap):
-            body = "\n".join(lines[start - 1:end])
+            body = "\n".join(lines[start - 1:end])[:MAX_CHUNK_CHARS]
             defines = span.defines_in(start, end)
             uses = tuple(n for n in identifiers(body) if n not in defines)
             out.append(Chunk(path, start, end, body, defines, uses))
@@ -151,7 +161,7 @@ def _python_spans(text: str, lines: list[str]) -> list[_Span] | None:
             spans.append(loose)
         loose.end = end
         loose.defines += _assigned_names(node)
-    _cover_gaps(spans, len(lines))
+    _cover_gaps(spans, lines)
     return spans
 
 
@@ -199,11 +209,15 @@ def _assigned_names(node: ast.stmt) -> list[str]:
     return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
-def _cover_gaps(spans: list[_Span], n_lines: int) -> None:
+def _cover_gaps(spans: list[_Span], lines: list[str]) -> None:
     """Give blank lines and trailing comments to a neighbour so no line is lost; the
     module docstring's leading lines and a file's tail belong to the nearest span."""
     if not spans:
-        spans.append(_Span(1, n_lines))
+        spans.append(_Span(1, len(lines)))
         return
     spans[0].start = 1
-    spans[-1].end = n_lines
+    spans[-1].end = len(lines)
+    for span, following in itertools.pairwise(spans):
+        # A comment block between two (not above the second: that is the second's).
+        if any(line.strip() for line in lines[span.end:following.start - 1]):
+            span.end = following.start - 1
