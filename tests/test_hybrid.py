@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import trio
 
 from forged.engine import testhooks
@@ -91,6 +92,34 @@ def test_a_search_by_meaning_finds_what_no_word_matches(tmp_path: Path) -> None:
     assert hits[0].path == "timing.py"
     # A vector of another model than the index's is not used.
     assert searcher.search("demo", query, 3, vector=concept(query), model="x") == []
+
+
+def test_an_index_embedded_in_part_is_searched_by_its_words_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first embedding cut short (or under way, for hours on a large tree) left some
+    chunks with vectors: searches fused BM25 with the nearest among those alone, and
+    the files embedded first ranked above the rest."""
+    src = repo(tmp_path / "src")
+    monkeypatch.setattr("forged.retrieval.vectors.COMMIT_EVERY", 2)
+    done: list[str] = []
+
+    def cut_short(texts: list[str]) -> list[bytes]:
+        if done:
+            raise OSError("the model went away")
+        done.extend(texts)
+        return [concept(t) for t in texts]
+
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        with pytest.raises(OSError):
+            idx.update(embedding=Embedding("concepts", cut_short, batch=2))
+        assert 0 < vectors(idx) < 3
+    query = "total amount"
+    searcher = Searcher(tmp_path / "index")
+    assert searcher.search("demo", query, 3, vector=concept(query), model="concepts") == []
+    with Index.open(tmp_path / "index", "demo") as idx:
+        idx.update(embedding=Counting().embedding())
+    hits = searcher.search("demo", query, 3, vector=concept(query), model="concepts")
+    assert hits[0].path == "maths.py"
 
 
 def test_reciprocal_rank_fusion_puts_what_both_find_first() -> None:

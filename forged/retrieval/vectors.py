@@ -103,10 +103,13 @@ class Matrix:
 
 
 def load(db: sqlite3.Connection) -> Matrix | None:
-    """The index's vectors; None if it has none."""
+    """The index's vectors; None unless every chunk has one. An embedding under way (a
+    first one takes hours on a large tree) or cut short would otherwise fuse BM25 with
+    the nearest of the chunks embedded so far: those files would rank above the rest."""
     row = db.execute("SELECT value FROM meta WHERE key = 'embed_model'").fetchone()
     rows = db.execute("SELECT rowid, vec FROM vectors ORDER BY rowid").fetchall()
-    if row is None or not rows:
+    chunks = db.execute("SELECT coalesce(sum(chunks), 0) FROM files").fetchone()[0]
+    if row is None or not rows or len(rows) != chunks:
         return None
     rowids = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
     vectors = np.frombuffer(b"".join(v for _, v in rows), dtype="<f4").reshape(len(rows), -1)
