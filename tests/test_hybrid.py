@@ -122,6 +122,20 @@ def test_an_index_embedded_in_part_is_searched_by_its_words_alone(
     assert hits[0].path == "maths.py"
 
 
+def test_a_search_by_meaning_returns_as_many_hits_as_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ranking was cut at FUSE_DEPTH (50): k = 150 gave at most 100 hits, fewer
+    than BM25 alone gives."""
+    src = repo(tmp_path / "src")
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        idx.update(embedding=Counting().embedding())
+    monkeypatch.setattr("forged.retrieval.store.FUSE_DEPTH", 1)
+    query = "combine hold unrelated"
+    searcher = Searcher(tmp_path / "index")
+    assert len(searcher.search("demo", query, 3)) == 3
+    assert len(searcher.search("demo", query, 3, vector=concept(query), model="concepts")) == 3
+
+
 def test_reciprocal_rank_fusion_puts_what_both_find_first() -> None:
     a, b, c = ("a.py", 1), ("b.py", 1), ("c.py", 1)
     fused = fuse([[a, b], [c, b]])

@@ -286,14 +286,16 @@ def search_db(db: sqlite3.Connection, query: str, limit: int,
     seen = {(h.path, h.start_line) for h in first}
     words = fts_query(rarest(db, query_words(query)))
     ranked = _ranked(db, words, limit) if semantic is None else \
-        _hybrid(db, words, semantic)
+        _hybrid(db, words, semantic, max(FUSE_DEPTH, limit))
     rest = [h for h in ranked if (h.path, h.start_line) not in seen]
     return (first + rest)[:limit]
 
 
-def _hybrid(db: sqlite3.Connection, words: str, semantic: Semantic) -> list[Hit]:
-    lexical = _ranked(db, words, FUSE_DEPTH)
-    rowids = nearest(semantic[0], semantic[1], FUSE_DEPTH)
+def _hybrid(db: sqlite3.Connection, words: str, semantic: Semantic, depth: int
+            ) -> list[Hit]:
+    """Each ranking ``depth`` deep: FUSE_DEPTH, or as many as asked for if more."""
+    lexical = _ranked(db, words, depth)
+    rowids = nearest(semantic[0], semantic[1], depth)
     marks = ", ".join("?" * len(rowids))
     rows = {r: Hit(p, int(s), int(e), 0.0, t) for r, p, s, e, t in db.execute(
         f"SELECT rowid, path, start_line, end_line, text FROM chunks WHERE rowid IN "
