@@ -4,9 +4,11 @@ same through ``forged index add`` and ``/v1/retrieve`` with the tiny BERT."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -16,8 +18,9 @@ import trio
 from forged.engine import testhooks
 from forged.engine.kvdisk import model_identity
 from forged.indexembed import index_embedding
+from forged.retrieval.errors import IndexError_
 from forged.retrieval.query import Searcher
-from forged.retrieval.store import Index
+from forged.retrieval.store import Index, remove_index
 from forged.retrieval.vectors import Embedding, fuse
 from tests.conftest import DaemonFactory
 
@@ -134,6 +137,41 @@ def test_a_search_by_meaning_returns_as_many_hits_as_asked(
     searcher = Searcher(tmp_path / "index")
     assert len(searcher.search("demo", query, 3)) == 3
     assert len(searcher.search("demo", query, 3, vector=concept(query), model="concepts")) == 3
+
+
+def test_an_index_removed_during_a_search_by_meaning_is_no_index(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``forged index rm`` between the search's connection and its vectors' stat: a
+    FileNotFoundError (a 500), where the search before it says "no index"."""
+    src = repo(tmp_path / "src")
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        idx.update(embedding=Counting().embedding())
+    searcher = Searcher(tmp_path / "index")
+    stat, calls = os.stat, []
+
+    def vanishing(path: Any, *args: Any, **kw: Any) -> os.stat_result:
+        calls.append(path)  # the connection's stat sees the file; the vectors' does not
+        if len(calls) > 1 and str(path).endswith("demo.sqlite3"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return stat(path, *args, **kw)
+
+    monkeypatch.setattr(os, "stat", vanishing)
+    with pytest.raises(IndexError_):
+        searcher.search("demo", "sum", 3, vector=concept("sum"), model="concepts")
+
+
+def test_a_removed_index_s_vectors_leave_the_daemons_memory(tmp_path: Path) -> None:
+    """A 100,000-chunk index's matrix is about 150 MB: it stayed until a restart."""
+    src = repo(tmp_path / "src")
+    with Index.create(tmp_path / "index", "demo", src) as idx:
+        idx.update(embedding=Counting().embedding())
+    searcher = Searcher(tmp_path / "index")
+    assert searcher.search("demo", "sum", 3, vector=concept("sum"), model="concepts")
+    assert "demo" in searcher._matrices
+    remove_index(tmp_path / "index" / "demo.sqlite3")
+    with pytest.raises(IndexError_):
+        searcher.search("demo", "sum", 3, vector=concept("sum"), model="concepts")
+    assert "demo" not in searcher._matrices
 
 
 def test_reciprocal_rank_fusion_puts_what_both_find_first() -> None:

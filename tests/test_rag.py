@@ -318,6 +318,19 @@ async def test_searches_see_the_previous_version_while_a_large_update_writes(
     writer.close()
 
 
+async def test_a_damaged_index_is_a_503_naming_it_not_a_500(
+        tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    index(tmp_path)
+    (tmp_path / "state" / "index" / "bad.sqlite3").write_bytes(b"not a database" * 100)
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/retrieve", json={"repo": "bad", "query": "nursery"})
+            assert r.status_code == 503 and "'bad'" in r.json()["error"]["message"], r.text
+            r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "nursery"})
+            assert r.status_code == 200
+
+
 async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
         fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
         monkeypatch: pytest.MonkeyPatch) -> None:

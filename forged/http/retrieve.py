@@ -112,6 +112,10 @@ async def search(state: AppState, repo: str, query: str, k: int,
         log.warning("index %r unreadable: %s", repo, exc)
         raise e.Unavailable(f"the repository index {repo!r} is being updated; retry",
                             state.cfg.limits.retry_after) from exc
+    except sqlite3.DatabaseError as exc:  # damaged: `forged index rm` and add it again
+        log.error("index %r cannot be read: %s", repo, exc)
+        raise e.Unavailable(f"the repository index {repo!r} cannot be read: {exc}",
+                            state.cfg.limits.retry_after) from exc
 
 
 async def retrieve(state: AppState, req: RetrieveRequest, key: KeyEntry | None

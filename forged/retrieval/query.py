@@ -70,7 +70,10 @@ class Searcher:
         return matrix
 
     def _inode(self, name: str) -> int:
-        return os.stat(index_path(self.directory, name)).st_ino
+        try:
+            return os.stat(index_path(self.directory, name)).st_ino
+        except FileNotFoundError:  # removed since the search's connection was taken
+            raise IndexError_(f"no index {name!r}") from None
 
     def infos(self) -> list[IndexInfo]:
         """Every index's name, source, size and last update, read-only; an index removed
@@ -91,6 +94,8 @@ class Searcher:
         try:
             inode = os.stat(path).st_ino
         except FileNotFoundError:
+            with self._lock:  # its vectors go too (a large index's are 100s of MB)
+                self._matrices.pop(name, None)
             raise IndexError_(f"no index {name!r}") from None
         held: dict[str, tuple[int, sqlite3.Connection]] = self._local.__dict__.setdefault(
             "connections", {})
