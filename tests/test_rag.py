@@ -358,3 +358,22 @@ async def test_an_index_locked_by_an_update_is_a_503_not_a_500(
                 writer.close()  # an exclusive locking mode holds the lock until then
             r = await c.post("/v1/retrieve", json={"repo": "demo", "query": "open_nursery"})
             assert r.status_code == 200 and r.json()["data"]
+
+
+class _WholeSplitRefused(str):
+    """A prefix that refuses to be split whole: the query around a cursor needs its
+    last lines only, and splitting a 4 MiB prefix held the event loop 30-60 ms."""
+
+    def splitlines(self, keepends: bool = False) -> list[str]:
+        raise AssertionError("the whole text was split")
+
+    def split(self, sep: str | None = None, maxsplit: int = -1) -> list[str]:
+        assert maxsplit >= 0, "the whole text was split"
+        return str.split(self, sep, maxsplit)
+
+
+async def test_the_query_around_a_cursor_reads_only_the_lines_it_needs() -> None:
+    prefix = _WholeSplitRefused("import os\n" * 1000 + "def run():\r\n    n = open_nursery(")
+    suffix = _WholeSplitRefused("\n    return n\n" + "x = 1\n" * 1000)
+    assert rt.query_around(prefix, suffix, 2) == "def run():\n    n = open_nursery(\n\n    return n"
+    assert cursor_names(prefix) == ["open_nursery", "n"]

@@ -174,8 +174,22 @@ def within_budget(prompter: Prompter, hits: list[Hit], budget: int) -> list[Hit]
 
 
 def query_around(prefix: str, suffix: str, lines: int) -> str:
-    """An infill's query: the prefix's last ``lines`` lines and the suffix's first."""
-    return "\n".join([*prefix.splitlines()[-lines:], *suffix.splitlines()[:lines]])
+    """An infill's query: the prefix's last ``lines`` lines and the suffix's first. Only
+    those are split off (on the event loop: a 4 MiB prefix split whole took 30-60 ms)."""
+    if lines <= 0:
+        return ""
+    before, after = _last_lines(prefix, lines), suffix.split("\n", lines)
+    if len(after) <= lines and after[-1] == "":
+        after.pop()  # the newline ending the suffix starts no line
+    return "\n".join(line.removesuffix("\r") for line in [*before, *after[:lines]])
+
+
+def _last_lines(text: str, n: int) -> list[str]:
+    """``text.splitlines()[-n:]`` (for "\\n" and "\\r\\n"), splitting off only those."""
+    parts = text.rsplit("\n", n + 1)
+    if parts[-1] == "":
+        parts.pop()  # the newline ending the text starts no line
+    return parts[-n:] if len(parts) > n else parts
 
 
 def code_text(code: str | list[str | int]) -> str:

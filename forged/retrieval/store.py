@@ -355,8 +355,10 @@ def _defining(names: Sequence[str]) -> str:
 def cursor_names(prefix: str, n: int = 2) -> list[str]:
     """The last ``n`` identifiers on the cursor's line, the nearest first: after
     ``x = open_nursery(``, the name whose definition the completion wants."""
-    lines = prefix.splitlines() or [""]
-    return identifiers(lines[-1])[-n:][::-1]
+    # The last line alone is split off, however long the prefix (a final newline starts
+    # no line: a cursor at a line's start looks at the line above).
+    last = prefix.removesuffix("\n").rsplit("\n", 1)[-1]
+    return identifiers(last)[-n:][::-1]
 
 
 def query_words(query: str) -> list[str]:
