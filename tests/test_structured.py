@@ -485,3 +485,19 @@ def test_a_type_list_keeps_the_schemas_other_constraints() -> None:
     converter made it any string or null."""
     gbnf = schema_grammar({"type": ["string", "null"], "maxLength": 3}, "s").gbnf
     assert "(char (char (char)?)?)?" in gbnf and "null" in gbnf
+
+
+def test_a_tools_parameters_with_defs_and_refs_make_a_grammar() -> None:
+    """pydantic, openai.pydantic_function_tool and the Agents SDK write nested models as
+    $defs and $ref: the call's grammar nests each function's parameters under its own
+    root, where "#/$defs/Team" found nothing (a 400 for every such tool)."""
+    team = {"type": "object", "properties": {"name": {"type": "string"}},
+            "required": ["name"]}
+    tools = [{"type": "function", "function": {"name": f, "parameters": {
+        "type": "object", "properties": {"team": {"$ref": "#/$defs/Team"}},
+        "required": ["team"], "$defs": {"Team": {**team, "properties": {
+            f: {"type": "integer"}}, "required": [f]}}}}} for f in ("f", "g")]
+    plan = plan_tools(tools, "required", None)
+    assert plan is not None and plan.grammar is not None
+    gbnf = plan.grammar.gbnf
+    assert '"\\"f\\""' in gbnf and '"\\"g\\""' in gbnf  # each function's own Team

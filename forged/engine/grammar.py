@@ -244,11 +244,13 @@ def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
 
 def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> Grammar:
     """A grammar for ``<tool_call>`` blocks, each a call of one of ``functions``."""
+    hoisted = [_hoisted(i, f["parameters"]) for i, f in enumerate(functions)]
     calls = {"anyOf": [{
         "type": "object",
-        "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+        "properties": {"name": {"const": f["name"]}, "arguments": params},
         "required": ["name", "arguments"], "additionalProperties": False,
-    } for f in functions]}
+    } for f, (params, _) in zip(functions, hoisted, strict=True)],
+        "$defs": {k: v for _, defs in hoisted for k, v in defs.items()}}
     rules = [
         f'root ::= tool-call{" (tool-ws tool-call)*" if many else ""}',
         f'tool-call ::= "{TOOL_OPEN}" tool-ws call tool-ws "{TOOL_CLOSE}"',
@@ -259,3 +261,29 @@ def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> 
     # Lazy: from the first "<tool_call>" the model writes, the grammar holds.
     triggers = [r"[\s\S]*?(" + re.escape(TOOL_OPEN) + r")[\s\S]*"] if lazy else []
     return Grammar(gbnf="\n".join(rules), lazy=lazy, trigger_patterns=triggers)
+
+
+def _hoisted(i: int, params: Any) -> tuple[Any, dict[str, Any]]:
+    """Function ``i``'s parameters without their definitions, and those definitions
+    named ``f{i}-NAME``, its $refs rewritten to match: the call's grammar nests the
+    parameters under its own root, where "#/$defs/NAME" finds nothing, and the
+    converter names a rule by a $ref's last segment (two functions' Team would share
+    one)."""
+    if not isinstance(params, dict):
+        return params, {}
+    defs = {**params.get("definitions", {}), **params.get("$defs", {})}
+    rest = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    return _renamed(rest, i), {f"f{i}-{k}": _renamed(v, i) for k, v in defs.items()}
+
+
+def _renamed(node: Any, i: int) -> Any:
+    if isinstance(node, list):
+        return [_renamed(v, i) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _renamed(v, i) for k, v in node.items()}
+    ref = out.get("$ref")
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if isinstance(ref, str) and ref.startswith(prefix):
+            out["$ref"] = f"#/$defs/f{i}-{ref[len(prefix):]}"
+    return out
