@@ -41,6 +41,8 @@ FIELDS: dict[str, Refused] = {
     "reasoning_effort": Refused("reasoning effort is not supported: a model thinks as "
                                 "its chat template says (see chat_template_kwargs)"),
     "verbosity": Refused("verbosity is not supported"),
+    "service_tier": Refused("service tiers are not supported: use forged's priority "
+                            "classes (an API key's priority)", (None, "auto", "default")),
     # vLLM's
     "guided_regex": Refused("regular-expression constraints are not supported: use "
                             "`grammar` (llama.cpp's GBNF)"),
