@@ -10,6 +10,7 @@ tools, so forged's system message carries them). Every sampled output at tempera
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,8 @@ from typing import Any
 
 import httpx
 import jsonschema
+import llama_cpp as ll
+import numpy as np
 import openai
 import pytest
 from openai.types import Completion
@@ -25,7 +28,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from forged import errors as e
-from forged.engine.backend import Model
+from forged.engine.backend import Model, grammar_sampler
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
 from tests.daemonproc import DaemonProcess, client, serve_model
@@ -501,3 +504,39 @@ def test_a_tools_parameters_with_defs_and_refs_make_a_grammar() -> None:
     assert plan is not None and plan.grammar is not None
     gbnf = plan.grammar.gbnf
     assert '"\\"f\\""' in gbnf and '"\\"g\\""' in gbnf  # each function's own Team
+
+
+def test_a_lazy_tool_grammar_waits_for_its_marker_searched_as_a_literal(
+        real_model: Path) -> None:
+    """llama.cpp searches the whole text so far with the trigger at every token until
+    it triggers. The whole-text form [\\s\\S]*?(<tool_call>)[\\s\\S]* backtracked: 148 ms a
+    token at 1,000 tokens of prose, stalling every sequence of the worker (bench.trigger);
+    a literal is found in linear time. Prose passes free; a call after it is held."""
+    plan = plan_tools([WEATHER], "auto", None)
+    assert plan is not None and plan.grammar is not None
+    assert plan.grammar.trigger_patterns == ["<tool_call>"]
+    with Model(str(real_model), vocab_only=True) as m:
+        ptr = grammar_sampler(m, plan.grammar)
+        try:
+            n_vocab = ll.llama_vocab_n_tokens(m.vocab)
+            for tok in m.tokenize("Sure, here is prose. " * 20, add_special=False,
+                                  parse_special=False):
+                ll.llama_sampler_accept(ptr, tok)
+            assert _allowed(ptr, n_vocab) == n_vocab  # nothing constrained yet
+            for tok in m.tokenize("Now <tool_call>", add_special=False, parse_special=True):
+                ll.llama_sampler_accept(ptr, tok)
+            assert 0 < _allowed(ptr, n_vocab) < 100  # the call's grammar holds
+        finally:
+            ll.llama_sampler_free(ptr)
+
+
+def _allowed(ptr: Any, n_vocab: int) -> int:
+    """How many tokens the grammar sampler leaves possible."""
+    data = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
+                                    ("p", np.float32)])
+    data["id"] = np.arange(n_vocab, dtype=np.int32)
+    array = ll.llama_token_data_array(
+        data=data.ctypes.data_as(ctypes.POINTER(ll.llama_token_data)), size=n_vocab,
+        selected=-1, sorted=False)
+    ll.llama_sampler_apply(ptr, ctypes.byref(array))
+    return int(np.isfinite(data["logit"][:array.size]).sum())

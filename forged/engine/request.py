@@ -33,8 +33,8 @@ class Grammar(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """A GBNF grammar the output must match (llama.cpp's grammar sampler).
 
     Lazy, it constrains nothing until the text generated matches one of
-    ``trigger_patterns`` (whole-text regexes; the grammar applies from the pattern's
-    first group on) or one of ``trigger_tokens`` is sampled: how a tool call is
+    ``trigger_patterns`` (regexes searched in the text so far; the grammar applies from
+    the match on) or one of ``trigger_tokens`` is sampled: how a tool call is
     constrained once the model starts one of its own accord.
     """
 
