@@ -177,6 +177,27 @@ def _no_constant(name: str) -> None:
     raise AssertionError(f"{name} is not JSON")
 
 
+@pytest.mark.parametrize("pattern", ["^(a{0,1000}){0,1000}$", "^(a?){0,50}$",
+                                     "^(a*){0,50}$", "^(a{1,30}){0,30}$", "^a]$", "^}$",
+                                     "^[^\\\\]]{2,8}$"])
+def test_a_pattern_whose_grammar_follows_too_many_parses_is_a_400(pattern: str) -> None:
+    """Every count within the bound, the grammar small: but llama.cpp keeps one parse
+    per way of matching, at every token. (a{0,1000}){0,1000} hung the worker in its
+    first tokens (the heartbeat then killed it and everything it held). And a stray ]
+    or } sent llama-cpp-python's converter into a loop that never ended, in one of the
+    door's threads (a few such requests took them all)."""
+    with pytest.raises(e.BadRequest) as caught:
+        schema_grammar({"type": "string", "pattern": pattern}, "s")
+    assert caught.value.param == "s.pattern"
+
+
+@pytest.mark.parametrize("pattern", ["^([a-z]+ ){0,50}$", "^(a+){0,50}$",
+                                     "^(\\\\d{1,3}\\\\.){3}\\\\d{1,3}$", "^(a?){20}$",
+                                     "^(ab|cd){0,10}$", "^[^\\]\\]]{2,8}$"])
+def test_a_pattern_with_few_parses_is_accepted(pattern: str) -> None:
+    assert schema_grammar({"type": "string", "pattern": pattern}, "s").gbnf
+
+
 # --- a door that never blocks -------------------------------------------------------------
 
 

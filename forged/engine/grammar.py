@@ -222,10 +222,100 @@ def _check_count(value: Any, where: str) -> None:
 def _check_pattern(value: Any, where: str) -> None:
     if not isinstance(value, str):
         raise e.BadRequest(f"{where} must be a string", param=where)
+    if why := _Pattern(value).costly():
+        raise e.BadRequest(f"{where}: {why}; llama.cpp's grammar would follow every way "
+                           "of matching it at every token", param=where)
     for m in _PATTERN_BRACES.finditer(value):
         if max((int(n) for n in re.findall(r"\d+", m.group(1))), default=0) > MAX_REPETITION:
             raise e.BadRequest(f"{where} repeats {m.group()}; a grammar can enforce at "
                                f"most {MAX_REPETITION} repetitions", param=where)
+
+
+# A bounded repetition of a group multiplies the ways a text can match it: llama.cpp
+# keeps one parse per way at every token. (a{0,30}){0,30} cost 1.2 s a token,
+# (a{0,1000}){0,1000} hung the worker; a group that may match nothing, repeated
+# {0,50}, cost 80-300 ms a token (llama_sampler_apply over the default model's
+# vocabulary).
+MAX_NESTED_SPREAD = 256
+
+
+class _Pattern:
+    """A pass over a pattern, as llama-cpp-python's converter reads one (groups,
+    alternatives, classes, escapes, quantifiers), for what it cannot take: repetitions
+    too costly to run, and a stray ] or } (on which the converter never returns).
+    ``costly()`` says why, or "". Each part's result: whether it may match nothing,
+    and the widest bounded repetition inside it (its max minus its min)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.i, self.why = text, 0, ""
+
+    def costly(self) -> str:
+        self._alternatives()
+        return self.why
+
+    def _alternatives(self) -> tuple[bool, int]:
+        nullable, spread = self._sequence()
+        while self.i < len(self.text) and self.text[self.i] == "|":
+            self.i += 1
+            n, s = self._sequence()
+            nullable, spread = nullable or n, max(spread, s)
+        return nullable, spread
+
+    def _sequence(self) -> tuple[bool, int]:
+        nullable, spread = True, 0
+        while self.i < len(self.text) and self.text[self.i] not in "|)":
+            n, s = self._item()
+            nullable, spread = nullable and n, max(spread, s)
+        return nullable, spread
+
+    def _item(self) -> tuple[bool, int]:
+        nullable, spread = self._atom()
+        lo, hi = self._quantifier()
+        if (lo, hi) == (1, 1):
+            return nullable, spread
+        if hi is not None and hi > max(lo, 1):
+            if nullable:  # (a?){0,50}: each a may be any of the 50
+                self.why = self.why or "a bounded repetition of what may match nothing"
+            elif (hi - lo) * spread > MAX_NESTED_SPREAD:
+                self.why = self.why or (f"repetitions inside a repetition span more than "
+                                        f"{MAX_NESTED_SPREAD} ways together")
+        return nullable or lo == 0, max(spread, hi - lo if hi is not None else 0)
+
+    def _atom(self) -> tuple[bool, int]:
+        t, c = self.text, self.text[self.i]
+        self.i += 1
+        if c in "]}":  # the converter has no case for them: it looped forever (a thread)
+            self.why = self.why or f"an unescaped {c!r} outside a class or a repetition"
+        if c == "(":
+            if t.startswith("?:", self.i):
+                self.i += 2
+            out = self._alternatives()
+            self.i += 1  # ")"
+            return out
+        if c == "[":
+            self.i += t.startswith("^", self.i) + t.startswith("]", self.i)
+            while self.i < len(t) and t[self.i] != "]":
+                self.i += 2 if t[self.i] == "\\" else 1
+            self.i += 1
+        elif c == "\\":
+            self.i += 1
+        return c in "^$", 0
+
+    def _quantifier(self) -> tuple[int, int | None]:
+        t = self.text
+        c = t[self.i] if self.i < len(t) else ""
+        if c in ("*", "+", "?"):
+            self.i += 1
+            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        if c != "{" or (end := t.find("}", self.i)) < 0:
+            return 1, 1
+        nums = [n.strip() for n in t[self.i + 1:end].split(",")]
+        self.i = end + 1
+        if not all(n.isdigit() or n == "" for n in nums) or len(nums) > 2:
+            return 1, 1  # the converter says what is wrong
+        lo = int(nums[0] or 0)
+        hi = lo if len(nums) == 1 else (int(nums[1]) if nums[1] else None)
+        return lo, hi
 
 
 def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
