@@ -208,7 +208,6 @@ class CountTokensRequest(_Strict):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
-    # 0 computes the prompt into the prefix cache and answers with no text.
     max_tokens: Annotated[int, Meta(ge=1)]  # Anthropic's range, as OpenAI chat's
     stop_sequences: list[str] | None = None
     stream: bool = False
