@@ -190,18 +190,24 @@ def test_index_commands_run_by_root_run_as_the_daemons_user(public_tmp: Path) ->
         assert SECRET not in indexed_text(idx)
 
 
-def test_the_repositorys_git_config_runs_no_command(tmp_path: Path) -> None:
-    """The repository's owner writes its .git/config; the index runs git on it as the
-    daemon's user. A file monitor hook and a clean filter are commands git would run."""
-    repo = tmp_path / "repo"
+def _filtered_repo(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository whose *.py pass a clean filter its owner set: the filter, if ever
+    run, leaves a file in the folder returned beside it."""
+    repo, ran = tmp_path / "repo", tmp_path / "ran"
     make_repo(repo)
     (repo / ".gitattributes").write_text("*.py filter=evil\n")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "attributes")
-    ran = tmp_path / "ran"
-    git(repo, "config", "core.fsmonitor", f"touch {ran}/fsmonitor; false")
-    git(repo, "config", "filter.evil.clean", f"touch {ran}/clean; cat")
     ran.mkdir()
+    git(repo, "config", "filter.evil.clean", f"touch {ran}/clean; cat")
+    return repo, ran
+
+
+def test_the_repositorys_git_config_runs_no_command(tmp_path: Path) -> None:
+    """The repository's owner writes its .git/config; the index runs git on it as the
+    daemon's user. A file monitor hook and a clean filter are commands git would run."""
+    repo, ran = _filtered_repo(tmp_path)
+    git(repo, "config", "core.fsmonitor", f"touch {ran}/fsmonitor; false")
     os.utime(repo / "main.py", ns=(1, 1))  # stat data changed: git would re-read it
     with Index.create(tmp_path / "index", "r", repo) as idx:
         idx.update()
@@ -213,14 +219,7 @@ def test_a_racily_clean_file_runs_no_clean_filter(tmp_path: Path) -> None:
     """A file whose time is later than the git index's is "racily clean": git reads its
     content to compare, through the clean filter, even in diff-files. The repository's
     owner can make one at will (a future mtime, then `git update-index --refresh`)."""
-    repo = tmp_path / "repo"
-    make_repo(repo)
-    (repo / ".gitattributes").write_text("*.py filter=evil\n")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "attributes")
-    ran = tmp_path / "ran"
-    ran.mkdir()
-    git(repo, "config", "filter.evil.clean", f"touch {ran}/clean; cat")
+    repo, ran = _filtered_repo(tmp_path)
     later = 2_051_222_400  # 2035: after the git index's own time
     os.utime(repo / "main.py", (later, later))
     git(repo, "update-index", "--refresh")  # the owner's git runs the filter: fine
