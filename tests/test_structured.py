@@ -28,7 +28,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from forged import errors as e
-from forged.engine.backend import Model, grammar_sampler
+from forged.engine.backend import Model, check_grammar, grammar_sampler
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
 from tests.daemonproc import DaemonProcess, client, serve_model
@@ -540,3 +540,22 @@ def _allowed(ptr: Any, n_vocab: int) -> int:
         selected=-1, sorted=False)
     ll.llama_sampler_apply(ptr, ctypes.byref(array))
     return int(np.isfinite(data["logit"][:array.size]).sum())
+
+
+@pytest.mark.parametrize("pattern", [
+    "^\\d{3}-\\d{4}$", "^[\\w.-]+@[\\w-]+\\.[a-z]{2,}$", "^\\d+(\\.\\d+){0,2}$",
+    "^v\\d+\\/\\w+$", "^\\$\\d+$", "^\\s*x$", "^[^\\s]+$", "^a\\]b$"])
+def test_a_pattern_with_the_usual_escapes_makes_a_grammar_llama_cpp_takes(
+        real_model: Path, pattern: str) -> None:
+    """The converter copied \\d, \\w, \\s, \\. and \\/ into the grammar, which llama.cpp
+    refused: an e-mail or version pattern was a 400 ("could not parse the grammar")."""
+    g = schema_grammar({"type": "string", "pattern": pattern}, "s")
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, g)
+
+
+@pytest.mark.parametrize("escape", ["\\D", "\\W", "\\S", "\\b", "\\B"])
+def test_an_escape_no_class_expresses_is_a_400_naming_it(escape: str) -> None:
+    with pytest.raises(e.BadRequest) as caught:
+        schema_grammar({"type": "string", "pattern": f"^a{escape}$"}, "s")
+    assert caught.value.param == "s.pattern" and escape in str(caught.value)

@@ -147,7 +147,52 @@ def _split_within(key: str, value: Any) -> Any:
             return [_split_type_lists(v) for v in value]
         case "items" | "additionalProperties":
             return _split_type_lists(value)
+        case "pattern" if isinstance(value, str):
+            return _plain_escapes(value)
     return copy.deepcopy(value)
+
+
+# The class each shorthand stands for, as JSON text may hold it (\s: a space; a tab or
+# a newline would be raw control characters in a JSON string).
+_SHORTHANDS = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
+
+
+def _plain_escapes(pattern: str) -> str:
+    """``pattern`` as llama-cpp-python's converter can take it: it copies an escape it
+    does not know (``\\d``, ``\\w``, ``\\.``, ``\\/``) into the grammar, where llama.cpp
+    refuses it, so ``^\\d{3}$`` was a 400. Shorthands become classes, escaped
+    punctuation its character (``.`` and ``$`` in a class of their own)."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(_unescaped(pattern[i + 1], in_class))
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            i += 1
+            if pattern.startswith("^", i):
+                out.append("^")
+                i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _unescaped(x: str, in_class: bool) -> str:
+    if x in _SHORTHANDS:
+        return _SHORTHANDS[x] if in_class else f"[{_SHORTHANDS[x]}]"
+    if x.isalnum() or x in "\\\"[]^-" or (not in_class and x in "()|{}*+?"):
+        return "\\" + x  # the converter's or llama.cpp's own escapes
+    if not in_class and x in ".$":
+        return f"[{x}]"
+    return x
 
 
 def json_object_grammar() -> Grammar:
@@ -223,8 +268,7 @@ def _check_pattern(value: Any, where: str) -> None:
     if not isinstance(value, str):
         raise e.BadRequest(f"{where} must be a string", param=where)
     if why := _Pattern(value).costly():
-        raise e.BadRequest(f"{where}: {why}; llama.cpp's grammar would follow every way "
-                           "of matching it at every token", param=where)
+        raise e.BadRequest(f"{where}: {why}", param=where)
     for m in _PATTERN_BRACES.finditer(value):
         if max((int(n) for n in re.findall(r"\d+", m.group(1))), default=0) > MAX_REPETITION:
             raise e.BadRequest(f"{where} repeats {m.group()}; a grammar can enforce at "
@@ -237,12 +281,14 @@ def _check_pattern(value: Any, where: str) -> None:
 # {0,50}, cost 80-300 ms a token (llama_sampler_apply over the default model's
 # vocabulary).
 MAX_NESTED_SPREAD = 256
+_EVERY_WAY = "; llama.cpp's grammar would follow every way of matching it at every token"
 
 
 class _Pattern:
     """A pass over a pattern, as llama-cpp-python's converter reads one (groups,
     alternatives, classes, escapes, quantifiers), for what it cannot take: repetitions
-    too costly to run, and a stray ] or } (on which the converter never returns).
+    too costly to run, a stray ] or } (on which the converter never returns), and the
+    escapes no grammar class expresses (\\D, \\W, \\S, \\b, \\B).
     ``costly()`` says why, or "". Each part's result: whether it may match nothing,
     and the widest bounded repetition inside it (its max minus its min)."""
 
@@ -275,10 +321,11 @@ class _Pattern:
             return nullable, spread
         if hi is not None and hi > max(lo, 1):
             if nullable:  # (a?){0,50}: each a may be any of the 50
-                self.why = self.why or "a bounded repetition of what may match nothing"
+                self.why = self.why or ("a bounded repetition of what may match nothing"
+                                        + _EVERY_WAY)
             elif (hi - lo) * spread > MAX_NESTED_SPREAD:
                 self.why = self.why or (f"repetitions inside a repetition span more than "
-                                        f"{MAX_NESTED_SPREAD} ways together")
+                                        f"{MAX_NESTED_SPREAD} ways together" + _EVERY_WAY)
         return nullable or lo == 0, max(spread, hi - lo if hi is not None else 0)
 
     def _atom(self) -> tuple[bool, int]:
@@ -295,11 +342,20 @@ class _Pattern:
         if c == "[":
             self.i += t.startswith("^", self.i) + t.startswith("]", self.i)
             while self.i < len(t) and t[self.i] != "]":
-                self.i += 2 if t[self.i] == "\\" else 1
+                self.i += 1
+                if t[self.i - 1] == "\\":
+                    self._escape()
             self.i += 1
         elif c == "\\":
-            self.i += 1
+            self._escape()
         return c in "^$", 0
+
+    def _escape(self) -> None:
+        x = self.text[self.i] if self.i < len(self.text) else ""
+        self.i += 1
+        if x and x in "DWSbB":
+            self.why = self.why or (f"\\{x} is not supported (a grammar can enforce "
+                                    "\\d, \\w, \\s and classes)")
 
     def _quantifier(self) -> tuple[int, int | None]:
         t = self.text
