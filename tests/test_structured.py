@@ -559,3 +559,13 @@ def test_an_escape_no_class_expresses_is_a_400_naming_it(escape: str) -> None:
     with pytest.raises(e.BadRequest) as caught:
         schema_grammar({"type": "string", "pattern": f"^a{escape}$"}, "s")
     assert caught.value.param == "s.pattern" and escape in str(caught.value)
+
+
+def test_an_all_of_one_ref_is_that_schema() -> None:
+    """pydantic writes a field of an enum type as {"allOf": [{"$ref": ...}]}: the
+    converter merged only an allOf's properties, and the field accepted only {}."""
+    gbnf = schema_grammar({
+        "type": "object", "required": ["c"], "$defs": {"Color": {"enum": ["red", "green"]}},
+        "properties": {"c": {"allOf": [{"$ref": "#/$defs/Color"}], "description": "a colour"}},
+    }, "s").gbnf
+    assert "red" in gbnf and "green" in gbnf

@@ -125,13 +125,21 @@ def _convert(schema: dict[str, Any], name: str, param: str) -> str:
 
 
 def _split_type_lists(node: Any) -> Any:
-    """A copy of ``node`` where a schema whose ``type`` is a list is an anyOf of one copy
-    per type: the converter made each type a bare branch, dropping every other
-    constraint (``"type": ["string", "null"]``, OpenAI's optional field, with maxLength
-    was any string). Definitions stay where the $refs find them."""
+    """A copy of ``node`` as the converter can take it: an allOf of one schema is that
+    schema, a pattern's escapes are plain (:func:`_plain_escapes`), and a schema whose
+    ``type`` is a list is an anyOf of one copy per type (the converter made each type a
+    bare branch, dropping every other constraint: ``"type": ["string", "null"]``,
+    OpenAI's optional field, with maxLength was any string). Definitions stay where the
+    $refs find them."""
     if not isinstance(node, dict):
         return copy.deepcopy(node)
     out = {key: _split_within(key, value) for key, value in node.items()}
+    if isinstance(parts := out.get("allOf"), list) and len(parts) == 1 and isinstance(
+            parts[0], dict):
+        # pydantic's {"allOf": [{"$ref": ...}], "description": ...}: the converter merges
+        # only an allOf's properties, and made one of an enum's ref accept just {}.
+        del out["allOf"]
+        out.update(parts[0])
     if not isinstance(types := out.get("type"), list):
         return out
     defs = {k: out.pop(k) for k in ("$defs", "definitions") if k in out}
