@@ -319,15 +319,9 @@ class Daemon:
             log.warning("reload: these changes need a restart and were not applied: %s",
                         ", ".join(restart))
             new = keep_restart_keys(self.cfg, new)
-        try:
-            keys = KeyStore.load(Path(new.auth.keys_file), missing_ok=not self.state.keys.enabled)
-        except fc.ConfigError as exc:
-            log.error("reload refused, keeping the running config and keys: %s", exc)
+        if (keys := self._reload_keys(new)) is None:
             self.notifier.ready(_status_line(self.state))
             return
-        if self.state.keys.enabled and not keys.enabled:
-            log.warning("reload: %s holds no key: the API is open to anyone",
-                        new.auth.keys_file)
         self._rename_models(new)
         self.cfg = new
         self.state.cfg = new
@@ -344,6 +338,20 @@ class Daemon:
         log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
                  ", ".join(live) or "nothing", len(keys.by_hash))
         self.notifier.ready(_status_line(self.state))
+
+    def _reload_keys(self, new: fc.Config) -> KeyStore | None:
+        """The keys file read again; None (logged) when the reload must keep the old
+        keys: a file gone while keys are in use (moved, a typo) must not open the API."""
+        assert self.state is not None
+        try:
+            keys = KeyStore.load(Path(new.auth.keys_file), missing_ok=not self.state.keys.enabled)
+        except fc.ConfigError as exc:
+            log.error("reload refused, keeping the running config and keys: %s", exc)
+            return None
+        if self.state.keys.enabled and not keys.enabled:
+            log.warning("reload: %s holds no key: the API is open to anyone",
+                        new.auth.keys_file)
+        return keys
 
     def _reload_listeners(self, new: fc.Config) -> None:
         """What the listeners read live: request limits, timeouts, the TLS files."""
