@@ -260,6 +260,30 @@ def test_a_stop_writes_the_newest_sessions_first_and_the_next_start_keeps_their_
     assert [e.session for e in found] == ["s5", "s6", "s7"]  # least recently used first
 
 
+def test_a_stop_writes_no_file_for_a_session_the_budget_dropped_first(
+        tmp_path: Path) -> None:
+    """Written newest first, each file's real size (its header too) refits the disk
+    budget: an older session not written yet can be dropped then. Its write came after
+    all the same: a file no index held, and a stop's grace spent on it."""
+    def stopped(folder: Path, disk_bytes: int) -> set[str]:
+        disk = RecordedWrites(folder)
+        core, _ = tiered({h: [1, EOS] for h in (5, 6, 7)}, disk=disk,
+                         cache_disk_bytes=disk_bytes)
+        for rid, head in enumerate((5, 6, 7), 1):
+            submit(core, rid, prompt(head), session=f"s{head}")
+            run(core)
+        core.persist()
+        files = {p.stem for p in folder.glob("*.kv")}
+        assert files == {e.key for e in core.sched.cache.tiers.entries(Tier.DISK)}
+        return files
+
+    (tmp_path / "a").mkdir()
+    one = max(p.stat().st_size for p in (tmp_path / "a").glob("*.kv")) \
+        if stopped(tmp_path / "a", 1 << 20) else 0
+    (tmp_path / "b").mkdir()
+    assert len(stopped(tmp_path / "b", one + one // 2)) == 1  # the newest alone
+
+
 class GatedStore(DiskStore):
     """A disk whose writes wait for the test to open the gate (at most 5 s, then the
     write fails the test where it waited)."""

@@ -285,6 +285,8 @@ class WorkerCore:
         """``e``'s RAM bytes go to disk: written beside the decode loop when ``later``
         (a step never waits on the disk), else now."""
         state = self.ram.pop(e.eid, None)
+        if not later and not self.sched.cache.tiers.holds(e):
+            return  # a stop's: dropped since (each write refits the budget), never read
         if self.disk is None or state is None:
             self.sched.cache.tiers.lost(e)
         elif later and self.disk.write_later(e, state):

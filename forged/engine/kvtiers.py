@@ -350,6 +350,10 @@ class Tiers:
         self.stats.saves += 1
         return entry, ops
 
+    def holds(self, e: Entry) -> bool:
+        """Whether ``e`` is still indexed (in the tier it names)."""
+        return e.eid in self._lru[e.tier]
+
     def in_ram(self, eid: int) -> bool:
         """Whether ``eid`` is a RAM entry: a save's entry may have gone before its bytes
         came (a fit in the same plan chose it), and then they are not kept."""
