@@ -228,7 +228,7 @@ class WorkerCore:
                     self.backend.seq_cp_stream(src, dst, n)
                 case SeqCp(src=src, dst=dst, n=n):
                     self.backend.seq_cp(src, dst, n)
-                case SeqSave(seq=seq, eid=eid) if self.sched.cache.tiers.in_ram(eid):
+                case SeqSave(seq=seq, eid=eid) if self.sched.cache.tiers.holds(eid, Tier.RAM):
                     state = self.ram[eid] = self.backend.seq_save(seq)
                     self._tier_ops(self.sched.cache.tiers.sized(eid, len(state)))
                 case SeqLoad(seq=seq, entry=entry, keep=keep):
@@ -285,7 +285,7 @@ class WorkerCore:
         """``e``'s RAM bytes go to disk: written beside the decode loop when ``later``
         (a step never waits on the disk), else now."""
         state = self.ram.pop(e.eid, None)
-        if not later and not self.sched.cache.tiers.holds(e):
+        if not later and not self.sched.cache.tiers.holds(e.eid, e.tier):
             return  # a stop's: dropped since (each write refits the budget), never read
         if self.disk is None or state is None:
             self.sched.cache.tiers.lost(e)

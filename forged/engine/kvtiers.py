@@ -350,14 +350,11 @@ class Tiers:
         self.stats.saves += 1
         return entry, ops
 
-    def holds(self, e: Entry) -> bool:
-        """Whether ``e`` is still indexed (in the tier it names)."""
-        return e.eid in self._lru[e.tier]
-
-    def in_ram(self, eid: int) -> bool:
-        """Whether ``eid`` is a RAM entry: a save's entry may have gone before its bytes
-        came (a fit in the same plan chose it), and then they are not kept."""
-        return eid in self._lru[Tier.RAM]
+    def holds(self, eid: int, tier: Tier) -> bool:
+        """Whether entry ``eid`` is still indexed in ``tier``: a save's entry may have
+        gone before its bytes came (a fit in the same plan chose it), a stop's demoted
+        entry before its write (each write refits the disk budget)."""
+        return eid in self._lru[tier]
 
     def sized(self, eid: int, nbytes: int) -> list[TierOp]:
         """The saved state of ``eid`` takes ``nbytes``: make RAM fit its budget."""

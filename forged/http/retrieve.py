@@ -189,7 +189,7 @@ def _last_lines(text: str, n: int) -> list[str]:
     parts = text.rsplit("\n", n + 1)
     if parts[-1] == "":
         parts.pop()  # the newline ending the text starts no line
-    return parts[-n:] if len(parts) > n else parts
+    return parts[-n:]
 
 
 def code_text(code: str | list[str | int]) -> str:
