@@ -211,3 +211,32 @@ def test_a_step_past_the_frame_limit_goes_as_several_frames(
     assert [e for f in steps for e in f.events] == events
     assert steps[0].stats is not None and steps[0].digests == [7]
     assert all(f.stats is None and f.digests is None for f in steps[1:])
+
+
+def test_held_tokens_go_before_the_worker_handles_what_arrived() -> None:
+    """server.stream_coalesce_ms: a stream's text may wait in the worker for the next
+    step's. A frame that arrives meanwhile may take long to handle (a submit's grammar
+    built, a test hook's hang): what is held goes out first, so no token waits past its
+    budget for it. (It waited for the handling.)"""
+    from tests.test_core import core_with, submit
+
+    core, _ = core_with({5: [1] * 40}, hold_ms=60_000.0)  # holds while steps are fast
+    submit(core, 1, [5], max_tokens=30)
+    shell = object.__new__(WorkerShell)
+    ours, theirs = socket.socketpair()
+    shell.sock, shell.core, shell.inbuf = ours, core, fr.FrameBuffer()
+    shell.init = cast(Any, SimpleNamespace(heartbeat_interval=3600.0))
+    shell.running, shell._last_send = True, time.monotonic()
+    held_when_handled: list[int] = []
+
+    def handle(frame: fr.ToWorker) -> None:
+        held_when_handled.append(len(core.events))
+
+    shell._handle = handle  # type: ignore[method-assign]
+    with ours, theirs:
+        for _ in range(5):
+            shell.turn()
+        assert core.events  # tokens held after the first one went
+        theirs.sendall(fr.encode(fr.Hang(seconds=0.0)))
+        shell.turn()
+    assert held_when_handled == [0]

@@ -112,19 +112,27 @@ class WorkerShell:
         self.send(force=False)
 
     def run(self) -> None:
-        hb = self.init.heartbeat_interval
         while self.running:
-            idle_for = max(0.0, hb - (time.monotonic() - self._last_send))
-            if not self.core.busy:
-                self._flush()  # nothing held while the loop sleeps
-            frames = self._read_frames(0.0 if self.core.busy else idle_for)
-            for frame in frames:
-                self._handle(frame)
-            self.core.step(time.monotonic(), flush=self._flush)
-            # After a cancel the statistics change with no event: send them at once.
-            # A step's tokens may wait for the next step's (forged.engine.hold).
-            self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb,
-                      hold=True)
+            self.turn()
+
+    def turn(self) -> None:
+        """Read what arrived, handle it, run a step and send what it made."""
+        hb = self.init.heartbeat_interval
+        idle_for = max(0.0, hb - (time.monotonic() - self._last_send))
+        if not self.core.busy:
+            self._flush()  # nothing held while the loop sleeps
+        frames = self._read_frames(0.0 if self.core.busy else idle_for)
+        if frames:
+            # Held text goes before handling what arrived: a submit's grammar or a
+            # hook's hang takes as long as it takes, past the hold's budget.
+            self._flush()
+        for frame in frames:
+            self._handle(frame)
+        self.core.step(time.monotonic(), flush=self._flush)
+        # After a cancel the statistics change with no event: send them at once.
+        # A step's tokens may wait for the next step's (forged.engine.hold).
+        self.send(force=bool(frames) or time.monotonic() - self._last_send >= hb,
+                  hold=True)
 
     def close(self) -> None:
         try:
