@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from forged import errors as e
 from forged.engine.backend import Model, check_grammar, grammar_sampler
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
+from forged.engine.request import Grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
 from tests.daemonproc import DaemonProcess, client, serve_model
 from tests.tinymodel import write_tiny_llama
@@ -552,6 +553,61 @@ def test_a_pattern_with_the_usual_escapes_makes_a_grammar_llama_cpp_takes(
     g = schema_grammar({"type": "string", "pattern": pattern}, "s")
     with Model(str(real_model), vocab_only=True) as m:
         check_grammar(m, g)
+
+
+def _grammar_writes(m: Model, gbnf: str, text: str) -> bool:
+    """Whether llama.cpp's grammar ``gbnf`` lets a model write exactly ``text``, a
+    token a character (each checked before it is accepted), and then end."""
+    ptr = grammar_sampler(m, Grammar(gbnf=gbnf))
+    try:
+        for ch in text:
+            (tok,) = m.tokenize(ch, add_special=False, parse_special=False)
+            if not _fits(ptr, tok):
+                return False
+            ll.llama_sampler_accept(ptr, tok)
+        return _fits(ptr, m.eos)
+    finally:
+        ll.llama_sampler_free(ptr)
+
+
+def _fits(ptr: Any, token: int) -> bool:
+    one = ll.llama_token_data(token, 1.0, 0.0)
+    array = ll.llama_token_data_array(data=ctypes.pointer(one), size=1, selected=-1,
+                                      sorted=False)
+    ll.llama_sampler_apply(ptr, ctypes.byref(array))
+    return bool(np.isfinite(one.logit))
+
+
+@pytest.mark.parametrize(("pattern", "written", "refused"), [
+    ("^[^,]+$", ['"ab"', '"a\\"b"', '"a\\\\b"', '"a\\nb"'],
+     ['"a"b"', '"a\\qb"', '"a\nb"', '"a,b"']),
+    ("^.+$", ['"a\\"}"', '"a\\tb"'], ['"a"}"', '"a\tb"', '"a\\nb"']),
+    ("^[ -~]{1,4}$", ['"a\\"b"', '"~\\\\"'], ['"a"b"', '"a\\qb"', '"a\\b"']),
+    ('^a"b$', ['"a\\"b"'], ['"a"b"']),
+    ("^a\\\\b$", ['"a\\\\b"'], ['"a\\b"']),
+    ("^a\\tb$", ['"a\\tb"'], ['"a\tb"']),
+])
+def test_a_pattern_admits_each_character_as_json_text_writes_it(
+        real_model: Path, pattern: str, written: list[str], refused: list[str]) -> None:
+    """A pattern speaks of the string's value; the grammar writes its JSON text. The
+    converter copied classes and "." as they were, so [^,]+ let the model write a raw
+    quote (the answer was no longer JSON: "a"b"), a lone backslash or a raw control
+    character, and a literal quote or backslash bare. Now each is its escape, and
+    every text the grammar writes is JSON whose value matches the pattern."""
+    gbnf = schema_grammar({"type": "string", "pattern": pattern}, "s").gbnf
+    with Model(str(real_model), vocab_only=True) as m:
+        for text in written:
+            assert _grammar_writes(m, gbnf, text), text
+            assert jsonschema.Draft202012Validator({"pattern": pattern}).is_valid(
+                json.loads(text))
+        for text in refused:
+            assert not _grammar_writes(m, gbnf, text), text
+
+
+def test_a_class_of_control_characters_alone_is_a_400() -> None:
+    with pytest.raises(e.BadRequest) as caught:
+        schema_grammar({"type": "string", "pattern": "^[\\x00-\\x07]$"}, "s")
+    assert caught.value.param == "s"
 
 
 @pytest.mark.parametrize("escape", ["\\D", "\\W", "\\S", "\\b", "\\B"])

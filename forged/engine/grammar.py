@@ -17,6 +17,7 @@ from typing import Any
 
 from forged import errors as e
 from forged.engine.backend import JSON_OBJECT_GBNF, schema_gbnf
+from forged.engine.jsonpattern import json_pattern
 from forged.engine.request import Grammar
 
 # The Hermes tool-call markers: the one tool-call syntax forged writes and parses.
@@ -114,8 +115,8 @@ def gbnf_depth(gbnf: str) -> int:
 def _convert(schema: dict[str, Any], name: str, param: str) -> str:
     """GBNF for ``schema``, its top rule called ``name`` ("" is ``root``)."""
     order = {"name": 0, "arguments": 1}  # a tool call's name before its arguments
-    schema = _for_converter(schema)  # a copy: resolve_refs rewrites the $refs in place
     try:
+        schema = _for_converter(schema)  # a copy: resolve_refs rewrites the $refs in place
         gbnf = schema_gbnf(schema, name, param, order)
     except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
             RecursionError) as exc:
@@ -126,7 +127,7 @@ def _convert(schema: dict[str, Any], name: str, param: str) -> str:
 
 def _for_converter(node: Any) -> Any:
     """A copy of ``node`` as the converter can take it: an allOf of one schema is that
-    schema, a pattern's escapes are plain (:func:`_plain_escapes`), and a schema whose
+    schema, a pattern speaks of JSON text (forged.engine.jsonpattern), and a schema whose
     ``type`` is a list is an anyOf of one copy per type (the converter made each type a
     bare branch, dropping every other constraint: ``"type": ["string", "null"]``,
     OpenAI's optional field, with maxLength was any string). Definitions stay where the
@@ -156,51 +157,8 @@ def _split_within(key: str, value: Any) -> Any:
         case "items" | "additionalProperties":
             return _for_converter(value)
         case "pattern" if isinstance(value, str):
-            return _plain_escapes(value)
+            return json_pattern(value)
     return copy.deepcopy(value)
-
-
-# The class each shorthand stands for, as JSON text may hold it (\s: a space; a tab or
-# a newline would be raw control characters in a JSON string).
-_SHORTHANDS = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
-
-
-def _plain_escapes(pattern: str) -> str:
-    """``pattern`` as llama-cpp-python's converter can take it: it copies an escape it
-    does not know (``\\d``, ``\\w``, ``\\.``, ``\\/``) into the grammar, where llama.cpp
-    refuses it, so ``^\\d{3}$`` was a 400. Shorthands become classes, escaped
-    punctuation its character (``.`` and ``$`` in a class of their own)."""
-    out: list[str] = []
-    i, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\" and i + 1 < len(pattern):
-            out.append(_unescaped(pattern[i + 1], in_class))
-            i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
-            out.append(c)
-            i += 1
-            if pattern.startswith("^", i):
-                out.append("^")
-                i += 1
-            continue
-        if c == "]" and in_class:
-            in_class = False
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _unescaped(x: str, in_class: bool) -> str:
-    if x in _SHORTHANDS:
-        return _SHORTHANDS[x] if in_class else f"[{_SHORTHANDS[x]}]"
-    if x.isalnum() or x in "\\\"[]^-" or (not in_class and x in "()|{}*+?"):
-        return "\\" + x  # the converter's or llama.cpp's own escapes
-    if not in_class and x in ".$":
-        return f"[{x}]"
-    return x
 
 
 def json_object_grammar() -> Grammar:
