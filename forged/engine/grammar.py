@@ -172,8 +172,10 @@ def choice_grammar(choices: list[str], param: str) -> Grammar:
     return Grammar(gbnf="root ::= " + " | ".join(json.dumps(c) for c in choices))
 
 
-def check_schema(node: Any, where: str, depth: int = 0) -> None:
-    """A BadRequest naming the first keyword of ``node`` the grammar cannot enforce."""
+def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> None:
+    """A BadRequest naming the first keyword of ``node`` the grammar cannot enforce
+    (``root``: the whole schema its $refs point into; ``node`` itself at the top)."""
+    root = node if root is None else root
     if depth > 32:
         raise e.BadRequest("the JSON schema is nested more than 32 levels deep", param=where)
     if isinstance(node, bool):
@@ -194,12 +196,62 @@ def check_schema(node: Any, where: str, depth: int = 0) -> None:
             _check_count(value, at)
         if key == "pattern":
             _check_pattern(value, at)
+        if key == "allOf" and len(value) > 1:
+            _check_all_of(node, at, root)
         if key == "format" and value not in _FORMATS:
             raise e.BadRequest(f"the string format {value!r} is not supported; forged "
                                f"enforces {', '.join(sorted(_FORMATS))}", param=at)
         for i, sub in _subschemas(key, value):
-            check_schema(sub, f"{at}{i}", depth + 1)
+            check_schema(sub, f"{at}{i}", depth + 1, root)
     _check_object(node, where)
+
+
+# An object schema's own keywords: all a part of a multi-part allOf may have.
+_OBJECT_PART = frozenset({"type", "properties", "required", "additionalProperties"})
+
+
+def _check_all_of(node: dict[str, Any], where: str, root: Any) -> None:
+    """An allOf of several schemas as the converter enforces one: it merges the parts'
+    properties into one object (each part's all required, nothing else allowed) and
+    ignores everything else, so a part that is not an object's properties, a property
+    named twice or a keyword beside the allOf would be silently half-applied."""
+    why = "an allOf of several schemas is enforced only as objects' properties merged"
+    beside = set(node) - _ANNOTATIONS - {"allOf", "$defs", "definitions", "type"}
+    if beside or node.get("type", "object") != "object":
+        raise e.BadRequest(f"{why}; {sorted(beside or {'type'})[0]!r} beside it would be "
+                           "ignored", param=where)
+    names: set[str] = set()
+    for i, part in enumerate(node["allOf"]):
+        part = _resolved(part, root)
+        if not isinstance(part, dict):
+            continue  # check_schema says what is wrong with it
+        other = set(part) - _ANNOTATIONS - _OBJECT_PART
+        props = part.get("properties")
+        if other or not isinstance(props, dict) or part.get("type", "object") != "object":
+            raise e.BadRequest(f"{why}: each part must be an object's properties "
+                               f"({sorted(other)[0]!r} would be ignored)" if other else
+                               f"{why}: each part must be an object's properties",
+                               param=f"{where}[{i}]")
+        if twice := names & set(props):
+            raise e.BadRequest(f"{why}: the property {sorted(twice)[0]!r} is named in two "
+                               "parts (each would be written)", param=f"{where}[{i}]")
+        names |= set(props)
+
+
+def _resolved(part: Any, root: Any) -> Any:
+    """``part``, or the definition its local ``$ref`` names (the converter reads an
+    allOf part's $ref alone, its siblings ignored)."""
+    for _ in range(32):
+        if not isinstance(part, dict) or not isinstance(ref := part.get("$ref"), str):
+            return part
+        if set(part) - _ANNOTATIONS - {"$ref"}:
+            return {**part, "$ref": None}  # siblings the converter would drop: refused
+        kind, _, name = ref.removeprefix("#/").partition("/")
+        defs = root.get(kind) if isinstance(root, dict) else None
+        if kind not in ("$defs", "definitions") or not isinstance(defs, dict):
+            return part
+        part = defs.get(name, part)
+    return part
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
