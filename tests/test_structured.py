@@ -507,6 +507,26 @@ def test_a_tools_parameters_with_defs_and_refs_make_a_grammar() -> None:
     assert '"\\"f\\""' in gbnf and '"\\"g\\""' in gbnf  # each function's own Team
 
 
+def test_data_that_looks_like_a_ref_is_kept_as_it_is() -> None:
+    """A const or enum value is data: an object in it with a "$ref" key was rewritten
+    as a reference, by the tools' hoisting of $defs and by the converter itself, so the
+    model had to write "tools#/$defs/f0-Team" or "s#/$defs/Team" where the schema says
+    "#/$defs/Team"."""
+    ref = {"$ref": "#/$defs/Team"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["link", "team"], "properties": {
+            "link": {"const": ref}, "team": ref},
+        "$defs": {"Team": {"type": "object", "properties": {
+            "kind": {"enum": [ref, "x"]}}, "required": ["kind"]}}}}}]
+    plan = plan_tools(tools, "required", None)
+    assert plan is not None and plan.grammar is not None
+    written = json.dumps(json.dumps(ref))[1:-1]  # as the grammar's literal holds it
+    assert plan.grammar.gbnf.count(written) == 2
+    plain = schema_grammar({"type": "object", "properties": {"a": {"const": ref}},
+                            "required": ["a"]}, "s").gbnf
+    assert written in plain
+
+
 def test_a_lazy_tool_grammar_waits_for_its_marker_searched_as_a_literal(
         real_model: Path) -> None:
     """llama.cpp searches the whole text so far with the trigger at every token until

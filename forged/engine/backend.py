@@ -29,6 +29,7 @@ from forged.engine.closing import Closing
 from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace, TokenLogprob, TokenSampler
 from forged.engine.fim import FimTokens
 from forged.engine.request import Grammar, SamplerName, Sampling
+from forged.engine.schemawalk import mapped
 from forged.engine.utf8 import Utf8Guard, Utf8Table
 
 _init_lock = threading.Lock()
@@ -96,6 +97,32 @@ class _Converter(SchemaConverter):
 
     def _format_literal(self, literal: str) -> str:
         return '"' + re.sub(r'[\\\r\n"]', lambda m: self._ESCAPES[m.group()], literal) + '"'
+
+    def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
+        """The converter's resolve_refs for local references, walking schemas only: its
+        own rewrote every ``"$ref"`` key it met, data included, so a ``const`` of
+        ``{"$ref": "#/$defs/X"}`` had the model write ``"s#/$defs/X"``."""
+
+        def visit(node: Any) -> Any:
+            if not isinstance(node, dict):
+                return node
+            ref = node.get("$ref")
+            if ref is None:
+                for key, value in node.items():
+                    mapped(key, value, visit)
+                return node
+            if not isinstance(ref, str) or not ref.startswith("#/"):
+                raise ValueError(f"unsupported $ref {ref!r}: only local ones (#/...)")
+            target: Any = schema
+            for sel in ref[2:].split("/"):
+                if not isinstance(target, dict) or sel not in target:
+                    raise ValueError(f"$ref {ref!r} points at nothing")
+                target = target[sel]
+            node["$ref"] = f"{url}{ref}"
+            self._refs[node["$ref"]] = target
+            return node
+
+        return visit(schema)  # type: ignore[no-any-return]
 
 
 def schema_gbnf(schema: dict[str, Any], name: str, param: str,

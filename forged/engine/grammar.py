@@ -19,6 +19,7 @@ from forged import errors as e
 from forged.engine.backend import JSON_OBJECT_GBNF, schema_gbnf
 from forged.engine.jsonpattern import json_pattern
 from forged.engine.request import Grammar
+from forged.engine.schemawalk import mapped, subschemas
 
 # The Hermes tool-call markers: the one tool-call syntax forged writes and parses.
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -149,16 +150,10 @@ def _for_converter(node: Any) -> Any:
 
 
 def _split_within(key: str, value: Any) -> Any:
-    match key:
-        case "properties" | "$defs" | "definitions" if isinstance(value, dict):
-            return {k: _for_converter(v) for k, v in value.items()}
-        case "anyOf" | "allOf" | "prefixItems" | "items" if isinstance(value, list):
-            return [_for_converter(v) for v in value]
-        case "items" | "additionalProperties":
-            return _for_converter(value)
-        case "pattern" if isinstance(value, str):
-            return json_pattern(value)
-    return copy.deepcopy(value)
+    if key == "pattern" and isinstance(value, str):
+        return json_pattern(value)
+    out = mapped(key, value, _for_converter)  # copies of the schemas inside
+    return copy.deepcopy(value) if out is value else out
 
 
 def json_object_grammar() -> Grammar:
@@ -201,7 +196,7 @@ def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> Non
         if key == "format" and value not in _FORMATS:
             raise e.BadRequest(f"the string format {value!r} is not supported; forged "
                                f"enforces {', '.join(sorted(_FORMATS))}", param=at)
-        for i, sub in _subschemas(key, value):
+        for i, sub in subschemas(key, value):
             check_schema(sub, f"{at}{i}", depth + 1, root)
     _check_object(node, where)
 
@@ -392,20 +387,6 @@ class _Pattern:
         return lo, hi
 
 
-def _subschemas(key: str, value: Any) -> list[tuple[str, Any]]:
-    """The schemas inside ``key``'s value, each with its place for error messages."""
-    match key:
-        case "properties" | "$defs" | "definitions" if isinstance(value, dict):
-            return [(f".{k}", v) for k, v in value.items()]
-        case "anyOf" | "allOf" | "prefixItems" if isinstance(value, list):
-            return [(f"[{i}]", v) for i, v in enumerate(value)]
-        case "items" if isinstance(value, list):
-            return [(f"[{i}]", v) for i, v in enumerate(value)]
-        case "items" | "additionalProperties":
-            return [("", value)]
-    return []
-
-
 def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> Grammar:
     """A grammar for ``<tool_call>`` blocks, each a call of one of ``functions``."""
     hoisted = [_hoisted(i, f["parameters"]) for i, f in enumerate(functions)]
@@ -445,13 +426,17 @@ def _hoisted(i: int, params: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _renamed(node: Any, i: int) -> Any:
-    if isinstance(node, list):
-        return [_renamed(v, i) for v in node]
+    """Schema ``node`` with its local $refs named as :func:`_hoisted` names them; only
+    schemas are walked: a ``const`` or ``enum`` value is data, kept as it is."""
     if not isinstance(node, dict):
         return node
-    out = {k: _renamed(v, i) for k, v in node.items()}
+    out = {k: _renamed_within(k, v, i) for k, v in node.items()}
     ref = out.get("$ref")
     for prefix in ("#/$defs/", "#/definitions/"):
         if isinstance(ref, str) and ref.startswith(prefix):
             out["$ref"] = f"#/$defs/f{i}-{ref[len(prefix):]}"
     return out
+
+
+def _renamed_within(key: str, value: Any, i: int) -> Any:
+    return mapped(key, value, lambda v: _renamed(v, i))
