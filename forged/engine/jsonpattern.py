@@ -14,7 +14,8 @@ JSON text that stands for it:
   ``\\u00XX``, which no model means to write;
 - a literal character is its JSON text;
 - the escapes the converter does not know become what they mean (``\\d`` a class,
-  ``\\.`` its character); it copied them into the grammar, where llama.cpp refused it.
+  ``\\.`` its character); it copied them into the grammar, where llama.cpp refused it;
+  a non-capturing group ``(?:...)``, which it refused, is a group.
 
 The converter's own syntax (groups, ``|``, quantifiers) passes through unchanged:
 :class:`forged.engine.grammar._Pattern` has checked the pattern's shape and cost.
@@ -69,6 +70,9 @@ class _Translator:
             elif c == "{" and (end := t.find("}", self.i)) >= 0:
                 self.out.append(t[self.i - 1:end + 1])  # a repetition, as it is
                 self.i = end + 1
+            elif c == "(" and t.startswith("?:", self.i):
+                self.out.append("(")  # the converter knows no (?:...), the same group
+                self.i += 2
             elif c in "()|*+?^$":
                 self.out.append(c)
             else:
