@@ -105,9 +105,7 @@ def load_checked(args: argparse.Namespace) -> fc.Config:
 
     # Every key has a default: without the default file (a developer's machine, a
     # trial), forged runs on them. A file named with --config must exist.
-    cfg = _config(args)
-    cfg = fc.with_overrides(cfg, listen=getattr(args, "listen", None),
-                            model=getattr(args, "model", None))
+    cfg = _with_flags(_config(args), args)
     fc.check_model(args.config, cfg)
     for place, model in enumerate(cfg.served):  # a file that is no model is one too
         check_gguf_header(args.config, model, model_key(place))
@@ -184,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StateDirError as exc:
         fatal(str(exc))
         return fc.EX_CANTCREAT
-    daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks)
+    daemon = Daemon(cfg, Path(args.config), test_hooks=args.test_hooks,
+                    reread=lambda: _with_flags(_config(args), args))
     keep_to(cfg.door_cpus)  # its workers get theirs in their Init
     try:
         trio.run(daemon.run)
@@ -200,6 +199,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("forged").error("cannot start: %s", fault)
         return 1
     return 0
+
+
+def _with_flags(cfg: fc.Config, args: argparse.Namespace) -> fc.Config:
+    """``cfg`` with forged serve's --listen and --model over the file's."""
+    return fc.with_overrides(cfg, listen=getattr(args, "listen", None),
+                             model=getattr(args, "model", None))
 
 
 def _config(args: argparse.Namespace) -> fc.Config:

@@ -28,6 +28,7 @@ import pytest
 from forged.cli import LogfmtFormatter, on_journal
 from tests.conftest import ROOT
 from tests.daemonproc import DaemonProcess, free_port, write_config
+from tests.tinymodel import write_tiny_llama
 
 ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
           "max_running": 16,
@@ -442,6 +443,34 @@ def test_reload_applies_good_refuses_bad_and_reports_restart_keys(
     log = d.log.read_text()
     assert "reload refused" in log and "max_queued" in log
     assert "need a restart" in log and "engine.slots" in log
+
+
+def test_a_reload_keeps_the_command_lines_listen_and_model(
+        tmp_path: Path, tiny_model: Path, notify: NotifySocket) -> None:
+    """forged serve --listen and --model win over the file, and still do after a
+    reload: it read the file alone, so it swapped the model to the file's and called
+    the address a change that needs a restart."""
+    other = write_tiny_llama(tmp_path / "other.gguf", seed=1)
+    port = free_port()
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, free_port(),
+                       engine=ENGINE)  # the file's address and model are not served
+    d = DaemonProcess(cfg, port, env={"NOTIFY_SOCKET": notify.path}, extra=[
+        "--test-hooks", "--listen", f"127.0.0.1:{port}", "--model", str(other)])
+    try:
+        d.wait_ready()
+        with admin(d) as a:
+            assert a.get("/stats").json()["model_path"] == str(other)
+            d.proc.send_signal(signal.SIGHUP)
+            notify.wait_for("RELOADING=1")
+            notify.wait_for("READY=1")
+            wait_for_log(d, "reloaded")
+            time.sleep(0.5)  # a swap the reload started would be under way
+            assert a.get("/stats").json()["model_path"] == str(other)
+            assert httpx.get(d.url + "/health").status_code == 200
+    finally:
+        d.stop()
+    log = d.log.read_text()
+    assert "applied: nothing" in log and "need a restart" not in log, log
 
 
 def _reload_lines(log: str) -> tuple[list[str], list[str]]:

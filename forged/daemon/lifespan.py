@@ -15,7 +15,7 @@ import shutil
 import signal
 import ssl
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,9 +108,14 @@ def _status_line(state: AppState, tokens_per_s: float = 0.0) -> str:
 
 
 class Daemon:
-    def __init__(self, cfg: fc.Config, config_path: Path, *, test_hooks: bool = False) -> None:
+    def __init__(self, cfg: fc.Config, config_path: Path, *, test_hooks: bool = False,
+                 reread: Callable[[], fc.Config] | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        # How a reload reads the config: the file, and forged serve's --listen and
+        # --model over it, as at the start (without them a reload swapped the model to
+        # the file's and called the address a change that needs a restart).
+        self._reread = reread or (lambda: fc.load(config_path))
         self.test_hooks = test_hooks
         self.notifier = Notifier()
         # Made by run(), once the models' vocabularies (and training contexts) are read.
@@ -308,7 +313,7 @@ class Daemon:
         assert self.state is not None
         self.notifier.reloading()
         try:
-            new = fc.load(self.config_path)
+            new = self._reread()
         except fc.ConfigError as exc:
             log.error("reload refused, keeping the running config: %s", exc)
             self.notifier.ready(_status_line(self.state))
