@@ -627,3 +627,19 @@ def test_a_match_costs_the_same_beside_thousands_of_saved_states() -> None:
     finally:
         kvtiers.common_prefix = real  # type: ignore[assignment]
     assert calls <= 16, calls
+
+
+def test_a_model_changed_only_in_its_middle_is_another_model(tmp_path: Path) -> None:
+    """Saved states are valid for one model's weights. The identity read the file's
+    size and its first and last MiB: a fine-tune of the same size that changed only
+    middle layers (a merged adapter) was the same model, and its sessions resumed from
+    the old weights' states."""
+    rng = random.Random(3)
+    body = bytearray(rng.randbytes(24 << 20))
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(body)
+    for at in range(4 << 20, 20 << 20, 1 << 20):  # every MiB of the middle changed
+        body[at:at + 4096] = rng.randbytes(4096)
+    b.write_bytes(body)
+    assert kvdisk.model_identity(str(a), "v") != kvdisk.model_identity(str(b), "v")
+    assert kvdisk.model_identity(str(a), "v") == kvdisk.model_identity(str(a), "v")

@@ -49,16 +49,27 @@ class _Header(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sha256: str
 
 
+# How much of a model file its identity reads: the first and last MiB (the header and
+# the last tensors) and samples spread between them, so that a fine-tune that left the
+# ends alone (its middle layers changed, the same size) is another model.
+_ENDS = 1 << 20
+_SAMPLES = 32
+_SAMPLE = 64 << 10
+
+
 def model_identity(path: str, *extra: str) -> str:
-    """What a saved state is only valid for: this model file's content (its size and
-    its first and last MiB, which hold the header and the last tensors) and ``extra``
-    (llama.cpp's version, KV flags)."""
+    """What a saved state is only valid for: this model file's content (its size, its
+    ends and samples between them: about 4 MiB read) and ``extra`` (llama.cpp's
+    version, KV flags)."""
     h = hashlib.sha256()
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
+        h.update(f.read(_ENDS))
+        for k in range(1, _SAMPLES + 1):
+            f.seek(size * k // (_SAMPLES + 1))
+            h.update(f.read(_SAMPLE))
+        f.seek(max(0, size - _ENDS))
+        h.update(f.read(_ENDS))
     h.update(repr((size, *extra)).encode())
     return h.hexdigest()
 
