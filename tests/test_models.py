@@ -498,6 +498,34 @@ async def test_a_refused_addition_is_tried_again_by_the_next_reload(
             assert [g.model_id for g in d.daemon.models.serving] == ["tiny", "coder"]
 
 
+async def test_a_table_whose_new_file_is_refused_keeps_its_old_model_serving(
+        tiny_model: Path, fim_model: Path, tmp_path: Path, start_daemon: DaemonFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A table's path edited to another file name is another id: the new model is an
+    addition and the old one is gone from the config. When the addition was refused,
+    the old one was withdrawn all the same, and FIM requests naming no model had none;
+    it serves on until a reload adds the new one."""
+    infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
+    broken = write_tiny_llama(tmp_path / "coder-2.gguf", broken=True)
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, models=[{"path": str(fim_model)}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as c:
+            old_id = d.daemon.models.serving[1].model_id
+            cfg = d.daemon.cfg
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, models=[fc.ModelConfig(path=str(broken))])))
+            d.daemon.reload()
+            await d.daemon.models_applied.wait()
+            assert "the addition of coder-2" in caplog.text
+            assert [g.model_id for g in d.daemon.models.serving] == ["tiny", old_id]
+            assert (await c.post("/infill", json=infill)).status_code == 200
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, models=[fc.ModelConfig(path=str(fim_model), name="coder-3")])))
+            d.daemon.reload()  # the addition now succeeds: the old model goes
+            await d.daemon.models_applied.wait()
+            assert [g.model_id for g in d.daemon.models.serving] == ["tiny", "coder-3"]
+
+
 # --- what a review of the swap found --------------------------------------------------
 
 

@@ -398,24 +398,34 @@ class Daemon:
     async def _apply_tables(self, cfg: fc.Config) -> None:
         """[[models]] tables (models.d/ among them), told apart by their ids: swapped
         when changed (or their file), added when new, withdrawn when gone. Withdrawn
-        last: a table whose path was edited to another file name has a new id, and its
-        old model serves (FIM requests naming no model, say) until the new one does;
-        but first if the new ids take one of its."""
+        last, and only once every swap and addition succeeded: a table whose path was
+        edited to another file name has a new id, and its old model serves (FIM
+        requests naming no model, say) until the new one does; but first if the new
+        ids take one of its."""
         tables = {m.model_id: m for m in cfg.models}
         extra = self.models.extra()
         gone = extra.keys() - tables.keys()
         wanted = {i for m in tables.values() for i in m.ids}
         first = {k for k in gone if wanted & set(extra[k].ids)}
         await self._withdraw(cfg, first)
-        await self._swap_and_add(cfg, tables)
-        await self._withdraw(cfg, gone - first)
+        if await self._swap_and_add(cfg, tables):
+            await self._withdraw(cfg, gone - first)
+        elif gone - first:
+            # A table whose path was edited has a new id: its old model is among those
+            # gone, and was withdrawn even when the new one was refused (a FIM model
+            # gone with nothing in its place). They serve on until a reload's additions
+            # all succeed.
+            log.warning("reload: kept %s serving until every model this reload adds "
+                        "serves", ", ".join(sorted(gone - first)))
 
     async def _withdraw(self, cfg: fc.Config, keys: set[str]) -> None:
         for key in keys:
             await self.swapper.withdraw(cfg, key)
             self._applied.pop(key, None)
 
-    async def _swap_and_add(self, cfg: fc.Config, tables: dict[str, fc.ModelConfig]) -> None:
+    async def _swap_and_add(self, cfg: fc.Config, tables: dict[str, fc.ModelConfig]) -> bool:
+        """Each changed table swapped, each new one added; False if one was refused."""
+        done = True
         for key, model in tables.items():
             group = self.models.extra().get(key)  # now: a swap may have replaced it
             if group is not None and self._applied.get(key) == (model,
@@ -429,6 +439,8 @@ class Daemon:
                                       self.swapper.swap(cfg, place, model, wait=True))
             if new is not None:
                 self._applied[key] = (model, new.file.stamp)
+            done = done and new is not None
+        return done
 
     @staticmethod
     async def _try(what: str, model: fc.ModelConfig,
