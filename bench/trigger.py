@@ -4,9 +4,11 @@
 llama.cpp searches the whole text generated so far with the grammar's trigger pattern
 at every token. This feeds the default model's vocabulary-only grammar sampler the
 tokens of README.md's prose (no call) and prints the time a token costs at 500, 1,000
-and 1,500 tokens, for forged's pattern (the literal) and the whole-text form forged
-used before (``[\\s\\S]*?(<tool_call>)[\\s\\S]*``), which std::regex backtracks through.
-In-process, no daemon; the old form stops at ``--old-tokens`` (1,500).
+and 1,500 tokens, for forged's pattern (the literal), for a marker token (what forged
+uses where the vocabulary has ``<tool_call>`` as one special token: no pattern, a token
+compared; measured here with another special token standing for it) and the
+whole-text form forged used before (``[\\s\\S]*?(<tool_call>)[\\s\\S]*``), which
+std::regex backtracks through. In-process, no daemon.
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ OLD = r"[\s\S]*?(<tool_call>)[\s\S]*"
 MARKS = (500, 1000, 1500)
 
 
-def per_token(model: Model, tokens: list[int], pattern: str | None) -> dict[int, float]:
-    """Microseconds a token, over the 100 tokens before each of MARKS."""
+def per_token(model: Model, tokens: list[int], pattern: str | None,
+              marker: int | None = None) -> dict[int, float]:
+    """Microseconds a token, over the 100 tokens before each of MARKS; the grammar
+    triggered by ``pattern`` (None: forged's), or by the token ``marker`` alone."""
     g = call_grammar([{"name": "f", "parameters": {"type": "object", "properties": {}}}],
                      many=True, lazy=True)
     if pattern is not None:
         g = msgspec.structs.replace(g, trigger_patterns=[pattern])
+    if marker is not None:
+        g = msgspec.structs.replace(g, trigger_patterns=[], trigger_tokens=[marker])
     ptr = grammar_sampler(model, g)
     out: dict[int, float] = {}
     try:
@@ -58,11 +64,13 @@ def main() -> None:
     n = ll.llama_tokenize(model.vocab, text.encode(), len(text.encode()), buf, 10000,
                           False, False)
     tokens = list(buf[:n])
-    print("| tokens of prose | forged's pattern (us/token) | whole-text form (us/token) |")
-    print("|---|---|---|")
+    print("| tokens of prose | the literal (us/token) | a marker token (us/token) "
+          "| whole-text form (us/token) |")
+    print("|---|---|---|---|")
     new, old = per_token(model, tokens, None), per_token(model, tokens, OLD)
+    token = per_token(model, tokens, None, marker=model.eos)  # never in the prose
     for mark in MARKS:
-        print(f"| {mark} | {new[mark]:.1f} | {old[mark]:.0f} |")
+        print(f"| {mark} | {new[mark]:.1f} | {token[mark]:.1f} | {old[mark]:.0f} |")
 
 
 if __name__ == "__main__":

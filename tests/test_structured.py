@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from forged import errors as e
 from forged.engine.backend import Model, check_grammar, grammar_sampler
 from forged.engine.grammar import call_grammar, check_schema, schema_grammar
+from forged.engine.prompts import Prompter
 from forged.engine.request import Grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
 from tests.daemonproc import DaemonProcess, client, serve_model
@@ -549,6 +550,33 @@ def test_a_lazy_tool_grammar_waits_for_its_marker_searched_as_a_literal(
             assert 0 < _allowed(ptr, n_vocab) < 100  # the call's grammar holds
         finally:
             ll.llama_sampler_free(ptr)
+
+
+def test_a_lazy_tool_grammar_waits_for_the_marker_token_where_there_is_one(
+        tmp_path: Path, real_model: Path) -> None:
+    """Where <tool_call> is one special token (Qwen2.5, Hermes models), the lazy grammar
+    waits for that token: llama.cpp then searches no text at every token (its search of
+    the whole answer so far grows with it), and prose that writes the marker as text
+    does not fire it. A vocabulary without the token keeps the literal pattern."""
+    plan = plan_tools([WEATHER], "auto", None)
+    assert plan is not None and plan.grammar is not None
+    with Prompter(str(write_tiny_llama(tmp_path / "t.gguf", tools=True))) as p:
+        g = p.triggered(plan.grammar)
+        (marker,) = p.vocab.tokenize("<tool_call>", add_special=False, parse_special=True)
+        assert g.trigger_tokens == [marker] and g.trigger_patterns == []
+        ptr = grammar_sampler(p.vocab, g)
+        try:
+            n_vocab = ll.llama_vocab_n_tokens(p.vocab.vocab)
+            for tok in p.vocab.tokenize("prose <tool_call> as text ", add_special=False,
+                                        parse_special=False):
+                ll.llama_sampler_accept(ptr, tok)
+            assert _allowed(ptr, n_vocab) == n_vocab  # the text did not fire it
+            ll.llama_sampler_accept(ptr, marker)
+            assert 0 < _allowed(ptr, n_vocab) < 20  # the call's grammar holds
+        finally:
+            ll.llama_sampler_free(ptr)
+    with Prompter(str(real_model)) as p:
+        assert p.triggered(plan.grammar) == plan.grammar  # SmolLM2 has no such token
 
 
 def _allowed(ptr: Any, n_vocab: int) -> int:

@@ -627,7 +627,7 @@ async def _grammar(state: AppState, group: ModelGroup, req: GenerationFields,
 
 def _checked_grammar(group: ModelGroup, req: GenerationFields, tools: Grammar | None) -> Grammar:
     try:
-        grammar = tools or request_grammar(req)
+        grammar = group.prompter.triggered(tools) if tools else request_grammar(req)
         assert grammar is not None  # asks_grammar said so
         group.prompter.check_grammar(grammar)
     except MemoryError as exc:
