@@ -168,3 +168,17 @@ async def test_a_batch_request_swapped_out_for_interactive_work_ends_the_same(
             assert d.stats().kv_ram_restores >= 1
     assert quick["choices"][0]["text"]
     assert result == [never_swapped]
+
+
+async def test_two_models_of_one_file_keep_their_saved_states_apart(
+        fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """One file may serve as two models (a FIM model for editors and a chat model, each
+    with its settings). Their workers' folders of saved states were one (the folder
+    was the file's): each worker indexed, budgeted and wrote over the other's files."""
+    with trio.fail_after(90):
+        async with start_daemon(fim_model, models=[
+                {"path": str(fim_model), "name": "chat", "role": "chat"}]) as d:
+            serving = d.daemon.models.serving
+            assert len(serving) == 2
+            first, second = (g.pool.disk_folders() for g in serving)
+            assert first and second and not first & second

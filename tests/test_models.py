@@ -305,6 +305,20 @@ async def test_a_swap_to_a_missing_or_corrupt_file_keeps_the_old_model(
                 assert bad.status_code == 400 and "regular file" in bad.json()["error"]
 
 
+async def test_a_swap_to_the_file_a_model_serves_is_refused(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """Two groups of one file and id shared one folder of saved states: the old one's
+    stop wrote its files beside the new one's, which never indexed them (and both
+    wrote the same temporary names)."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            r = await a.post("/models/swap", json={"path": str(tiny_model)})
+            assert r.status_code == 409 and "serves now" in r.json()["error"], r.text
+            assert [g.number for g in d.daemon.models.all()] == [1]
+            assert (await c.post("/v1/completions", json=PROMPT)).status_code == 200
+
+
 async def test_a_swap_that_would_not_fit_in_memory_is_refused(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     # The tiny model and its 4,096-cell KV cache take about 2.5 MiB: one fits in 4.

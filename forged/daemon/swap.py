@@ -35,6 +35,7 @@ from forged.engine.groups import (
     ModelFile,
     ModelGroup,
     Models,
+    file_stamp,
     kv_cache_dir,
     memory_bytes,
     pick_memory,
@@ -67,7 +68,8 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
             raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
                                  f"cannot open: {exc.strerror}") from exc
         pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
-                          cache_dir=kv_cache_dir(cfg.server.state_dir, file),
+                          cache_dir=kv_cache_dir(cfg.server.state_dir, file,
+                                                 model.model_id),
                           model_fd=file.fd, embedding=prompter.embedding,
                           threads_why=threads_why)
         group = ModelGroup(number, model, prompter, pool, file,
@@ -132,6 +134,7 @@ class Swapper:
             raise SwapRefused("a model swap is already under way")
         async with self._lock:
             self._check_ids(place, model)
+            self._check_not_serving(place, model)
             new = await self._start(cfg, place, model)
             if self.models.default.pool.draining:  # a stop began while it loaded
                 await self._stop(new)
@@ -179,6 +182,16 @@ class Swapper:
             if other != place and taken:
                 raise SwapRefused(f"the model id {sorted(taken)[0]!r} is taken by the "
                                   f"model {group.model_id!r}; set its name")
+
+    def _check_not_serving(self, place: int, model: fc.ModelConfig) -> None:
+        """A swap to the file the place serves (the same path, the same file there, the
+        same id) would run two groups on one folder of saved states: the old one's stop
+        writes its files beside the new one's, which never indexed them."""
+        serving = self.models.serving[place]
+        if (serving.model.path, serving.model.model_id) == (model.path, model.model_id) \
+                and serving.file.stamp == file_stamp(model.path):
+            raise SwapRefused(f"{model.path} is the file {serving.model_id} serves now; "
+                              "a restart loads it again")
 
     async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig
                      ) -> ModelGroup:

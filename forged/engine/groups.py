@@ -293,13 +293,14 @@ class Models:
         return {f for g in self.all() for f in g.pool.disk_folders()}
 
 
-def kv_cache_dir(state_dir: str, file: ModelFile) -> Path:
+def kv_cache_dir(state_dir: str, file: ModelFile, model_id: str) -> Path:
     """Where a model's workers keep saved KV states: one folder per model file (its
-    path and its inode), so that two models served at once, or a swap's two (even of
-    one path, as a package upgrade leaves it), never share one; a restart of the same
-    file finds its folder again."""
+    path and its inode) and id, so that two models served at once (one file may serve
+    as two, a FIM model and a chat model with their own settings), or a swap's two
+    (even of one path, as a package upgrade leaves it), never share one; a restart of
+    the same config finds its folders again."""
     name = Path(file.path).name.removesuffix(".gguf")
-    key = f"{Path(file.path).absolute()}\0{file.stamp[:2]}"
+    key = f"{Path(file.path).absolute()}\0{file.stamp[:2]}\0{model_id}"
     return Path(state_dir) / "kvcache" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
