@@ -79,6 +79,9 @@ def test_restarts_back_off_exponentially_up_to_a_cap() -> None:
     assert delays[:4] == [0.5, 1.0, 2.0, 4.0]
     assert delays[-1] == 30.0 and max(delays) == 30.0
     assert delays == sorted(delays)
+    # Hours of a worker dying at once: 2.0 ** 1024 overflowed (an OverflowError ended
+    # every model's workers).
+    assert backoff_delay(0.5, 30.0, 1025) == backoff_delay(0.5, 30.0, 10**6) == 30.0
 
 
 def test_retry_after_is_whole_seconds_at_least_one() -> None:

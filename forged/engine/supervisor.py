@@ -49,7 +49,9 @@ def worker_fault(exc: BaseException) -> Exception | None:
 
 def backoff_delay(base: float, cap: float, failures: int) -> float:
     """Seconds before restart number ``failures`` (1, 2, ...) of a worker in a row."""
-    return min(cap, base * 2.0 ** max(0, failures - 1))
+    # The exponent bounded first: 2.0 ** 1024 overflows (an OverflowError at the
+    # 1,025th restart in a row, after hours at the cap, ended every model's workers).
+    return min(cap, base * 2.0 ** min(64, max(0, failures - 1)))
 
 
 class WorkerSupervisor:
