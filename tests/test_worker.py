@@ -15,6 +15,7 @@ import trio
 
 from forged import config as fc
 from forged.engine import frames as fr
+from forged.engine import testhooks
 from forged.engine.channel import Outbox, read_steps
 from forged.engine.decoding import DecodeError, NoKVSpace, run_isolating
 from forged.engine.events import Delta
@@ -26,6 +27,8 @@ from forged.engine.stats import WorkerStats
 from forged.engine.supervisor import backoff_delay
 from forged.engine.worker import WorkerShell
 from forged.errors import Overloaded
+from tests.conftest import DaemonFactory
+from tests.test_models import as_toml
 
 
 def chunks(*rids: int) -> list[Chunk]:
@@ -158,7 +161,7 @@ async def test_a_step_longer_than_a_read_reaches_the_pool_whole() -> None:
         got.extend(e.text for e in step.events if isinstance(e, Delta))
 
     async with trio.SocketStream(ours) as reader, trio.open_nursery() as nursery:
-        nursery.start_soon(read_steps, reader, fr.FrameBuffer(), 10.0, on_step)
+        nursery.start_soon(read_steps, reader, fr.FrameBuffer(), lambda: 10.0, on_step)
         async with trio.SocketStream(theirs) as writer:  # then its end closes: EOF
             for frame in frames:
                 await writer.send_all(fr.encode(frame))
@@ -168,7 +171,8 @@ async def test_a_step_longer_than_a_read_reaches_the_pool_whole() -> None:
 async def test_a_worker_heard_in_time_is_kept_and_a_silent_one_is_not(
         autojump_clock: trio.testing.MockClock) -> None:
     """The reader's one scope moves its deadline on with each read: five frames 0.6 s
-    apart pass a 1 s silence limit, and the limit trips 1 s after the last one."""
+    apart pass a 1 s silence limit, and the limit trips 1 s after the last one (the
+    limit read at each frame: a reload's new one holds from the next)."""
     ours, theirs = trio.socket.socketpair()
     heard: list[float] = []
 
@@ -182,7 +186,7 @@ async def test_a_worker_heard_in_time_is_kept_and_a_silent_one_is_not(
         nursery.start_soon(speak, writer)
         t0 = trio.current_time()
         with pytest.raises(trio.TooSlowError):
-            await read_steps(reader, fr.FrameBuffer(), 1.0,
+            await read_steps(reader, fr.FrameBuffer(), lambda: 1.0,
                              lambda _: heard.append(trio.current_time() - t0))
         gave_up = trio.current_time() - t0
     assert heard == pytest.approx([0.0, 0.6, 1.2, 1.8, 2.4], abs=0.01)
@@ -243,3 +247,22 @@ def test_held_tokens_go_before_the_worker_handles_what_arrived() -> None:
         theirs.sendall(fr.encode(fr.Hang(seconds=0.0)))
         shell.turn()
     assert held_when_handled == [0]
+
+
+async def test_a_reloaded_heartbeat_timeout_holds_for_the_running_worker(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A reload reported engine.heartbeat_timeout as applied, but the running worker's
+    reader kept the old limit until its next restart: raised from 1.5 to 8 s, a worker
+    silent for 3 s was still killed (with every request it held)."""
+    engine = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.5, "target_step_ms": 100.0}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine=engine) as d:
+            cfg = d.daemon.cfg
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, engine=msgspec.structs.replace(cfg.engine, heartbeat_timeout=8.0))))
+            d.daemon.reload()
+            await trio.sleep(0.5)  # the new limit holds from the worker's next frame
+            pool = d.daemon.models.default.pool
+            testhooks.hang_worker(pool, 0, 3.0)
+            await trio.sleep(4.0)
+            assert pool.workers[0].restarts == 0

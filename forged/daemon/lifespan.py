@@ -15,10 +15,10 @@ import shutil
 import signal
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -464,20 +464,29 @@ class Daemon:
             await trio.to_thread.run_sync(give_back_freed_memory)
 
     async def _watchdog_loop(self, interval: float) -> None:
-        # Ping only while the event loop runs and the workers answer: a blocked loop
-        # or a wedged worker stops the pings, and systemd restarts us.
+        # Ping only while the event loop runs and the pools recover their workers: a
+        # blocked loop, or a worker its pool failed to replace, stops the pings, and
+        # systemd restarts us.
         while True:
-            if not self._workers_wedged():
+            workers = [w for g in self.models.all() for w in g.pool.workers]
+            if not workers_unrecovered(workers, time.monotonic(), interval):
                 self.notifier.watchdog()
             await trio.sleep(interval)
 
-    def _workers_wedged(self) -> bool:
-        # Half the pool's own limit: a wedged worker stops the pings before the pool
-        # kills and restarts it. If that recovery works, the pings resume well within
-        # WatchdogSec; if it does not, systemd restarts the whole daemon.
-        now, limit = time.monotonic(), self.cfg.engine.heartbeat_timeout / 2
-        return any(w.ready and now - w.last_heard > limit
-                   for g in self.models.all() for w in g.pool.workers)
+
+class _Heard(Protocol):
+    ready: bool
+    last_heard: float
+    engine: fc.EngineConfig
+
+
+def workers_unrecovered(workers: Iterable[_Heard], now: float, interval: float) -> bool:
+    """Whether a worker is silent past its own heartbeat_timeout (when its pool kills
+    it) and a ping interval more: its pool failed to recover it. (At half the timeout,
+    the pings stopped until the pool had replaced a wedged worker: a gap of at least
+    WatchdogSec on the defaults, so systemd killed every model for one worker.)"""
+    return any(w.ready and now - w.last_heard > w.engine.heartbeat_timeout + interval
+               for w in workers)
 
 
 def give_back_freed_memory() -> None:

@@ -80,16 +80,18 @@ async def write_frames(outbox: Outbox, stream: trio.SocketStream) -> None:
         await stream.send_all(b"".join(fr.encode(f) for f in frames))
 
 
-async def read_steps(stream: trio.SocketStream, buf: fr.FrameBuffer, silence: float,
+async def read_steps(stream: trio.SocketStream, buf: fr.FrameBuffer,
+                     silence: Callable[[], float],
                      on_step: Callable[[fr.Step], None]) -> None:
     """Hand every ``Step`` to ``on_step`` until the worker closes its end. Raises
-    ``TooSlowError`` when it sends nothing (not even a heartbeat) for ``silence`` s."""
+    ``TooSlowError`` when it sends nothing (not even a heartbeat) for ``silence()`` s,
+    read at every frame: a reload changes it for the running process too."""
     # One scope whose deadline moves on with each read, not a scope per read: a
     # streamed token is a read, and making, entering and leaving a scope for each was
     # about a tenth of the daemon's time on one stream.
     with trio.CancelScope() as silent:
         while True:
-            silent.deadline = trio.current_time() + silence
+            silent.deadline = trio.current_time() + silence()
             data = await stream.receive_some(fr.READ_SIZE)
             if not data:
                 return

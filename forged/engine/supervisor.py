@@ -149,8 +149,8 @@ class WorkerSupervisor:
                 task_status.started()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(channel.write_frames, outbox, stream)
-                    await channel.read_steps(stream, buf, self.engine.heartbeat_timeout,
-                                             self._heard)
+                    await channel.read_steps(
+                        stream, buf, lambda: self.engine.heartbeat_timeout, self._heard)
                     nursery.cancel_scope.cancel()
             except BaseException as exc:
                 # Silent or not reading (the nursery wraps the error in a group): it
