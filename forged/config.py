@@ -426,6 +426,7 @@ def _check(path: Path, cfg: Config) -> None:
     if cfg.server.metrics_listen:
         _parse_listen(path, "server.metrics_listen", cfg.server.metrics_listen)
     _check_agent_listen(path, cfg.server)
+    _check_listeners_apart(path, cfg.server)
     _check_model_ids(path, cfg)
     if cfg.server.door_cpus != "auto":
         _check_cpus(path, "server.door_cpus", cfg.server.door_cpus)
@@ -574,9 +575,35 @@ def _check_agent_listen(path: Path, server: ServerConfig) -> None:
         raise ConfigError(f"{path}: server.agent_listen: HAProxy's agent speaks TCP: "
                           f"expected HOST:PORT, got {agent!r}")
     _parse_listen(path, "server.agent_listen", agent)
-    if agent in (server.listen, server.admin_listen):
-        raise ConfigError(f"{path}: server.agent_listen: must differ from server.listen "
-                          "and server.admin_listen")
+
+
+_LISTENERS = ("listen", "admin_listen", "metrics_listen", "agent_listen")
+_WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", "*", ""})
+
+
+def _check_listeners_apart(path: Path, server: ServerConfig) -> None:
+    """No two listeners on one address: the second bind failed at start ("address in
+    use", a restart loop), or, on one Unix path, hypercorn deleted the first socket's
+    file and took its path (the metrics app answered the admin's requests)."""
+    seen: dict[str, str] = {}
+    for key in _LISTENERS:
+        value = getattr(server, key)
+        if not value:
+            continue
+        for other_key, other in seen.items():
+            if _same_address(value, other):
+                raise ConfigError(f"{path}: server.{key}: {value!r} is server.{other_key}'s "
+                                  "address too; each listener needs its own")
+        seen[key] = value
+
+
+def _same_address(a: str, b: str) -> bool:
+    if a.startswith(("unix:", "fd://")) or b.startswith(("unix:", "fd://")):
+        return a == b
+    (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
+    if port_a != port_b or int(port_a) == 0:  # port 0: each bind its own free port
+        return False
+    return host_a == host_b or host_a in _WILDCARDS or host_b in _WILDCARDS
 
 
 def _parse_listen(path: Path | str, key: str, value: str) -> None:

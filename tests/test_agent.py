@@ -71,13 +71,31 @@ def test_replies() -> None:
 def test_agent_listen_must_be_tcp_and_its_own(tmp_path: Path) -> None:
     path = tmp_path / "forged.toml"
     for value, why in [("unix:/run/a.sock", "HAProxy's agent speaks TCP"),
-                       ("127.0.0.1:8080", "must differ from server.listen"),
+                       ("127.0.0.1:8080", "server.listen's address too"),
                        ("nohost", "expected HOST:PORT")]:
         path.write_text(f'[server]\nlisten = "127.0.0.1:8080"\nagent_listen = "{value}"\n')
         with pytest.raises(fc.ConfigError, match=why):
             fc.load(path)
     path.write_text('[server]\nagent_listen = "10.1.0.11:8082"\n')
     assert fc.load(path).server.agent_listen == "10.1.0.11:8082"
+
+
+@pytest.mark.parametrize(("listeners", "taken"), [
+    ({"listen": "127.0.0.1:8080", "metrics_listen": "127.0.0.1:8080"}, "listen"),
+    ({"listen": "0.0.0.0:8080", "metrics_listen": "127.0.0.1:8080"}, "listen"),
+    ({"admin_listen": "unix:/run/forged/a.sock", "metrics_listen": "unix:/run/forged/a.sock"},
+     "admin_listen"),
+])
+def test_no_two_listeners_share_an_address(tmp_path: Path, listeners: dict[str, str],
+                                           taken: str) -> None:
+    """The second bind failed at start (a restart loop under Restart=on-failure), or on
+    one Unix path hypercorn deleted the admin socket's file and took its path."""
+    path = tmp_path / "forged.toml"
+    path.write_text("[server]\n" + "".join(f'{k} = "{v}"\n' for k, v in listeners.items()))
+    with pytest.raises(fc.ConfigError, match=f"server.{taken}'s address too"):
+        fc.load(path)
+    path.write_text('[server]\nlisten = "127.0.0.1:0"\nmetrics_listen = "127.0.0.1:0"\n')
+    assert fc.load(path).server.metrics_listen == "127.0.0.1:0"  # each its own free port
 
 
 def test_pool_status_sums_nodes_and_names_the_unreachable() -> None:
