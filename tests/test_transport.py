@@ -131,15 +131,18 @@ async def test_admin_actions_on_tcp_need_the_admin_token(
 
 
 async def test_the_admin_socket_lets_its_group_connect(
-        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
     """Under the unit's UMask=0027 the socket was 0750: connecting needs write
     permission, so the forged group the docs name (sudo adduser alice forged) could not
     run forged status. Its folder (0750 under /run) keeps everyone else out."""
     old = os.umask(0o027)
+    metrics = Path(tmp_path) / "metrics.sock"
     try:
         with trio.fail_after(60):
-            async with start_daemon(tiny_model) as d:
-                mode = stat.S_IMODE(os.stat(d.admin_sock).st_mode)
+            async with start_daemon(tiny_model,
+                                    server={"metrics_listen": f"unix:{metrics}"}) as d:
+                modes = [stat.S_IMODE(os.stat(p).st_mode) for p in (d.admin_sock, metrics)]
     finally:
         os.umask(old)
-    assert mode & 0o060 == 0o060 and not mode & 0o007, oct(mode)
+    # A Unix metrics socket too (a proxy or an exporter in the group): it was 0750.
+    assert all(m & 0o060 == 0o060 and not m & 0o007 for m in modes), list(map(oct, modes))

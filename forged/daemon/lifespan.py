@@ -233,6 +233,8 @@ class Daemon:
         if server.metrics_listen:
             self.metrics_binds = await self._serve(http, create_metrics_app(state),
                                                    server.metrics_listen)
+            if server.metrics_listen.startswith("unix:"):  # as the admin socket's
+                os.chmod(server.metrics_listen[5:], 0o660)
             log.info("status page and metrics (read-only) on %s",
                      ", ".join(self.metrics_binds))
         return binds
