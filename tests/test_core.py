@@ -629,3 +629,28 @@ def test_held_tokens_go_before_a_decode_priced_past_their_budget(
     assert len(sent_at) == 30  # a text event a step
     waits = [at - at_made for at, at_made in zip(sent_at, made, strict=True)]
     assert max(waits) <= 0.005 + 1e-9
+
+
+def test_a_failed_choice_of_a_request_ends_it_whole_and_leaves_its_slots_as_recorded() -> None:
+    """A decode that fails is retried in halves; an n > 1 request's choices may land in
+    different halves. The failed half's request was failed, and its other choice's token
+    (from the half that decoded) then reached a stream already closed: a KeyError that
+    killed the worker, with every request on it. That choice's cells were also written
+    but not recorded, so the next prompt extending its slot was out of place."""
+    core, backend = core_with({5: [1] * 20}, step_tokens=64)
+    submit(core, 1, [5, 1, 1], max_tokens=8, n=2)
+    submit(core, 2, [5, 1, 2], max_tokens=8)
+    core.step(0.0)
+    core.step(0.0)
+    slots = [core.sched._running[(1, i)].slot for i in (0, 1)]
+    backend.failing_seqs = {slots[1]}
+    events = run(core)
+    assert [type(e) for e in of(events, 1)].count(Failed) == 1
+    assert isinstance(of(events, 2)[-1], Done)
+    backend.failing_seqs = set()
+    for slot in slots:
+        assert backend.lengths.get(slot, 0) == len(core.sched.cache.slots[slot].tokens)
+    held = core.sched.cache.slots[slots[0]].tokens
+    submit(core, 3, [*held, 2, 3], max_tokens=2)  # extends what the slot recorded
+    assert isinstance(run(core)[-1], Done)
+    assert_nothing_left(core, backend)

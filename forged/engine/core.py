@@ -342,13 +342,16 @@ class WorkerCore:
             self._relieve(plan)
             return
         undrawn = self._undrawn
-        sampled = {key: tok for key, tok in sampled.items() if key[0] not in undrawn}
-        for c in plan.chunks if undrawn else ():  # the decode loop: nothing, as a rule
-            if c.rid in undrawn:  # decoded, but not recorded: the slot keeps what it was
+        # A request whose draw or decode failed ends whole: its other choices' tokens
+        # (an n > 1 request's choices may sit in a half that decoded) go too, and every
+        # chunk of it is unwritten: decoded, but not recorded, the slot keeps what it was.
+        dropped = failed.keys() | undrawn.keys()
+        sampled = {key: tok for key, tok in sampled.items() if key[0] not in dropped}
+        for c in plan.chunks if dropped else ():  # the decode loop: nothing, as a rule
+            if c.rid in dropped:
                 self.backend.seq_rm(c.seq, c.pos)
-        ran = plan if not (failed or undrawn) else StepPlan(
-            [], [c for c in plan.chunks if c.rid not in failed and c.rid not in undrawn],
-            plan.shape)
+        ran = plan if not dropped else StepPlan(
+            [], [c for c in plan.chunks if c.rid not in dropped], plan.shape)
         self.sched.commit(ran, sampled, self.clock())
         for rid, exc in failed.items():
             self._fail(rid, "engine_error", f"decode failed: {exc}")
