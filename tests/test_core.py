@@ -654,3 +654,19 @@ def test_a_failed_choice_of_a_request_ends_it_whole_and_leaves_its_slots_as_reco
     submit(core, 3, [*held, 2, 3], max_tokens=2)  # extends what the slot recorded
     assert isinstance(run(core)[-1], Done)
     assert_nothing_left(core, backend)
+
+
+def test_the_hold_forgets_every_choice_that_ended() -> None:
+    """The hold keeps the choices already streaming (their text may wait). A choice's
+    end was forgotten during the step, then its last text's frame added it back: one
+    entry per finished choice, for the worker's life."""
+    core, _ = core_with({5: [1] * 50}, hold_ms=5.0)
+    now = 0.0
+    for rid in range(1, 51):
+        submit(core, rid, [5], max_tokens=4, n=1 + rid % 2)
+        while core.busy:
+            core.step(now)
+            core.frame(now, hold=True)
+            now += 0.001
+        core.frame(now, force=True)
+    assert not core._hold._announced and not core.streams

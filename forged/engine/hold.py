@@ -32,6 +32,7 @@ class TokenHold:
         self._asked_at = -math.inf  # when holds() was last asked: the steps' pace
         self._step_s = math.inf  # the time between the last two asks: the last step's
         self._announced: set[tuple[int, int]] = set()  # (rid, index) streaming
+        self._ended: set[tuple[int, int]] = set()  # forgotten since the last send
 
     def holds(self, events: Sequence[Event], now: float, hold_ms: float) -> bool:
         """True while ``events`` are only text of choices already streaming and the
@@ -66,9 +67,14 @@ class TokenHold:
     def sent(self, events: Sequence[Event]) -> None:
         """``events`` went out (the caller sends whenever :meth:`holds` says no): their
         choices are streaming, nothing is held."""
-        self._announced.update((e.rid, e.index) for e in events if type(e) is Delta)
+        # Not the choices that ended since the last send: their last text goes out in
+        # this frame, after forget() (each finished choice stayed here for good).
+        self._announced.update((e.rid, e.index) for e in events
+                               if type(e) is Delta and (e.rid, e.index) not in self._ended)
+        self._ended.clear()
         self._since, self._checked = None, 0
 
     def forget(self, rid: int, index: int) -> None:
         """Choice ``index`` of ``rid`` ended."""
         self._announced.discard((rid, index))
+        self._ended.add((rid, index))
