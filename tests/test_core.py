@@ -670,3 +670,61 @@ def test_the_hold_forgets_every_choice_that_ended() -> None:
             now += 0.001
         core.frame(now, force=True)
     assert not core._hold._announced and not core.streams
+
+
+def _as_llama_cpp(backend: FakeBackend) -> None:
+    """llama.cpp's ways the fake lacks: a copy takes the cells the source holds, and a
+    batch whose positions do not follow a sequence's cells is refused."""
+    backend.seq_cp = lambda s, d, n: backend.lengths.__setitem__(  # type: ignore[method-assign]
+        d, min(n, backend.lengths.get(s, 0)))
+    decode = backend.decode
+
+    def refusing(items: Sequence[DecodeItem]) -> list[int]:
+        if any(pos != backend.lengths.get(seq, 0) for seq, pos, _, _ in items):
+            raise DecodeError(-1)
+        return decode(items)
+
+    backend.decode = refusing  # type: ignore[method-assign]
+
+
+def _conversation_then_its_next_turns(core: WorkerCore) -> list[Event]:
+    """A conversation ends in a slot, two others fill the rest; then one step admits a
+    short request (which evicts the conversation's slot to the RAM tier), the
+    conversation's next turn (restored from there) and a retry of that turn (which
+    copies its prefix from the restored slot)."""
+    conv = [5, *range(1, 27), *range(1, 15)]
+    for rid, prompt in ((1, conv), (2, [6] + [2] * 40), (9, [6] + [4] * 40)):
+        submit(core, rid, prompt, max_tokens=5)
+        run(core)
+    submit(core, 3, [7, 3, 3], max_tokens=2)
+    for rid, tail in ((4, [9] * 25), (5, [8] * 25)):
+        submit(core, rid, [*conv, 1, 1, 1, *tail], max_tokens=3, sampling=Sampling(seed=3))
+    return run(core)
+
+
+def test_a_state_saved_and_restored_in_one_step_is_restored() -> None:
+    """The eviction's save and the restore came in one plan: the entry left the index
+    when the restore was planned, so the save was skipped and the restore always
+    failed (the whole conversation computed again)."""
+    core, backend = core_with({5: [1] * 3 + [0], 6: [2] * 3 + [0], 7: [3, 0], 8: [4] * 3},
+                              slots=3, max_running=3, cache_ram_bytes=1 << 20, step_tokens=128)
+    _as_llama_cpp(backend)
+    events = _conversation_then_its_next_turns(core)
+    assert [e.cached for e in of(events, 4) if isinstance(e, Admitted)] == [44]
+    assert core.sched.cache.tiers.stats.restore_failures == 0
+
+
+def test_a_copy_from_a_slot_whose_restore_failed_is_computed_instead() -> None:
+    """A request copying its prefix from a slot whose restore was refused (a corrupt or
+    stale file) in the same step decoded after cells llama.cpp did not hold: a silently
+    wrong answer, and a slot that then served that hole as a cached prefix."""
+    core, backend = core_with({5: [1] * 3 + [0], 6: [2] * 3 + [0], 7: [3, 0], 8: [4] * 3},
+                              slots=3, max_running=3, cache_ram_bytes=1 << 20, step_tokens=128)
+    _as_llama_cpp(backend)
+    backend.seq_load = lambda seq, state, n: False  # type: ignore[method-assign]
+    events = _conversation_then_its_next_turns(core)
+    for rid in (3, 4, 5):
+        assert isinstance(of(events, rid)[-1], Done), of(events, rid)[-1]
+    for slot in core.sched.cache.slots:
+        assert backend.lengths.get(slot.sid, 0) == len(slot.tokens)
+    assert_nothing_left(core, backend)

@@ -28,11 +28,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-
 from forged.engine import frames as fr
 from forged.engine.costmodel import CostModel
-from forged.engine.decoding import Backend, NoKVSpace, TokenLogprob, TokenSampler, run_isolating
+from forged.engine.decoding import (
+    NEVER,
+    Backend,
+    NoKVSpace,
+    TokenLogprob,
+    TokenSampler,
+    answer_ends,
+    run_isolating,
+)
 from forged.engine.events import Admitted, Delta, Done, ErrorCode, Event, Failed, Scored, StopType
 from forged.engine.hold import TokenHold
 from forged.engine.kvtiers import (
@@ -61,13 +67,12 @@ from forged.engine.plan import (
     SeqSave,
     StepPlan,
 )
-from forged.engine.request import Request, Sampling
+from forged.engine.request import Request
 from forged.engine.routing import DIGEST_INTERVAL, DigestBuilder
 from forged.engine.scheduler import Scheduler
 from forged.engine.stats import StepTally, WorkerStats
 from forged.engine.textstream import TextStream
 
-_NEVER = -float("inf")  # a logit bias that bans a token
 # How long a step with nothing to compute waits for a restore's read from disk (then
 # the next step looks again).
 _STAGE_WAIT_S = 1.0
@@ -131,10 +136,10 @@ class WorkerCore:
         # Requests whose draw this step found no token to take (a grammar left none):
         # the step ran, but they end here, by rid, with why.
         self._undrawn: dict[int, str] = {}
-        self._last_stats = _NEVER
+        self._last_stats = NEVER
         self._hold = TokenHold()  # a step's tokens sent with the next step's
         self._digests = DigestBuilder()
-        self._last_digests = _NEVER
+        self._last_digests = NEVER
         self._step_ms = 0.0
         self._tally = StepTally()
 
@@ -164,7 +169,7 @@ class WorkerCore:
         except ValueError as exc:
             self.events.append(Failed(rid=rid, code="bad_request", message=str(exc)))
             return
-        sampling, eog = _ends(req, frozenset(self.backend.eog_tokens))
+        sampling, eog = answer_ends(req, frozenset(self.backend.eog_tokens))
         stream = self.streams[rid] = _Stream(req, eog)
         try:
             for i in range(req.n):
@@ -220,10 +225,16 @@ class WorkerCore:
         """Run the scheduler's memory operations; the requests whose saved state was
         refused, which compute their prompt from the start instead (next step)."""
         recompute: set[Key] = set()
+        emptied: set[int] = set()  # slots whose restore failed: nothing to copy from
+        # An entry restored in the plan that saved it left the index at planning (its
+        # save was skipped, and every such restore failed): saved for that load alone.
+        loading = {op.entry.eid for op in ops if isinstance(op, SeqLoad)}
         for op in ops:
             match op:
                 case SeqRm(seq=seq, p0=p0):
                     self.backend.seq_rm(seq, p0)
+                case SeqCp(dst=dst) if op.src in emptied:
+                    recompute |= self._refused(dst, emptied, counted=False)
                 case SeqCp(src=src, dst=dst, n=n, whole=True):
                     self.backend.seq_cp_stream(src, dst, n)
                 case SeqCp(src=src, dst=dst, n=n):
@@ -231,14 +242,25 @@ class WorkerCore:
                 case SeqSave(seq=seq, eid=eid) if self.sched.cache.tiers.holds(eid, Tier.RAM):
                     state = self.ram[eid] = self.backend.seq_save(seq)
                     self._tier_ops(self.sched.cache.tiers.sized(eid, len(state)))
+                case SeqSave(seq=seq, eid=eid) if eid in loading:
+                    self.ram[eid] = self.backend.seq_save(seq)
                 case SeqLoad(seq=seq, entry=entry, keep=keep):
                     if not self._restore(seq, entry, keep):
-                        self.backend.seq_rm(seq, 0)
-                        key = self.sched.restore_failed(seq)
-                        recompute |= {key} if key is not None else set()
+                        recompute |= self._refused(seq, emptied)
                 case Drop() | Demote() | Stage():
                     self._tier_ops([op])
         return recompute
+
+    def _refused(self, seq: int, emptied: set[int], counted: bool = True) -> set[Key]:
+        """Slot ``seq`` holds nothing it was to hold (its restore was refused, or it
+        was to copy from a slot whose restore was): its request computes its whole
+        prompt. (A copy from an emptied slot gave a silently wrong answer: the request
+        decoded after a prefix llama.cpp did not hold, and its slot then served that
+        hole to later requests as a cached prefix.)"""
+        self.backend.seq_rm(seq, 0)
+        emptied.add(seq)
+        key = self.sched.restore_failed(seq, counted)
+        return {key} if key is not None else set()
 
     def _restore(self, seq: int, entry: Entry, keep: bool) -> bool:
         if entry.tier is Tier.RAM:
@@ -550,21 +572,6 @@ class WorkerCore:
     def close(self) -> None:
         for rid in list(self.streams):
             self._close(rid)
-
-
-def _ends(req: Request, eog: frozenset[int]) -> tuple[Sampling, frozenset[int]]:
-    """The request's sampling and the tokens that end its answer: the model's
-    end-of-generation tokens (banned instead with ``ignore_eos``) and its stop tokens.
-    With min_tokens, those cannot be drawn until that many tokens are made."""
-    sampling, stops = req.sampling, frozenset(req.stop_tokens)
-    if req.ignore_eos:  # the end-of-generation tokens can then never be sampled
-        sampling = msgspec.structs.replace(sampling, logit_bias=[
-            *sampling.logit_bias, *((t, _NEVER) for t in sorted(eog - stops))])
-        eog = frozenset()
-    ends = eog | stops
-    if sampling.min_tokens:
-        sampling = msgspec.structs.replace(sampling, suppress=sorted(ends))
-    return sampling, ends
 
 
 def _scores(req: Request, index: int) -> Scores | None:

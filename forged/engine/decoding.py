@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
-from forged.engine.request import Sampling
+from forged.engine.request import Request, Sampling
 
 if TYPE_CHECKING:  # plan imports the cost model, which measures through a Backend
     from forged.engine.plan import Chunk
@@ -127,3 +127,21 @@ def _bisect(chunks: list[Chunk], run: Callable[[list[Chunk]], dict[K, int]]
                 sampled |= more_sampled
                 failed |= more_failed
     return sampled, failed
+
+
+NEVER = -float("inf")  # a logit bias that bans a token
+
+
+def answer_ends(req: Request, eog: frozenset[int]) -> tuple[Sampling, frozenset[int]]:
+    """The request's sampling and the tokens that end its answer: the model's
+    end-of-generation tokens (banned instead with ``ignore_eos``) and its stop tokens.
+    With min_tokens, those cannot be drawn until that many tokens are made."""
+    sampling, stops = req.sampling, frozenset(req.stop_tokens)
+    if req.ignore_eos:  # the end-of-generation tokens can then never be sampled
+        sampling = msgspec.structs.replace(sampling, logit_bias=[
+            *sampling.logit_bias, *((t, NEVER) for t in sorted(eog - stops))])
+        eog = frozenset()
+    ends = eog | stops
+    if sampling.min_tokens:
+        sampling = msgspec.structs.replace(sampling, suppress=sorted(ends))
+    return sampling, ends

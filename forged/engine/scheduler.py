@@ -343,10 +343,11 @@ class Scheduler:
         self._start(item, [dst, *forks], m, now)
         return True
 
-    def restore_failed(self, seq: int) -> Key | None:
-        """The state restored into ``seq`` was refused (a corrupt or stale file): the
-        request there computes its whole prompt instead. Returns its key."""
-        self.cache.restore_failed(seq)
+    def restore_failed(self, seq: int, counted: bool = True) -> Key | None:
+        """The state restored into ``seq`` was refused (a corrupt or stale file), or
+        copied from a slot whose was (not ``counted`` again): the request there computes
+        its whole prompt instead. Returns its key."""
+        self.cache.restore_failed(seq, counted)
         run = next((r for r in self._running.values() if r.slot == seq), None)
         if run is None:
             return None

@@ -150,9 +150,9 @@ class SlotCache:
         slot.tokens = list(entry.tokens)
         self.truncate(slot, m, keep=False)
 
-    def restore_failed(self, seq: int) -> None:
+    def restore_failed(self, seq: int, counted: bool = True) -> None:
         """The state restored into ``seq`` was refused: the slot is empty."""
-        self.tiers.stats.restore_failures += 1
+        self.tiers.stats.restore_failures += counted
         self.ledger.clear(seq)
         self.slots[seq].tokens = []
 
