@@ -728,3 +728,22 @@ def test_a_copy_from_a_slot_whose_restore_failed_is_computed_instead() -> None:
     for slot in core.sched.cache.slots:
         assert backend.lengths.get(slot.sid, 0) == len(slot.tokens)
     assert_nothing_left(core, backend)
+
+
+def test_a_prompt_sharing_a_prefix_with_another_sessions_idle_slot_is_admitted() -> None:
+    """The only idle slot holds another live session's conversation, with the same
+    system prompt: the request waited for that session's pin to end (session_ttl, 600 s),
+    with everything queued behind it, where one sharing nothing took the slot at once
+    (saving the session's state first)."""
+    system = list(range(1, 27)) * 2
+    core, backend = core_with({5: [1, 0], 6: [2, 0]}, slots=1, max_running=1,
+                              cache_ram_bytes=1 << 20)
+    submit(core, 1, [*system, 5], max_tokens=3, session="k/a")
+    run(core)
+    submit(core, 2, [*system, 6], max_tokens=3, session="k/b")
+    core.step(1.0)
+    frame = core.frame(1.0)
+    assert frame is not None and [e.rid for e in frame.events if isinstance(e, Admitted)] == [2]
+    assert isinstance(run(core)[-1], Done)
+    assert core.sched.cache.tiers.stats.saves >= 1  # session a's state kept
+    assert_nothing_left(core, backend)

@@ -314,6 +314,10 @@ class Scheduler:
             return self._admit_restored(item, reuse.entry, reuse.cached, now)
         src, n = reuse.src, reuse.cached
         dst = self.cache.destination(req, src, n)
+        if dst is None and src is not None:
+            # The prefix is another live session's, in the one idle slot: take a slot
+            # as a request sharing nothing would (it waited out the pin: session_ttl).
+            src, n, dst = None, 0, self.cache.free_slot()
         if dst is None:
             return False
         forks = self.cache.fork_slots(req.n - 1, dst)
