@@ -747,3 +747,24 @@ def test_a_prompt_sharing_a_prefix_with_another_sessions_idle_slot_is_admitted()
     assert isinstance(run(core)[-1], Done)
     assert core.sched.cache.tiers.stats.saves >= 1  # session a's state kept
     assert_nothing_left(core, backend)
+
+
+def test_a_slot_taken_over_in_place_is_no_longer_the_old_sessions() -> None:
+    """A session's pin expired and a request without one took its slot over in place:
+    the slot stayed the session's, pinned again for session_ttl (evicted last, its
+    save made in that session's name, dropping the session's real saved states)."""
+    system = list(range(1, 27)) * 2
+    core, _ = core_with({5: [1, 0], 6: [2, 0]}, slots=2, max_running=2)
+    submit(core, 1, [*system, 5], max_tokens=3, session="k/a")
+    run(core)
+    for t in (700.0, 701.0):  # the pin expires
+        core.clock.t = t
+        core.step(t)
+    submit(core, 2, [*system, 6, 6], max_tokens=3)  # no session, the same prefix
+    for t in (703.0, 704.0, 705.0, 706.0):
+        core.clock.t = t
+        core.step(t)
+        core.frame(t)
+    assert not core.busy
+    taken = [s for s in core.sched.cache.slots if s.tokens]
+    assert taken and all(s.session is None for s in taken)

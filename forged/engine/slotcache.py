@@ -84,12 +84,15 @@ class SlotCache:
         slot.rid = None
         if not req.cache:
             self.evict(slot, keep=False)
-        elif req.session is not None:
+            return
+        if req.session is not None:
             # Only the latest turn is pinned; an earlier one is ordinary cache now.
             for other in self.slots:
                 if other.session == req.session:
                     other.session = None
-            slot.session = req.session
+        # What the slot holds is ``req``'s now: a request that took over an expired
+        # session's slot in place left it pinned to that session, for session_ttl more.
+        slot.session = req.session
 
     def vacate(self, sid: int) -> None:
         """Its request was preempted: empty the slot, saving its state first."""
