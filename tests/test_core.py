@@ -768,3 +768,23 @@ def test_a_slot_taken_over_in_place_is_no_longer_the_old_sessions() -> None:
     assert not core.busy
     taken = [s for s in core.sched.cache.slots if s.tokens]
     assert taken and all(s.session is None for s in taken)
+
+
+def test_a_preempted_request_that_opted_out_of_caching_leaves_no_saved_state() -> None:
+    """cache_prompt false: a preempted request's state was saved to the RAM tier all the
+    same, never restored (it restores nothing) and left for others of its tenant."""
+    core, backend = core_with({5: [1] * 60, 6: [2] * 60, 7: [3] * 60}, slots=2,
+                              max_running=2, cache_ram_bytes=1 << 20, step_tokens=64)
+    for rid, first in ((1, 5), (2, 6)):
+        submit(core, rid, [first] + [first - 4] * 39, max_tokens=50, priority="batch",
+               cache=False)
+    for _ in range(5):
+        core.step(0.0)
+        core.frame(0.0)
+    submit(core, 3, [7, 3, 3], max_tokens=2)  # interactive: preempts a batch request
+    events = run(core, 300)
+    assert all(isinstance(of(events, rid)[-1], Done) for rid in (1, 2, 3))
+    stats = core.sched.cache.tiers.stats
+    assert stats.swaps == 1 and stats.saves == 0  # swapped out, nothing saved
+    assert not list(core.sched.cache.tiers.recent_first())
+    assert_nothing_left(core, backend)

@@ -255,7 +255,7 @@ class Scheduler:
         else:  # a leader, with the choices that wait for its prompt
             again = msgspec.structs.replace(run.req, n=1 + len(run.forks))
         for index in (run.index, *run.forks):
-            self.cache.vacate(self._running.pop((run.rid, index)).slot)
+            self.cache.vacate(self._running.pop((run.rid, index)).slot, run.req)
         # Matched after its state was saved: a swap's resume is a restore, not a prefill.
         reused = self.cache.reuse(again).cached
         cached = self.queue.expected_cached(again, reused, self._prefilling())[0]

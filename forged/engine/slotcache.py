@@ -94,11 +94,13 @@ class SlotCache:
         # session's slot in place left it pinned to that session, for session_ttl more.
         slot.session = req.session
 
-    def vacate(self, sid: int) -> None:
-        """Its request was preempted: empty the slot, saving its state first."""
+    def vacate(self, sid: int, req: Request) -> None:
+        """``req`` was preempted: empty the slot, saving its state first unless ``req``
+        opted out of caching (its state was saved, never restored, since a request
+        that opts out restores nothing, and stayed for others of its tenant to reuse)."""
         slot = self.slots[sid]
         slot.rid = None
-        self.evict(slot)
+        self.evict(slot, keep=req.cache)
 
     def held(self, sid: int) -> list[int]:
         """The tokens whose cells slot ``sid`` holds."""
