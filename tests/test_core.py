@@ -167,6 +167,13 @@ def test_min_tokens_suppresses_the_end_and_stop_strings_until_reached() -> None:
     assert isinstance(done, Done) and done.stop_type == "eos"
     assert done.completion_tokens == 4 and done.stop_reason is None
     assert_nothing_left(core, backend)
+    # A stop string counts only after the first min_tokens tokens, as the end does
+    # (vLLM's rule): "b" as the second of min_tokens=2 ended the answer at "a".
+    core, backend = core_with({5: [1, 2, 3, 4, 2, 5]})  # a b c d b e
+    submit(core, 2, [5], max_tokens=6, stop=["b"], sampling=Sampling(min_tokens=2))
+    events = run(core)
+    assert "".join(e.text for e in events if isinstance(e, Delta | Done)) == "abcd"
+    assert isinstance(events[-1], Done) and events[-1].completion_tokens == 5
 
 
 @pytest.mark.parametrize(("include", "text"), [(False, "ab"), (True, "abc")])

@@ -479,8 +479,9 @@ class WorkerCore:
         piece = self.backend.piece(tok, tok in req.preserve)
         if scores is not None:
             scores.add(piece)
-        # vLLM's min_tokens: no stop string counts before it is reached either.
-        text = choice.text.feed(piece, match=choice.generated >= req.sampling.min_tokens)
+        # vLLM's min_tokens: a stop string counts only in a token after the first
+        # min_tokens, as the end of sequence does (their draws cannot take it).
+        text = choice.text.feed(piece, match=choice.generated > req.sampling.min_tokens)
         stop: StopType | None = "word" if choice.text.stopped else None
         if stop is None and (choice.generated >= req.max_tokens
                              or self._out_of_time(req, choice, piece)):
