@@ -206,6 +206,13 @@ class EngineConfig(_Section, frozen=True):
     memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     @property
+    def group_start_s(self) -> float:
+        """How long a model's workers may take to start: startup_timeout is each
+        worker's, and they start one after another (a swap gave the whole group one
+        worker's time; systemd's TimeoutStartSec ran out first at a start)."""
+        return self.startup_timeout * self.workers
+
+    @property
     def per_slot_cells(self) -> int:
         """Cells of one slot's own stream; 0 in the unified layout."""
         return self.kv_cells // self.slots if self.kv_layout == "per_slot" else 0

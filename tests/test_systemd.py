@@ -171,9 +171,14 @@ def test_notify_ready_status_watchdog_reload_stopping(
     tmp_path: Path, tiny_model: Path, notify: NotifySocket
 ) -> None:
     env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}
-    d = start(tmp_path, tiny_model, env=env, server={"status_interval": 0.2})
+    d = start(tmp_path, tiny_model, env=env, server={"status_interval": 0.2},
+              engine={**ENGINE, "workers": 2, "startup_timeout": 200.0})
     try:
         notify.wait_for("READY=1")
+        # Workers start one after another, each within startup_timeout: the start asks
+        # systemd for their time (TimeoutStartSec=300 ran out before 2 x 200 s).
+        extend = [line for _, line in notify.messages if line.startswith("EXTEND_TIMEOUT")]
+        assert extend == [f"EXTEND_TIMEOUT_USEC={(2 * 200 + 60) * 10**6}"]
         notify.wait_for("STATUS=")
         notify.wait_for("WATCHDOG=1")
         status = [line for _, line in notify.messages if line.startswith("STATUS=")][-1]

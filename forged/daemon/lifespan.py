@@ -41,6 +41,8 @@ from forged.http.state import AppState, Holds
 from forged.observe.metrics import Metrics
 
 log = logging.getLogger("forged")
+# Beyond the workers' start: the listeners, the doors, the first status line.
+_START_MARGIN_S = 60.0
 # After the last generation of a drain, how long its final bytes get before the
 # listeners (and their idle keep-alive connections) are ended.
 _LAST_BYTES_S = 0.5
@@ -183,6 +185,9 @@ class Daemon:
             self.swapper = Swapper(self.models, engine, self.config_path,
                                    test_hooks=self.test_hooks)
             state.swapper = self.swapper
+            # Every model's workers, one after another, each within its own time.
+            self.notifier.extend_start(_START_MARGIN_S + sum(
+                g.pool.cfg.engine.group_start_s for g in self.models.serving))
             for group in self.models.serving:
                 await engine.start(run_group, group)
             async with trio.open_nursery() as aux:

@@ -30,6 +30,11 @@ class Notifier:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self.send("RELOADING=1", f"MONOTONIC_USEC={usec}")
 
+    def extend_start(self, seconds: float) -> None:
+        """Ask systemd for ``seconds`` more from now before READY=1 must come (the
+        unit's TimeoutStartSec is only the default)."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     def stopping(self) -> None:
         self.send("STOPPING=1")
 

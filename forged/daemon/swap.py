@@ -207,7 +207,7 @@ class Swapper:
         self.models.add_loading(new)
         log.info("loading %s (%s) beside the models serving", model.model_id, model.path)
         try:
-            with trio.fail_after(cfg.engine.startup_timeout):
+            with trio.fail_after(new.pool.cfg.engine.group_start_s):
                 await self.engine.start(run_group, new)
                 await warm_up(new)
         except BaseException as exc:
