@@ -359,6 +359,8 @@ class Config(_Section, frozen=True):
             return 0, "server.tls_cert is set: the daemon accepts TLS connections itself"
         if not self.server.hot_door and setting:  # a door would hand over every request
             return 0, "server.hot_door = false: the daemon accepts"
+        if self.server.cors_origins and setting:  # the hot door answers no CORS request
+            return 0, "server.cors_origins is set: the daemon accepts"
         if setting != "auto":
             return setting, "set in the config"
         cores = len(core_groups(self.door_cpus)) if self.door_cpus else 0

@@ -548,6 +548,7 @@ def test_doors_stop_when_the_daemon_dies_however_it_dies(
     ([], 2, 2),  # set: kept
     ([0, 1, 8, 9], "tls", 0),  # with TLS the daemon accepts itself
     ([0, 1, 8, 9], "no hot door", 0),  # a door would hand over every request
+    ([0, 1, 8, 9], "cors", 0),  # so would one with CORS (it answers none): they ran
 ])
 def test_door_processes_default_to_the_doors_cores_but_one(
         door_cpus: list[int], setting: object, expected: int, tmp_path: Path,
@@ -565,5 +566,7 @@ def test_door_processes_default_to_the_doors_cores_but_one(
         server.update(door_processes=2, tls_cert="/c.pem", tls_key="/k.pem")
     elif setting == "no hot door":
         server.update(door_processes=2, hot_door=False)
+    elif setting == "cors":
+        server.update(door_processes=2, cors_origins=["https://ide.example"])
     cfg = msgspec.convert({"server": server}, fc.Config)
     assert cfg.door_processes[0] == expected
