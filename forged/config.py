@@ -425,6 +425,15 @@ def _explain(path: Path, err: msgspec.MsgspecError, within: str = "") -> ConfigE
     return ConfigError(f"{where}: {msg}")
 
 
+def check(path: Path, cfg: Config, context: str) -> None:
+    """Validate ``cfg`` as a file's config is; an error names ``context`` (what makes
+    it other than the file: a reload's mix of the file and the running values)."""
+    try:
+        _check(path, cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({context})") from exc
+
+
 def _check(path: Path, cfg: Config) -> None:
     _check_engine(path, "engine", cfg.engine)
     for place, model in enumerate(cfg.served):

@@ -266,3 +266,21 @@ async def test_a_reloaded_heartbeat_timeout_holds_for_the_running_worker(
             testhooks.hang_worker(pool, 0, 3.0)
             await trio.sleep(4.0)
             assert pool.workers[0].restarts == 0
+
+
+async def test_a_reload_whose_mix_with_the_running_restart_keys_is_invalid_is_refused(
+        tiny_model: Path, start_daemon: DaemonFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A reload keeps the running values of the keys that need a restart: the file was
+    valid alone (interval 1 s, timeout 5 s), but with the running interval (2 s) the
+    timeout is shorter than three heartbeats, and a worker would be killed between
+    two. It was applied all the same."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine={"heartbeat_interval": 2.0}) as d:
+            cfg = d.daemon.cfg
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, engine=msgspec.structs.replace(cfg.engine, heartbeat_interval=1.0,
+                                                    heartbeat_timeout=5.0))))
+            d.daemon.reload()
+            assert d.daemon.cfg.engine.heartbeat_timeout == cfg.engine.heartbeat_timeout
+    assert "reload refused" in caplog.text and "need a restart" in caplog.text

@@ -320,17 +320,14 @@ class Daemon:
         assert self.state is not None
         self.notifier.reloading()
         try:
-            new = self._reread()
+            new, changed, restart = self._reread_live()
         except fc.ConfigError as exc:
             log.error("reload refused, keeping the running config: %s", exc)
             self.notifier.ready(_status_line(self.state))
             return
-        changed = fc.changed_keys(self.cfg, new)
-        restart = [k for k in changed if k in fc.RESTART_KEYS]
         if restart:
             log.warning("reload: these changes need a restart and were not applied: %s",
                         ", ".join(restart))
-            new = keep_restart_keys(self.cfg, new)
         if (keys := self._reload_keys(new)) is None:
             self.notifier.ready(_status_line(self.state))
             return
@@ -350,6 +347,20 @@ class Daemon:
         log.info("reloaded %s; applied: %s; %d API keys", self.config_path,
                  ", ".join(live) or "nothing", len(keys.by_hash))
         self.notifier.ready(_status_line(self.state))
+
+    def _reread_live(self) -> tuple[fc.Config, list[str], list[str]]:
+        """The config a reload applies: the file's, with the running values of the keys
+        that need a restart; the keys changed, and those of them that need a restart.
+        The mix is checked as a whole: each part passed alone, but together they may
+        not (a new heartbeat_timeout against the running heartbeat_interval)."""
+        new = self._reread()
+        changed = fc.changed_keys(self.cfg, new)
+        restart = [k for k in changed if k in fc.RESTART_KEYS]
+        if restart:
+            new = keep_restart_keys(self.cfg, new)
+            fc.check(self.config_path, new, "with the running values of the keys that "
+                     f"need a restart ({', '.join(restart)})")
+        return new, changed, restart
 
     def _reload_keys(self, new: fc.Config) -> KeyStore | None:
         """The keys file read again; None (logged) when the reload must keep the old
