@@ -30,6 +30,7 @@ from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, serve_model, write_config
 from tests.test_models import as_toml
 from tests.test_security import worker_restarts
+from tests.tinymodel import write_tiny_llama
 
 
 def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +44,20 @@ def _deep(n: int) -> str:
 def _chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
 
+
+def _called(arguments: str) -> dict[str, Any]:
+    """A chat whose assistant turn called a tool with these arguments."""
+    return {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2}
+
+
+# What json.loads takes and the prompt cannot carry: ValueError (over 4,300 digits) and a
+# lone surrogate that failed when the template's text was encoded. Both were 500s.
+HUGE_INT_ARGS = '{"n": ' + "9" * 5000 + "}"
+SURROGATE_ARGS = '{"a": "\\ud800"}'
 
 # (what is sent, the field the 400 names)
 BOMBS: list[tuple[dict[str, Any], str]] = [
@@ -59,12 +74,8 @@ BOMBS: list[tuple[dict[str, Any], str]] = [
     # "²".isdigit() is true and int("²") raises: a 500.
     (_chat(logit_bias={"²": 1}), "logit_bias"),
     # json.loads recursed past Python's limit: a 500.
-    ({"messages": [{"role": "user", "content": "hi"}, {
-        "role": "assistant", "content": None, "tool_calls": [{
-            "id": "c1", "type": "function",
-            "function": {"name": "f", "arguments": _deep(1001)}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2},
-     "messages[1].tool_calls[0].function.arguments"),
+    (_called(_deep(1001)), "messages[1].tool_calls[0].function.arguments"),
+    (_called(HUGE_INT_ARGS), "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
@@ -117,6 +128,49 @@ def test_deep_tool_call_arguments_are_a_400() -> None:
     with pytest.raises(e.BadRequest) as caught:
         parse_arguments(_deep(1001), "p")
     assert caught.value.param == "p"
+
+
+@pytest.mark.parametrize("arguments", [HUGE_INT_ARGS, SURROGATE_ARGS],
+                         ids=["digits", "surrogate"])
+def test_tool_call_arguments_only_python_reads_are_a_400(arguments: str) -> None:
+    with pytest.raises(e.BadRequest) as caught:
+        parse_arguments(arguments, "p")
+    assert caught.value.param == "p"
+
+
+async def test_tool_call_arguments_are_a_400_where_the_template_renders_tools(
+        tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    """On a model whose template writes the calls (the surrogate failed only there),
+    on chat and as a /v1/responses function_call item."""
+    where = "messages[1].tool_calls[0].function.arguments"
+    item = {"type": "function_call", "call_id": "c1", "name": "f"}
+    with trio.fail_after(60):
+        async with start_daemon(write_tiny_llama(tmp_path / "t.gguf", tools=True)) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for arguments in (HUGE_INT_ARGS, SURROGATE_ARGS):
+                r = await c.post("/v1/chat/completions", json=_called(arguments))
+                assert (r.status_code, r.json()["error"]["param"]) == (400, where), r.text
+                r = await c.post("/v1/responses", json={"input": [
+                    {"role": "user", "content": "hi"}, {**item, "arguments": arguments}],
+                    "max_output_tokens": 2})
+                assert r.status_code == 400, r.text
+
+
+async def test_an_unexpected_exception_is_a_500_of_type_server_error(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """It was a 500 of type invalid_request_error: OpenAI's clients read that as the
+    caller's fault."""
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("forged.http.chat.message_dict", broken)
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["type"] == "server_error"
 
 
 def _tool(parameters: Any) -> list[dict[str, Any]]:

@@ -213,8 +213,9 @@ def _add_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 400
-        resp = _error_shape(app)(http_error(status, exc.description or exc.name,
-                                            "invalid_request_error"))
+        # An unexpected exception reaches here as a 500: OpenAI calls that server_error.
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        resp = _error_shape(app)(http_error(status, exc.description or exc.name, kind))
         if status in (408, 413):
             # The rest of the body was never read: this connection cannot be reused.
             resp.headers["Connection"] = "close"

@@ -31,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from forged import errors as e
 from forged.engine.grammar import MAX_SCHEMA_BYTES, call_grammar, check_schema
 from forged.engine.grammar import TOOL_CLOSE as CLOSE
@@ -171,6 +173,9 @@ def _call_json(call: dict[str, Any]) -> dict[str, Any]:
     return {"name": fn["name"], "arguments": fn["arguments"]}
 
 
+_arguments_json = msgspec.json.Decoder()
+
+
 def parse_arguments(raw: Any, where: str) -> Any:
     """An assistant message's ``function.arguments`` (a JSON string, as OpenAI sends
     it) as a value, for templates that write it out as JSON."""
@@ -181,10 +186,14 @@ def parse_arguments(raw: Any, where: str) -> Any:
     if (depth := json_depth(raw.encode())) > MAX_ARGUMENTS_DEPTH:
         raise e.BadRequest(f"function.arguments is nested {depth} levels deep, more "
                            f"than {MAX_ARGUMENTS_DEPTH}", param=where)
+    # msgspec, not json: json.loads takes what the prompt cannot carry. An integer of
+    # over 4,300 digits raised ValueError, and "\ud800" made a lone surrogate that
+    # failed once the template's text was encoded: both were 500s.
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise e.BadRequest("function.arguments must be a JSON string", param=where) from exc
+        return _arguments_json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise e.BadRequest(f"function.arguments must be a JSON string ({exc})",
+                           param=where) from exc
 
 
 # --- the answer ------------------------------------------------------------------------
