@@ -25,7 +25,7 @@ import trio
 from forged import errors as e
 from forged.auth import add_key
 from forged.engine.backend import Context, ContextParams, Model, Sampler
-from forged.engine.request import SAMPLER_ORDER, Sampling
+from forged.engine.request import SAMPLER_ORDER, SamplerName, Sampling
 from forged.http.sampling import sampler_order
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, serve_model
@@ -52,6 +52,56 @@ def test_an_unknown_sampler_is_refused_naming_samplers(bad: str | list[str]) -> 
     with pytest.raises(e.BadRequest) as info:
         sampler_order(bad)
     assert info.value.param == "samplers"
+
+
+# llama.vscode's and llama.vim's /infill sampling (bench.editors sends the same).
+EDITOR_INFILL = {"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99}
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body", [
+    {**HI, "samplers": ["top_k", "infill"]}, {**HI, "samplers": ["infill"]},
+    {**HI, "samplers": ["infill", "top_k"], "top_k": 40},
+    {**HI, "samplers": ["top_k", "infill"], "top_k": 0},
+    {**HI, "samplers": ["top_k", "infill"], "top_k": -1},
+    {**HI, "samplers": "ki", "top_k": 257}, {**HI, "samplers": "pi", "top_k": 40}])
+@pytest.mark.trio
+async def test_an_infill_sampler_without_a_small_top_k_before_it_is_a_400(
+        fim_model: Path, start_daemon: DaemonFactory, body: dict[str, Any]) -> None:
+    """llama.cpp's infill sampler compares every candidate with every other: over
+    SmolLM2's 49k tokens its first token took 16.5 s, and the worker's heartbeat ran out
+    with every stream on it (503 worker_lost)."""
+    with trio.fail_after(60):
+        async with start_daemon(fim_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "samplers"
+            for extra in ({}, {"temperature": 0}, {"mirostat": 2, "top_k": None}):
+                r = await c.post("/v1/chat/completions", json={
+                    **HI, **EDITOR_INFILL, **extra})
+                assert r.status_code == 200, r.text
+                r = await c.post("/infill", json={
+                    "input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 4,
+                    **EDITOR_INFILL, **extra})
+                assert r.status_code == 200, r.text
+
+
+def test_at_temperature_0_what_comes_before_infill_still_runs(tiny_model: Path) -> None:
+    """Greedy keeps only the samplers that can move the top token, but the infill
+    sampler's answer depends on what it is handed: a top_k before it was left out, and
+    it went over the whole vocabulary."""
+    model = Model(str(tiny_model), vocab_only=True)
+    try:
+        order: tuple[SamplerName, ...] = ("top_k", "infill", "top_p")
+        with Sampler(model, Sampling(temperature=0.0, top_k=40, top_p=0.5,
+                                     order=order)) as s:
+            chain = s._ptr
+            names = [ll.llama_sampler_name(ll.llama_sampler_chain_get(chain, i))
+                     for i in range(ll.llama_sampler_chain_n(chain))]
+    finally:
+        model.close()
+    assert names == [b"top-k", b"infill", b"greedy"]
 
 
 # --- each sampler acts, on the real model --------------------------------------------------

@@ -449,8 +449,12 @@ class Sampler(Closing):
         dynamic temperature, which would raise it), else from the distribution."""
         p = self._p
         greedy = p.temperature <= 0.0 and p.dynatemp_range <= 0.0
-        for name in p.order:
-            if not greedy or name in _MOVE_THE_TOP:
+        # What the infill sampler is handed changes its answer (it pools candidates
+        # that share a prefix), and a top_k before it bounds its cost: everything
+        # before it runs, as in llama.cpp.
+        infill_at = max((i for i, n in enumerate(p.order) if n == "infill"), default=-1)
+        for i, name in enumerate(p.order):
+            if not greedy or i <= infill_at or name in _MOVE_THE_TOP:
                 self._stage(name)
         self._add(ll.llama_sampler_init_greedy() if greedy
                   else ll.llama_sampler_init_dist(self._seed))

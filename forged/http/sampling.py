@@ -37,6 +37,12 @@ _ALIASES: dict[str, SamplerName] = {
                            for alias in (name.replace("_", "-"), name.replace("_", ""))}}
 # DRY's base below 1 asks for llama.cpp's server default, as it does there.
 _DRY_BASE = 1.75
+# llama.cpp's infill sampler compares each candidate's text with every other's: over
+# SmolLM2's 49k tokens its first draw took 16.5 s, and the worker's heartbeat ran out
+# with every stream on it. A top_k before it bounds that: 256 candidates take about a
+# millisecond a draw (1,024 took 18 ms, a whole step), and editors send 40 (llama.vim,
+# llama.vscode). forged's top_k is off unless given (llama-server's default is 40).
+MAX_INFILL_TOP_K = 256
 
 
 def sampling(state: AppState, group: ModelGroup, req: GenerationFields) -> Sampling:
@@ -63,7 +69,7 @@ def sampling(state: AppState, group: ModelGroup, req: GenerationFields) -> Sampl
         mirostat_eta=_given(req.mirostat_eta, 0.1), min_keep=max(1, req.min_keep or 0),
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
         logit_bias=_logit_bias(state.cfg.limits.max_logit_bias, group, req.logit_bias),
-        order=SAMPLER_ORDER if req.samplers is None else sampler_order(req.samplers),
+        order=SAMPLER_ORDER if req.samplers is None else _checked_order(req.samplers, req),
         min_tokens=req.min_tokens,
     )
 
@@ -120,6 +126,21 @@ def sampler_order(samplers: list[str] | str) -> tuple[SamplerName, ...]:
     if isinstance(samplers, str):
         return tuple(_letter(c) for c in samplers)
     return tuple(_name(n) for n in samplers)
+
+
+def _checked_order(samplers: list[str] | str, req: GenerationFields
+                   ) -> tuple[SamplerName, ...]:
+    """``samplers``, refused if the infill sampler would see more than
+    :data:`MAX_INFILL_TOP_K` candidates (mirostat does not run the chain)."""
+    order = sampler_order(samplers)
+    if "infill" not in order or req.mirostat:
+        return order
+    before = order[:order.index("infill")]
+    if "top_k" in before and 1 <= (req.top_k or 0) <= MAX_INFILL_TOP_K:
+        return order
+    raise e.BadRequest(f"the infill sampler needs top_k (1 to {MAX_INFILL_TOP_K}) before it "
+                       "in samplers: it compares every candidate with every other",
+                       param="samplers")
 
 
 def _letter(c: str) -> SamplerName:
