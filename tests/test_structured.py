@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from forged import errors as e
 from forged.engine.backend import Model, check_grammar, grammar_sampler
-from forged.engine.grammar import call_grammar, check_schema, schema_grammar
+from forged.engine.grammar import call_grammar, check_schema, choice_grammar, schema_grammar
 from forged.engine.prompts import Prompter
 from forged.engine.request import Grammar
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
@@ -624,6 +624,35 @@ def _fits(ptr: Any, token: int) -> bool:
                                       sorted=False)
     ll.llama_sampler_apply(ptr, ctypes.byref(array))
     return bool(np.isfinite(one.logit))
+
+
+def _grammar_writes_tokens(m: Model, gbnf: str, text: str) -> bool:
+    """As :func:`_grammar_writes`, with ``text`` in the tokens the tokenizer makes of it
+    (a character of several bytes may be several tokens)."""
+    ptr = grammar_sampler(m, Grammar(gbnf=gbnf))
+    try:
+        for tok in m.tokenize(text, add_special=False, parse_special=False):
+            if not _fits(ptr, tok):
+                return False
+            ll.llama_sampler_accept(ptr, tok)
+        return _fits(ptr, m.eos)
+    finally:
+        ll.llama_sampler_free(ptr)
+
+
+@pytest.mark.parametrize("choices", [["😀", "🙁"], ["a\fb", "x\by"], ['say "hi"\n', "a\\b"],
+                                     ["tab\there", "é"]])
+def test_guided_choice_writes_each_choice_as_it_is(real_model: Path,
+                                                   choices: list[str]) -> None:
+    """json.dumps wrote the choices: an emoji became \\ud83d\\ude00, two code points
+    no token can write ("no token can continue"), and \\b, \\f are escapes llama.cpp's
+    GBNF does not know ("could not parse the grammar")."""
+    g = choice_grammar(choices, "guided_choice")
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, g)
+        for choice in choices:
+            assert _grammar_writes_tokens(m, g.gbnf, choice), choice
+        assert not _grammar_writes_tokens(m, g.gbnf, choices[0] + choices[1])
 
 
 @pytest.mark.parametrize(("pattern", "written", "refused"), [
