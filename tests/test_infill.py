@@ -188,6 +188,22 @@ async def test_fim_on_a_model_without_fim_tokens_is_a_400(
             assert d.daemon.pool.in_flight() == 0
 
 
+async def test_a_streamed_infill_that_fails_ends_with_its_error_alone(
+        fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """Like its success (and llama-server's stream), with no [DONE] after the error:
+    the error event was followed by "data: [DONE]", which llama.cpp's clients read as
+    one more JSON object."""
+    with trio.fail_after(60):
+        async with start_daemon(fim_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            # A grammar llama.cpp takes that no token can write: the first draw fails.
+            r = await c.post("/infill", json=infill(stream=True, grammar='root ::= "\\u0000"'))
+    assert r.status_code == 200, r.text
+    frames = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert len(frames) == 1, r.text
+    assert "error" in json.loads(frames[0][6:])
+
+
 async def test_a_superseded_infill_frees_its_sequence_within_a_step(
         fim_model: Path, start_daemon: DaemonFactory) -> None:
     with trio.fail_after(60):

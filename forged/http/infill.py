@@ -29,6 +29,7 @@ from forged.engine.events import Done
 from forged.engine.fim import ExtraFile
 from forged.engine.groups import ModelGroup
 from forged.http import sse
+from forged.http.responses import HTTPError
 from forged.http.retrieve import Retrieved, code_text, context, query_around
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState
@@ -165,6 +166,9 @@ class InfillFormat(sse.Format):
 
     def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""  # llama.cpp's events end with the last one, without [DONE]
+
+    def error(self, err: HTTPError) -> bytes:
+        return sse.event(err.body)  # the last event, as a success's is: no [DONE]
 
     def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
