@@ -306,6 +306,30 @@ def test_best_of_returns_the_choices_with_the_highest_logprob_per_token(
     assert best.usage.prompt_tokens == every["usage"]["prompt_tokens"]
 
 
+@pytest.mark.trio
+async def test_best_of_is_bounded_as_n_is_and_a_key_s_400_names_it(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path) -> None:
+    """best_of had no bound but what a worker runs at once (engine.max_running, up to
+    255), where README said n to 16; and a key's limit named n when best_of asked."""
+    keys = {name: add_key(tmp_path / "keys.toml", name, max_streams=most, max_queued=4,
+                          priority="interactive") for name, most in (("two", 2), ("all", 32))}
+    body = {"prompt": "x", "max_tokens": 1}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, engine={"max_running": 32, "slots": 32}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for name, asked, param in (
+                    ("all", {"best_of": 17}, "best_of"),  # README's bound, n's
+                    ("two", {"n": 1, "best_of": 3}, "best_of"),  # the key's limit
+                    ("two", {"n": 3}, "n"), ("two", {"n": 3, "best_of": 3}, "n")):
+                r = await c.post("/v1/completions", json={**body, **asked},
+                                 headers={"Authorization": f"Bearer {keys[name]}"})
+                assert r.status_code == 400, (asked, r.text)
+                assert r.json()["error"]["param"] == param, (asked, r.text)
+            r = await c.post("/v1/completions", json={**body, "best_of": 16},
+                             headers={"Authorization": f"Bearer {keys['all']}"})
+            assert r.status_code == 200, r.text
+
+
 @pytest.mark.model
 def test_n_choices_smollm2(smol: DaemonProcess) -> None:
     c = _client(smol)

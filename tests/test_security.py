@@ -401,9 +401,9 @@ structured = st.fixed_dictionaries({}, optional={
     "logit_bias": st.one_of(st.dictionaries(st.one_of(st.text(max_size=6), unicode_digits),
                                             st.floats(-200, 200), max_size=3), values),
     "top_p": values, "seed": values,
-    # n choices: within the cap, past it, past what a worker runs at once; best_of.
+    # n choices and best_of: within the cap, past it, past what a worker runs at once.
     "n": st.one_of(st.integers(-1, 20), values),
-    "best_of": st.one_of(st.integers(0, 5), values), "priority": values, "model": values,
+    "best_of": st.one_of(st.integers(0, 20), values), "priority": values, "model": values,
     "stream_options": values, "ignore_eos": values,
     "suffix": st.one_of(st.text(max_size=20), values),
     "samplers": st.one_of(st.lists(st.sampled_from(

@@ -648,7 +648,8 @@ def _hold_key(usage: dict[str, KeyUsage], retry_after: int, group: ModelGroup,
         return
     places = max(req.n, req.best_of or 0)
     c.hold = hold_generation(usage, c.key, places, would_wait=group.pool.would_wait(places),
-                             retry_after=retry_after)
+                             retry_after=retry_after,
+                             param="n" if places == req.n else "best_of")
 
 
 def _hold_side(usage: dict[str, KeyUsage], retry_after: int) -> None:

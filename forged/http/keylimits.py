@@ -53,15 +53,16 @@ class KeyHold:
 
 
 def hold_generation(usages: dict[str, KeyUsage], key: KeyEntry, places: int, *,
-                    would_wait: bool, retry_after: int) -> KeyHold:
+                    would_wait: bool, retry_after: int, param: str = "n") -> KeyHold:
     """Take ``places`` of ``key``'s ``max_streams`` for the rest of the request, or
-    raise. A request that would start at once (``would_wait`` false: its model has
-    room) is never refused for ``max_queued``, so ``max_queued = 0`` means "never wait",
-    not "never run"."""
+    raise (a request that asks for more than the key may ever run: a 400 naming
+    ``param``, the field that asked for the places). A request that would start at once
+    (``would_wait`` false: its model has room) is never refused for ``max_queued``, so
+    ``max_queued = 0`` means "never wait", not "never run"."""
     usage = usages.setdefault(key.name, KeyUsage())
     if places > key.max_streams:
         raise e.BadRequest(f"API key {key.name!r} may run {key.max_streams} sequences at "
-                           f"once; this request asks for {places}", param="n")
+                           f"once; this request asks for {places}", param=param)
     if usage.open + places > key.max_streams:
         raise e.RateLimited(f"API key {key.name!r} has {usage.open} sequences in flight; "
                             f"{places} more would pass its limit", retry_after)

@@ -46,8 +46,9 @@ class GenerationFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    # Accepted only equal to n: vLLM V1 and llama.cpp's server do not implement it.
-    best_of: Annotated[int, Meta(ge=1)] | None = None
+    # OpenAI's best_of (n to 16, checked against n in forged.http.api): each choice
+    # generated takes a sequence, as n's do, so it has n's bound.
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     user: str | None = None
     # Extensions that llama.cpp's server and vLLM accept.
     ignore_eos: bool = False
