@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forged.engine.fim import ExtraFile, FimTokens, InfillPrompt, infill_prompt
+from forged.engine.fim import ExtraFile, FimTokens, InfillPrompt, infill_prompt, leave_room
 
 PRE, SUF, MID, REP, SEP, PAD, BOS = 9001, 9002, 9003, 9004, 9005, 9006, 1
 
@@ -145,6 +145,23 @@ def test_no_room_drops_all_extra_context() -> None:
     assert out.tokens[0] == PRE
     assert out.extra_dropped == (1 + len("myproject\n") + 1 + len("tmp\n") + len("X")
                                  + 1 + len("filename\n"))
+
+
+def test_leave_room_clips_only_the_extra_context_from_its_front() -> None:
+    """llama.cpp's -1 budget gives the extra context n_ctx - n_batch + 2 tokens: with a
+    full prefix and suffix the prompt passes the context, which forged never shifts."""
+    extra = [ExtraFile(text="old\n" * 20, filename="o"), ExtraFile(text="new\n", filename="n")]
+    laid = build(prefix="a" * 40, suffix="z" * 40, extra=extra, fim=REPO, prompt="",
+                 n_batch=16, n_ctx=60)
+    assert len(laid.tokens) > 60 and laid.extra_kept == 60 - 16 + 2
+    out = leave_room(laid, 60, 8)
+    assert len(out.tokens) == 60 - 8
+    assert out.tokens == laid.tokens[len(laid.tokens) - 52:]  # its front went
+    assert out.extra_kept == laid.extra_kept - (len(laid.tokens) - 52)
+    assert out.extra_dropped + out.extra_kept == laid.extra_dropped + laid.extra_kept
+    assert leave_room(out, 60, 8) == out  # it fits: unchanged
+    # the prefix, suffix and prompt are never cut: with no extra left, it stays too long
+    assert leave_room(laid, 20, 8).tokens[0] == PRE
 
 
 @pytest.mark.parametrize(("n_batch", "n_ctx", "n_predict"), [(0, 10, -1), (4, 0, -1),

@@ -17,7 +17,7 @@ from forged.engine.fim import ExtraFile
 from forged.engine.kvtiers import common_prefix
 from forged.engine.prompts import Prompter
 from tests.conftest import DaemonFactory
-from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step
+from tests.test_api import assert_a_dropped_stream_is_freed_within_a_step, open_raw_stream
 from tests.tinymodel import FIM_TOKENS
 
 CODE_BEFORE = "def add(a, b):\n    return "
@@ -38,7 +38,7 @@ def layout(model: Path, extra: list[dict[str, Any]], typed: str) -> list[int]:
     try:
         files = [ExtraFile(text=x["text"], filename=x["filename"]) for x in extra]
         return p.encode_infill(CODE_BEFORE, CODE_AFTER, files, typed, n_batch=1024,
-                               n_ctx=2048, n_predict=12)
+                               n_ctx=2048, n_predict=12, room=12)
     finally:
         p.close()
 
@@ -48,7 +48,7 @@ def test_the_layout_puts_the_pieces_where_llama_cpp_does(fim_model: Path) -> Non
     try:
         assert p.fim is not None and p.fim.rep is not None and p.fim.sep is not None
         ids = p.encode_infill("ab", "cd", [ExtraFile(text="x", filename="f.py")], "Z",
-                              n_batch=1024, n_ctx=2048, n_predict=16)
+                              n_batch=1024, n_ctx=2048, n_predict=16, room=16)
         plain = lambda s: p.vocab.tokenize(s, add_special=False, parse_special=False)  # noqa: E731
         assert ids == [p.fim.rep, *plain("myproject\n"), p.fim.sep, *plain("f.py\n"),
                        *plain("x"), p.fim.sep, *plain("filename\n"), p.vocab.bos,
@@ -202,6 +202,39 @@ async def test_a_streamed_infill_that_fails_ends_with_its_error_alone(
     frames = [line for line in r.text.splitlines() if line.startswith("data: ")]
     assert len(frames) == 1, r.text
     assert "error" in json.loads(frames[0][6:])
+
+
+def _lines(name: str, n: int) -> str:
+    return "".join(f"    {name}{i} = compute({i}, y)\n" for i in range(n))
+
+
+async def test_an_infill_without_n_predict_clips_its_extra_context_to_fit(
+        fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """Absent n_predict (or -1), the layout gave the extra files all the context but
+    the prefix's and suffix's (llama.cpp's n_predict -1 budget, 2 tokens more): the
+    prompt alone passed the context (2,052 of 2,048 tokens) and was refused."""
+    body = {"input_prefix": _lines("a", 200), "input_suffix": _lines("b", 60),
+            "input_extra": [{"filename": f"f{i}.py", "text": _lines(f"c{i}_", 100)}
+                            for i in range(5)]}
+    with trio.fail_after(60):
+        async with start_daemon(fim_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            asked = (await c.post("/infill", json={**body, "n_predict": 8})).json()
+            answers = {}
+            for n_predict in (None, 0, 1):
+                r = await c.post("/infill", json={**body, "n_predict": n_predict,
+                                                  "t_max_predict_ms": 1})
+                assert r.status_code == 200, (n_predict, r.text)
+                answers[n_predict] = r.json()
+            # -1 runs to the context's end: its first event is enough (it was a 400)
+            sock = await open_raw_stream(d, "/infill", {**body, "n_predict": -1,
+                                                        "stream": True}, events=1)
+            await sock.aclose()
+    assert asked["tokens_evaluated"] + 8 <= 2048
+    # the extra files were clipped, leaving the default budget's room
+    assert answers[None]["tokens_evaluated"] < asked["tokens_evaluated"]
+    assert answers[None]["tokens_predicted"] > 0
+    assert answers[0]["tokens_evaluated"] < 2048 and answers[1]["tokens_evaluated"] < 2048
 
 
 async def test_a_superseded_infill_frees_its_sequence_within_a_step(

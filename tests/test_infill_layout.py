@@ -81,7 +81,7 @@ def test_forged_lays_out_the_infill_prompt_as_llama_server_does(
         extra = [ExtraFile(**x) for x in case.get("input_extra", [])]
         ours = p.encode_infill(case["input_prefix"], case["input_suffix"], extra,
                                case.get("prompt", ""), n_batch=N_BATCH, n_ctx=N_CTX,
-                               n_predict=N_PREDICT)
+                               n_predict=N_PREDICT, room=N_PREDICT)
         assert theirs["tokens_evaluated"] == len(ours)
         assert theirs["prompt"] == p.vocab.detokenize(ours)
     finally:

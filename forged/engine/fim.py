@@ -40,7 +40,11 @@ Budgets (``//`` is C's integer division; all operands are non-negative here)::
     n_extra_take  = min(len(extra), max(0, n_ctx - n_batch - 2 * n_predict))    the END
 
 The prompt itself is never clipped, and nothing checks that the result fits ``n_ctx``:
-llama-server refuses a too-long prompt later, when a slot starts it.
+llama-server refuses a too-long prompt later, when a slot starts it. With ``n_predict``
+-1 it does not: the extra context's budget is then ``n_ctx - n_batch + 2``, and a full
+prefix and suffix take the rest and 2 to 4 tokens more. forged never shifts the context,
+so :func:`leave_room` then clips the extra context further, from the same front, until
+the completion has its room (where llama-server's layout fits, it changes nothing).
 
 Tokenization seam
 =================
@@ -119,6 +123,7 @@ class InfillPrompt(msgspec.Struct, frozen=True):
     prefix_dropped: int  # from the prefix's start
     suffix_dropped: int  # from the suffix's end
     extra_dropped: int  # from the extra context's start (header and oldest chunks)
+    extra_kept: int  # the extra context's tokens, at the front of ``tokens``
 
     @property
     def clipped(self) -> bool:
@@ -224,4 +229,16 @@ def lay_out(
         prefix_dropped=len(prefix) - n_prefix_take,
         suffix_dropped=len(suffix) - n_suffix_take,
         extra_dropped=len(extra) - n_extra_take,
+        extra_kept=n_extra_take,
     )
+
+
+def leave_room(p: InfillPrompt, n_ctx: int, room: int) -> InfillPrompt:
+    """``p`` with its extra context clipped further from its front, as far as it takes
+    to leave ``room`` of ``n_ctx`` to the completion. Only the extra context is cut: if
+    the prefix, suffix and prompt alone leave no room, the prompt is too long."""
+    cut = min(max(0, len(p.tokens) + room - n_ctx), p.extra_kept)
+    if cut == 0:
+        return p
+    return msgspec.structs.replace(p, tokens=p.tokens[cut:], extra_dropped=p.extra_dropped
+                                   + cut, extra_kept=p.extra_kept - cut)

@@ -15,7 +15,7 @@ import msgspec
 import forged
 from forged.engine.backend import Model, chat_formatter, check_grammar, llama_version
 from forged.engine.closing import Closing
-from forged.engine.fim import ExtraFile, MixedText, infill_prompt
+from forged.engine.fim import ExtraFile, MixedText, infill_prompt, leave_room
 from forged.engine.grammar import TOOL_CLOSE, TOOL_OPEN
 from forged.engine.kvdisk import model_identity
 from forged.engine.request import Grammar
@@ -175,18 +175,21 @@ class Prompter(Closing):
                                    add_special=False, parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
-                      prompt: str, *, n_batch: int, n_ctx: int, n_predict: int) -> list[int]:
+                      prompt: str, *, n_batch: int, n_ctx: int, n_predict: int,
+                      room: int) -> list[int]:
         """llama.cpp's /infill prompt (forged.engine.fim): each piece tokenized as its
-        server does, the typed ``prompt`` with special tokens parsed, the rest without."""
+        server does, the typed ``prompt`` with special tokens parsed, the rest without;
+        the extra context clipped to leave ``room`` of ``n_ctx`` to the completion."""
         if self.fim is None:
             raise BadRequest("this model has no fill-in-the-middle tokens (prefix, suffix "
                              "and middle): serve a FIM-capable model for completions "
                              "with code after the cursor", code="fim_not_supported")
         ids = self.vocab.tokenize(prompt, add_special=False, parse_special=True)
-        return infill_prompt(
+        laid_out = infill_prompt(
             prefix, suffix, extra, ids, self.fim,
             lambda s: self.vocab.tokenize(s, add_special=False, parse_special=False),
-            bos=self._bos, n_batch=n_batch, n_ctx=n_ctx, n_predict=n_predict).tokens
+            bos=self._bos, n_batch=n_batch, n_ctx=n_ctx, n_predict=n_predict)
+        return leave_room(laid_out, n_ctx, room).tokens
 
     def close(self) -> None:
         self.vocab.close()

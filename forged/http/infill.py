@@ -84,7 +84,17 @@ async def fim_prompt(state: AppState, group: ModelGroup, prefix: Code, suffix: C
     return await state.off_loop(functools.partial(
         group.prompter.encode_infill, prefix, suffix, extra, typed,
         n_batch=state.cfg.limits.infill_batch, n_ctx=group.max_context,
-        n_predict=-1 if wanted is None else wanted))
+        n_predict=-1 if wanted is None else wanted,
+        room=completion_room(state.cfg.limits.default_max_tokens, wanted)))
+
+
+def completion_room(default: int, wanted: int | None) -> int:
+    """What the extra context leaves of the context for the completion: ``wanted``,
+    and at least the one token a prompt must leave. Absent, or -1 ("until the context
+    is full"), the default budget: llama.cpp's layout then gave the extra context all
+    the context but the prefix and suffix (and 2 more tokens), so that the prompt alone
+    passed the context and was refused."""
+    return default if wanted is None or wanted < 0 else max(wanted, 1)
 
 
 async def infill_tokens(state: AppState, group: ModelGroup, req: InfillRequest,
