@@ -88,15 +88,30 @@ def chat_formatter(template: str, eos: str, bos: str) -> Jinja2ChatFormatter:
                                add_generation_prompt=True)
 
 
+# What a GBNF literal cannot hold as itself: its quote and escape character, and control
+# characters (llama.cpp reads the grammar as a C string: a NUL would end it).
+_GBNF_SPECIAL = re.compile(r'["\\\x00-\x1f\x7f]')
+
+
+def gbnf_literal(text: str) -> str:
+    """``text`` as a GBNF literal that matches exactly it. Not json.dumps: it writes an
+    emoji as two surrogate escapes (GBNF reads two code points no token can write) and
+    \\b, \\f as escapes llama.cpp's GBNF does not know."""
+    return '"' + _GBNF_SPECIAL.sub(_gbnf_escape, text) + '"'
+
+
+def _gbnf_escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return "\\" + c if c in '"\\' else f"\\x{ord(c):02x}"
+
+
 class _Converter(SchemaConverter):
     """llama-cpp-python's converter, with literals escaped for GBNF in full: it left a
     backslash as is, so JSON's ``\\n`` in an enum's value became the grammar's newline
     (a raw line break inside a JSON string), and ``\\"`` ended the grammar's literal."""
 
-    _ESCAPES = {"\\": "\\\\", "\r": "\\r", "\n": "\\n", '"': '\\"'}
-
     def _format_literal(self, literal: str) -> str:
-        return '"' + re.sub(r'[\\\r\n"]', lambda m: self._ESCAPES[m.group()], literal) + '"'
+        return gbnf_literal(literal)
 
     def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
         """The converter's resolve_refs for local references, walking schemas only: its

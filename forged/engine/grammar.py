@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from forged import errors as e
-from forged.engine.backend import JSON_OBJECT_GBNF, schema_gbnf
+from forged.engine.backend import JSON_OBJECT_GBNF, gbnf_literal, schema_gbnf
 from forged.engine.jsonpattern import json_pattern
 from forged.engine.request import Grammar
 from forged.engine.schemawalk import mapped, subschemas
@@ -165,23 +165,6 @@ def choice_grammar(choices: list[str], param: str) -> Grammar:
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise e.BadRequest("guided_choice must be a list of non-empty strings", param=param)
     return Grammar(gbnf="root ::= " + " | ".join(gbnf_literal(c) for c in choices))
-
-
-# What a GBNF literal cannot hold as itself: its quote and escape character, and control
-# characters (llama.cpp reads the grammar as a C string: a NUL would end it).
-_GBNF_SPECIAL = re.compile(r'["\\\x00-\x1f\x7f]')
-
-
-def gbnf_literal(text: str) -> str:
-    """``text`` as a GBNF literal that matches exactly it. Not json.dumps: it writes an
-    emoji as two surrogate escapes (GBNF reads two code points no token can write) and
-    \\b, \\f as escapes llama.cpp's GBNF does not know."""
-    return '"' + _GBNF_SPECIAL.sub(_gbnf_escape, text) + '"'
-
-
-def _gbnf_escape(m: re.Match[str]) -> str:
-    c = m.group()
-    return "\\" + c if c in '"\\' else f"\\x{ord(c):02x}"
 
 
 def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> None:
