@@ -92,3 +92,43 @@ def test_a_failed_openssl_leaves_neither_file_and_the_next_configure_makes_both(
     done = maintscript("forged.postinst", root, fakes, "configure", "")
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tls.iterdir()) == ["forged.crt", "forged.key"]
+
+
+def installed(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+# What forged's postinst and tools leave (dpkg has removed forged.toml, its conffile,
+# before postrm purge).
+FORGED_MADE = {"etc/forged/tls/forged.key": "k", "etc/forged/tls/forged.crt": "c",
+               "etc/forged/keys.toml": "[[key]]\n", "var/lib/forged/kvcache/x": "state"}
+
+
+def test_purge_keeps_a_model_package_s_table(root: Path, fakes: Path) -> None:
+    (root / "etc" / "forged" / "forged.toml").unlink()
+    installed(root, {**FORGED_MADE, "etc/forged/models.d/minilm.toml": "[[models]]\n"})
+    done = maintscript("forged.postrm", root, fakes, "purge")
+    assert done.returncode == 0, done.stderr
+    # forged-model-minilm's conffile: deleted here, dpkg would never bring it back.
+    assert (root / "etc" / "forged" / "models.d" / "minilm.toml").read_text() == "[[models]]\n"
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert left == ["etc/forged/models.d/minilm.toml"]
+    assert not (root / "var" / "lib" / "forged").exists()
+
+
+def test_purge_removes_forged_s_files_and_then_its_empty_folders(root: Path,
+                                                                   fakes: Path) -> None:
+    (root / "etc" / "forged" / "forged.toml").unlink()
+    installed(root, FORGED_MADE)
+    (root / "etc" / "forged" / "models.d").mkdir()
+    done = maintscript("forged.postrm", root, fakes, "purge")
+    assert done.returncode == 0, done.stderr
+    assert not (root / "etc" / "forged").exists()
+    assert not (root / "var" / "lib" / "forged").exists()
+    # A remove (not a purge) leaves everything.
+    installed(root, FORGED_MADE)
+    done = maintscript("forged.postrm", root, fakes, "remove")
+    assert done.returncode == 0, done.stderr
+    assert all((root / name).is_file() for name in FORGED_MADE)
