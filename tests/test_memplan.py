@@ -34,8 +34,27 @@ def test_the_plan_adds_weights_kv_workers_and_the_ram_tier(tmp_path: Path,
     [m] = p.models
     assert (m.weights, m.kv_per_cell, m.kv) == (tiny_model.stat().st_size, per_cell,
                                                 2 * 4096 * per_cell)
-    assert p.total == m.weights + m.kv + 2 * OVERHEAD + 64 * MIB
+    assert p.total == m.weights + m.kv + 2 * OVERHEAD + 2 * 64 * MIB
     assert p.fits and "fits" in render(p)
+
+
+def test_every_worker_s_ram_tier_counts_at_its_own_model_s_budget(
+        tmp_path: Path, tiny_model: Path, fim_model: Path, tiny_bert: Path) -> None:
+    """engine.cache_ram_mib is each worker's (its scheduler's Tiers): 4 workers at 64 MiB
+    take 256 MiB. A [[models]] table's own cache_ram_mib sizes its workers' tiers; an
+    embedding worker keeps none."""
+    path = tmp_path / "forged.toml"
+    path.write_text(f'[model]\npath = "{tiny_model}"\n'
+                    "[engine]\nworkers = 4\ncache_ram_mib = 64\n"
+                    f'[[models]]\npath = "{fim_model}"\nname = "fim"\n'
+                    "engine = { workers = 3, cache_ram_mib = 16 }\n"
+                    f'[[models]]\npath = "{tiny_bert}"\nname = "bert"\nrole = "embed"\n')
+    p = plan(path, fc.load(path), memory=64 << 30)
+    assert [m.ram_tier for m in p.models] == [4 * 64 * MIB, 3 * 16 * MIB, 0]
+    assert p.ram_tier == (4 * 64 + 3 * 16) * MIB
+    assert p.total == sum(m.weights + m.kv + m.workers * OVERHEAD for m in p.models) \
+        + p.ram_tier
+    assert "256 MiB" in render(p).splitlines()[1]  # the first model's row
 
 
 def test_a_plan_past_the_machine_is_refused_with_sizes_that_fit(tmp_path: Path,

@@ -1,9 +1,11 @@
 """``forged model plan``: will the models of a config fit in this machine's memory?
 
 For each model: its weights (the GGUF file, mapped), one KV cache per worker
-(``kv_cells`` cells at the size its layers give a cell), the RAM tier of saved KV
-states at its budget (``cache_ram_mib``, shared by the node's models: counted once),
-and a worker's own overhead (the process, llama.cpp's compute buffers: ``OVERHEAD``).
+(``kv_cells`` cells at the size its layers give a cell), one RAM tier of saved KV
+states per worker at its budget (``cache_ram_mib``: each worker's scheduler keeps its
+own; an embedding model has none), and a worker's own overhead (the process,
+llama.cpp's compute buffers: ``OVERHEAD``). Each model's figures are its own engine
+settings ([[models]] engine keys over [engine]).
 All of it must fit in the machine's memory less ``RESERVE`` for the system, and the
 weights and KV caches in ``engine.memory_mib`` when set (what a swap is held to). A
 plan that does not fit is refused with the slots and context that would.
@@ -37,6 +39,7 @@ class ModelPlan:
     kv_cells: int
     slots: int
     max_context: int
+    ram_tier: int  # its workers' RAM tiers of saved KV states, all of them
 
     @property
     def kv(self) -> int:
@@ -44,13 +47,12 @@ class ModelPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.workers * OVERHEAD
+        return self.weights + self.kv + self.ram_tier + self.workers * OVERHEAD
 
 
 @dataclass(frozen=True)
 class Plan:
     models: list[ModelPlan]
-    ram_tier: int
     machine: int  # bytes of the machine, less RESERVE
     memory_mib: int  # engine.memory_mib: weights and KV caches together; 0: no bound
 
@@ -60,8 +62,12 @@ class Plan:
         return sum(m.weights + m.kv for m in self.models)
 
     @property
+    def ram_tier(self) -> int:
+        return sum(m.ram_tier for m in self.models)
+
+    @property
     def total(self) -> int:
-        return sum(m.total for m in self.models) + self.ram_tier
+        return sum(m.total for m in self.models)
 
     def checks(self) -> list[tuple[str, int, int]]:
         """(what, bytes used, bytes allowed): each must hold."""
@@ -93,24 +99,25 @@ def plan(config_path: Path, cfg: fc.Config, memory: int | None = None) -> Plan:
             # The context it will serve: its own training context when max_context is 0.
             context = scheduler_limits(own, prompter.n_ctx_train,
                                        encoder=prompter.embedding).max_context
+            # Every worker's scheduler has a RAM tier of its own (scheduler_limits);
+            # an embedding worker keeps no KV state to save.
+            ram_tier = 0 if prompter.embedding else engine.workers * engine.cache_ram_mib * MIB
         models.append(ModelPlan(key, model.model_id, Path(model.path).stat().st_size,
                                 per_cell, engine.workers, engine.kv_cells, engine.slots,
-                                context))
+                                context, ram_tier))
     # MemTotal: what the machine has, whatever runs on it now.
     machine = meminfo_bytes("MemTotal") if memory is None else memory
-    return Plan(models, cfg.engine.cache_ram_mib * MIB, max(0, machine - RESERVE),
-                cfg.engine.memory_mib)
+    return Plan(models, max(0, machine - RESERVE), cfg.engine.memory_mib)
 
 
 def render(p: Plan) -> str:
     lines = [f"{'MODEL':<28} {'WEIGHTS':>9} {'KV/CELL':>8} {'WORKERS':>7} {'KV CELLS':>9} "
-             f"{'KV':>9} {'OVERHEAD':>9} {'TOTAL':>9}"]
+             f"{'KV':>9} {'RAM TIER':>9} {'OVERHEAD':>9} {'TOTAL':>9}"]
     for m in p.models:
         lines.append(f"{m.model_id[:28]:<28} {_mib(m.weights):>9} {m.kv_per_cell:>8} "
                      f"{m.workers:>7} {m.kv_cells:>9} {_mib(m.kv):>9} "
-                     f"{_mib(m.workers * OVERHEAD):>9} {_mib(m.total):>9}")
-    lines.append(f"{'RAM tier (cache_ram_mib)':<28} {'':>9} {'':>8} {'':>7} {'':>9} "
-                 f"{'':>9} {'':>9} {_mib(p.ram_tier):>9}")
+                     f"{_mib(m.ram_tier):>9} {_mib(m.workers * OVERHEAD):>9} "
+                     f"{_mib(m.total):>9}")
     for what, used, allowed in p.checks():
         verdict = "fits" if used <= allowed else "does NOT fit"
         source = "the machine's memory less 1 GiB" if what == "everything" else "its bound"
