@@ -131,6 +131,23 @@ def test_one_key_sticks_to_its_cache_until_its_node_is_past_its_share(pool: Pool
     assert scur[home] == 3 and sum(1 for n in scur.values() if n) >= 2, scur
 
 
+def test_an_anthropic_client_s_x_api_key_sticks_to_one_node(pool: Pool) -> None:
+    """Anthropic's SDKs send their key as x-api-key, never Authorization (forged takes
+    both): their calls are keyed too, to their cache's node."""
+    # An earlier test's streams, still ending, would count against the bounded load.
+    pool.haproxy.wait("no request in flight", lambda rows: all(
+        int(r["scur"]) == 0 for r in rows.values()))
+    before = {b: pool.haproxy.served(b) for b in BACKENDS}
+    for _ in range(4):
+        r = pool.client.post("/v1/completions", headers={"x-api-key": "fgd-carol"}, json={
+            "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200
+    keyed = delta(before["forged_keyed"], pool.haproxy.served("forged_keyed"))
+    assert sorted(keyed.values()) == [0, 0, 4], keyed
+    anon = delta(before["forged_anonymous"], pool.haproxy.served("forged_anonymous"))
+    assert sum(anon.values()) == 0, anon
+
+
 @contextlib.contextmanager
 def slowed(nodes: list[Node], seconds: float = 0.3) -> Iterator[None]:
     """Every step of these nodes made ``seconds`` longer (a test hook), so that streams
