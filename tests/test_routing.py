@@ -3,6 +3,7 @@ router's memory; and the pool submitting again what a lost worker had not admitt
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,8 +31,10 @@ from forged.engine.routing import (
     choose,
     matched_tokens,
 )
+from forged.engine.stats import Counts, WorkerStats
 from forged.engine.supervisor import WorkerSupervisor
 from forged.errors import BadRequest, Unavailable, WorkerLost
+from forged.observe.metrics import Metrics
 
 SYSTEM = list(range(1000, 1000 + 2 * BLOCK))  # a shared prefix of two whole blocks
 
@@ -355,3 +358,37 @@ def test_a_pool_ended_by_a_swap_tells_latecomers_why() -> None:
     pool.fail_all(Unavailable("the model was replaced", 1))
     with pytest.raises(Unavailable, match="the model was replaced"):
         pool.check_capacity()
+
+
+# --- the pool: counters across a lost worker --------------------------------------------
+
+
+def exported_counters(pool: EnginePool) -> dict[tuple[str, str], float]:
+    """What Prometheus would read of the pool's counters (forged_kv_cells_total is a
+    gauge, whatever its name says)."""
+    metrics = Metrics(lambda: [("m", pool.totals(), pool.restarts())])
+    return {(s.name, str(sorted(s.labels.items()))): s.value
+            for family in metrics.registry.collect() if family.type == "counter"
+            for s in family.samples if s.name.endswith("_total")}
+
+
+async def test_no_counter_goes_down_when_a_worker_is_lost_and_restarted(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Prometheus reads a counter that went down as a reset (rate() then counts all of
+    it again, and ForgedKVTierFailing fired): a lost worker's counts stay in its model's,
+    and its next process counts on from them. Its gauges (what it held) are gone."""
+    pool = pool_of(2)
+    for w in pool.workers:
+        w.stats = WorkerStats(**{f.name: 7.0 for f in msgspec.structs.fields(Counts)})
+    seen = [exported_counters(pool)]
+    lost = pool.workers[1]
+    await lost._after_loss("the worker exited (killed by SIGKILL)", lived=0.0)
+    seen.append(exported_counters(pool))
+    assert pool.totals().running == 7.0  # worker 0's alone
+    up(lost)
+    lost.stats = WorkerStats(steps=1.0, kv_restore_failures=1.0)  # its new process's first
+    seen.append(exported_counters(pool))
+    for earlier, later in itertools.pairwise(seen):
+        assert not {k: (v, later.get(k)) for k, v in earlier.items() if later.get(k, 0.0) < v}
+    t = pool.totals()
+    assert (t.steps, t.kv_restore_failures, t.kv_saves, t.running) == (15.0, 15.0, 14.0, 7.0)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
-from forged.engine.stats import Totals
+from forged.engine.stats import COUNTERS, GAUGES, Counts, Totals
 from forged.observe import loadtest, status
 from forged.observe.metrics import Metrics
 from forged.observe.stats import percentile
@@ -97,3 +98,26 @@ async def test_taking_turns_rotates_the_first_server(monkeypatch: pytest.MonkeyP
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert [s["requests"] for s in got] == [3, 3, 3]
     assert [s["wall_s"] for s in got] == [3.0, 3.0, 3.0]
+
+
+def exported(t: Totals) -> dict[tuple[str, str], tuple[str, float]]:
+    """Every engine sample /metrics shows for a model whose totals are ``t``, with its
+    family's type (gauge or counter)."""
+    metrics = Metrics(lambda: [("m", t, 0)])
+    return {(s.name, str(sorted(s.labels.items()))): (family.type, s.value)
+            for family in metrics.registry.collect() for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+def test_each_count_is_a_counter_or_a_gauge_as_the_metrics_read_it() -> None:
+    """A lost worker's counters are kept and its gauges dropped (forged.engine.pool):
+    a count misfiled would drop a counter (a reset to Prometheus) or keep a dead
+    worker's gauge forever."""
+    names = [f.name for f in msgspec.structs.fields(Counts)]
+    assert sorted(COUNTERS + GAUGES) == sorted(names) and len(set(COUNTERS)) == len(COUNTERS)
+    zero = exported(Totals())
+    for name in names:
+        moved = {k: kind for k, (kind, v) in exported(Totals(**{name: 1.0})).items()
+                 if v != zero[k][1]}
+        want = "counter" if name in COUNTERS else "gauge"
+        assert all(kind == want for kind in moved.values()), (name, moved)

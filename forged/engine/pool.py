@@ -44,7 +44,7 @@ from forged.engine.events import Admitted, Delta, Done, Event, Failed
 from forged.engine.limits import scheduler_limits
 from forged.engine.request import Request
 from forged.engine.routing import Policy, Router
-from forged.engine.stats import Totals, summed
+from forged.engine.stats import COUNTERS, GAUGES, Totals, summed
 from forged.engine.supervisor import WorkerSupervisor
 from forged.errors import (
     BadRequest,
@@ -524,12 +524,16 @@ class EnginePool:
         return sum(len(p) for p in self.pending) + len(self._parked)
 
     def totals(self) -> Totals:
-        """The ready workers' counts summed, and the pool's own: how requests were
-        routed, and saved from a crash."""
+        """The workers' counts summed, and the pool's own: how requests were routed, and
+        saved from a crash. Gauges are what the ready workers hold now; counters are
+        every worker's, with what its lost processes counted, so that none goes down
+        when a worker is lost or restarted (Prometheus would read a reset)."""
         routed = self.router.routed
-        return summed(Totals(routed_by_cache=routed["cache"], routed_by_session=routed["session"],
-                             routed_by_load=routed["load"], resubmitted=self.resubmitted),
-                      (w.stats for w in self.workers if w.ready))
+        out = Totals(routed_by_cache=routed["cache"], routed_by_session=routed["session"],
+                     routed_by_load=routed["load"], resubmitted=self.resubmitted)
+        summed(out, (w.stats for w in self.workers if w.ready), GAUGES)
+        return summed(out, (c for w in self.workers for c in (w.lost_counts, w.stats)),
+                      COUNTERS)
 
     def restarts(self) -> int:
         return sum(w.restarts for w in self.workers)

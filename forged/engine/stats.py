@@ -3,7 +3,8 @@
 A worker sends :class:`WorkerStats` with its steps (``forged.engine.frames.Step``): the
 scheduler, its slot cache, the KV tiers and the cost model each write their own fields
 (their ``report`` methods). The pool keeps each worker's last report; a model's
-:class:`Totals` are the :class:`Counts` summed over its ready workers plus the pool's own
+:class:`Totals` are the :class:`Counts` summed (the gauges over its ready workers, the
+counters over every worker and its lost processes: ``COUNTERS``) plus the pool's own
 counters. Metrics, ``forged status``, the status page, the agent's weight and the early
 refusal read these fields by name, so a misspelt statistic is a type error, not a zero.
 
@@ -148,15 +149,32 @@ def prompt_step_shares(c: Counts) -> tuple[float, float, float] | None:
             c.prompt_step_tokens / c.tokens_generated)
 
 
-_COUNTS = msgspec.structs.fields(Counts)
+_COUNTS = tuple(f.name for f in msgspec.structs.fields(Counts))
+# The counts that only grow while a worker's process lives: Prometheus reads them as
+# counters (_total), which must never go down, or it sees a reset. A model's go on
+# growing when a worker is lost and restarted: each worker slot keeps what its lost
+# processes counted (forged.engine.supervisor). The others are gauges, what a worker
+# holds now: they go with its process. Each count is one or the other
+# (tests/test_stats.py checks them against the metrics' types).
+COUNTERS = (
+    "session_resumes", "prefix_cache_queries", "prefix_cache_hits",
+    "prefix_cache_tokens_saved", "prompt_tokens_computed", "early_rejections",
+    "prefix_holds", "kv_saves", "kv_ram_restores", "kv_disk_restores",
+    "kv_restored_tokens", "kv_restore_failures", "kv_demotions", "kv_drops", "kv_swaps",
+    "steps", "tokens_generated", "step_seconds", "prompt_steps", "prompt_step_seconds",
+    "prompt_step_tokens", "micro_batches", "embed_requests", "embed_inputs",
+    "embed_tokens",
+)
+GAUGES = tuple(name for name in _COUNTS if name not in COUNTERS)
 C = TypeVar("C", bound=Counts)
 
 
-def summed(into: C, parts: Iterable[Counts]) -> C:
-    """``into`` with every count of ``parts`` added to it (its other fields as they are)."""
+def summed(into: C, parts: Iterable[Counts], names: tuple[str, ...] = _COUNTS) -> C:
+    """``into`` with the counts ``names`` (default: every count) of ``parts`` added to it
+    (its other fields as they are)."""
     for part in parts:
-        for f in _COUNTS:
-            setattr(into, f.name, getattr(into, f.name) + getattr(part, f.name))
+        for name in names:
+            setattr(into, name, getattr(into, name) + getattr(part, name))
     return into
 
 

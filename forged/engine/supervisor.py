@@ -29,7 +29,7 @@ import trio
 from forged.config import EngineConfig
 from forged.engine import channel
 from forged.engine import frames as fr
-from forged.engine.stats import WorkerStats
+from forged.engine.stats import COUNTERS, Counts, WorkerStats, summed
 from forged.errors import Unavailable, sole_fault
 
 log = logging.getLogger("forged.engine")
@@ -82,7 +82,10 @@ class WorkerSupervisor:
         self.failures = 0  # restarts in a row, for the backoff
         # The running process's frames; a new one per process (None between them).
         self.outbox: channel.Outbox | None = None
-        self.stats = WorkerStats()
+        self.stats = WorkerStats()  # the running process's last report
+        # What this slot's lost processes counted, at their last reports: a new process
+        # counts from 0, and a model's counters must never go down (stats.COUNTERS).
+        self.lost_counts = Counts()
         self.last_heard = 0.0
         self.exit_note = ""  # how the last process ended by itself, for the log
 
@@ -122,6 +125,9 @@ class WorkerSupervisor:
 
     async def _after_loss(self, why: str, lived: float) -> None:
         self.ready, self.pid = False, None
+        # Its counters stay the slot's; its gauges (what it held) went with it.
+        self.lost_counts = summed(self.lost_counts, [self.stats], COUNTERS)
+        self.stats = WorkerStats()
         self._on_lost(why)
         self.restarts += 1
         # A worker that ran a while before dying starts a fresh backoff series.
