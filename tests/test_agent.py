@@ -12,15 +12,19 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import msgspec
 import pytest
 import trio
 
 from forged import cli
 from forged import config as fc
-from forged.agent.weight import NodeLoad, agent_reply, node_load, weight_percent
+from forged.agent.weight import NodeLoad, Worker, agent_reply, node_load, weight_percent
+from forged.engine.pool import EnginePool
 from forged.engine.stats import WorkerStats
+from forged.http.state import AppState
 from forged.observe.status import render_pool
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, write_config
@@ -51,13 +55,53 @@ def test_node_load_from_worker_statistics() -> None:
     busy = WorkerStats(kv_cells_total=1000.0, kv_cells_active=300.0, kv_cells_reserved=100.0,
                        kv_cells_cached=500.0, running=4.0, queued_tokens=1500.0,
                        cost_prompt_token_ms=2.0)
-    one = node_load([busy], workers=1, kv_cells=1000, max_running=8)
+    one = node_load([Worker(busy, 1000, 8)])
     # Cached cells are free for the taking: only what running sequences hold counts.
     assert one == NodeLoad(kv_free=0.6, running_free=0.5, queue_seconds=3.0)
     # Of two workers, one restarting: its capacity counts as taken.
-    two = node_load([busy], workers=2, kv_cells=1000, max_running=8)
+    two = node_load([Worker(busy, 1000, 8), Worker(None, 1000, 8)])
     assert two == NodeLoad(kv_free=0.3, running_free=0.25, queue_seconds=3.0)
-    assert node_load([], workers=2, kv_cells=1000, max_running=8) is None
+    assert node_load([Worker(None, 1000, 8)] * 2) is None
+
+
+FULL_CHAT = WorkerStats(kv_cells_total=1000.0, kv_cells_active=1000.0, running=8.0)
+IDLE_EMBED = WorkerStats(running=0.0)  # an encoder reports no KV cells
+
+
+def test_an_idle_embedding_worker_does_not_hide_a_full_chat_worker() -> None:
+    """It reported 0 KV cells (counted as a whole free cache) and its running places as
+    the chat model's: a node whose chat worker was full weighed 80%, not 50%."""
+    chat = Worker(FULL_CHAT, 1000, 8)
+    alone = node_load([chat])
+    assert alone is not None and weight_percent(alone, queue_half=2.0) == 50
+    assert node_load([chat, Worker(IDLE_EMBED, 512, 4, generates=False)]) == alone
+    # Each generation worker at its own model's limits: a FIM model's 4 running places
+    # of 4 are full, whatever the chat model's.
+    fim = Worker(WorkerStats(kv_cells_total=200.0, kv_cells_active=200.0, running=4.0), 200, 4)
+    both = node_load([chat, fim])
+    assert both == NodeLoad(kv_free=0.0, running_free=0.0, queue_seconds=0.0)
+    # A node of embedding models only is weighed by their running places.
+    embed = node_load([Worker(WorkerStats(running=3.0), 512, 4, generates=False)])
+    assert embed == NodeLoad(kv_free=1.0, running_free=0.25, queue_seconds=0.0)
+
+
+def test_the_agent_weighs_each_model_s_workers_against_its_own_limits() -> None:
+    """What the agent answers (AppState.agent_reply) over a chat model's full worker and
+    an embedding model's idle one: the chat worker's weight alone."""
+    cfg = fc.Config()
+    e = cfg.engine
+    chat = EnginePool(cfg, cfg.model, 8192, cache_dir=Path("/nonexistent"))
+    embed = EnginePool(msgspec.structs.replace(cfg, engine=msgspec.structs.replace(
+        e, max_running=2 * e.max_running)), cfg.model, 512, cache_dir=Path("/nonexistent"),
+        embedding=True)
+    chat.workers[0].stats = WorkerStats(kv_cells_total=e.kv_cells, kv_cells_active=e.kv_cells,
+                                        running=e.max_running)
+    groups = [SimpleNamespace(pool=p, status="serving") for p in (chat, embed)]
+    for p in (chat, embed):
+        p.workers[0].ready = True
+    state = SimpleNamespace(models=SimpleNamespace(all=lambda: groups, default=groups[0]),
+                            leaving=False, draining=False, cfg=cfg)
+    assert AppState.agent_reply(state) == "up ready 50%\n"  # type: ignore[arg-type]
 
 
 def test_replies() -> None:

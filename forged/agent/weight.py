@@ -15,12 +15,18 @@ HAProxy connects to ``server.agent_listen`` every ``agent-inter`` and reads one 
 The weight (:func:`weight_percent`) is the product of two factors:
 
 * **room**: ``0.5 + 0.5 * min(free KV cells, free running places)``, both as fractions
-  of the node's total. An idle node scores 1, a node whose every running place (or
-  every KV cell) is taken 0.5: it still takes work, which queues behind the running;
+  of the node's total, each worker counted at its own model's ``kv_cells`` and
+  ``max_running``. An idle node scores 1, a node whose every running place (or every KV
+  cell) is taken 0.5: it still takes work, which queues behind the running;
 * **queue**: ``H / (H + q)``, where ``q`` is the queued prompt work in seconds (queued
   prompt tokens times each worker's measured milliseconds per prompt token, averaged
-  over the workers) and ``H`` is ``server.agent_queue_half``: a queue of ``H`` seconds
-  halves the weight, of ``3H`` quarters it.
+  over the workers ready) and ``H`` is ``server.agent_queue_half``: a queue of ``H``
+  seconds halves the weight, of ``3H`` quarters it.
+
+Both are the generation workers' alone when the node has any: an embedding worker keeps
+no KV cells and its batches are short, so beside a chat worker its idle places would
+hide a full one (a full chat worker beside an idle embedding worker weighed 80%, not
+50%). A node that serves only embedding models is weighed by their running places.
 
 It is rounded to a multiple of 10 (small changes would move keys around a consistent
 hash ring for nothing) and never goes below 1% while the node serves (0% is what
@@ -57,6 +63,16 @@ class WorkerLoad(Protocol):
 
 
 @dataclass(frozen=True)
+class Worker:
+    """One worker of the node, as the weight counts it."""
+
+    stats: WorkerLoad | None  # its last report; None while it is not ready
+    kv_cells: int  # its model's engine.kv_cells
+    max_running: int  # its model's engine.max_running
+    generates: bool = True  # False: an embedding model's (no KV cache, short batches)
+
+
+@dataclass(frozen=True)
 class NodeLoad:
     """What the weight is computed from; fractions are of the whole node."""
 
@@ -65,21 +81,23 @@ class NodeLoad:
     queue_seconds: float  # queued prompt work, by the workers' cost model
 
 
-def node_load(ready: Sequence[WorkerLoad], *, workers: int, kv_cells: int,
-              max_running: int) -> NodeLoad | None:
-    """The load of a node from its ready workers' statistics (``EnginePool`` workers'
-    ``stats``), out of ``workers`` configured; None when none is ready. A worker that is
-    not ready adds capacity to the total but none to what is free."""
-    if not ready:
+def node_load(workers: Sequence[Worker]) -> NodeLoad | None:
+    """The load of a node from its workers (every model's); None when none is ready. A
+    worker that is not ready adds capacity to the total but none to what is free."""
+    if all(w.stats is None for w in workers):
         return None
-    busy_cells = sum(s.kv_cells_active + s.kv_cells_reserved for s in ready)
+    # The generation workers, or else (a node of embedding models only) all of them.
+    measured = [w for w in workers if w.generates] or list(workers)
+    ready = [(w, w.stats) for w in measured if w.stats is not None]
+    cells = sum(w.kv_cells for w in measured if w.generates)
+    busy_cells = sum(s.kv_cells_active + s.kv_cells_reserved for _, s in ready)
     # A worker ready but not yet heard from has reported no cells: all of them are free.
-    free_cells = sum(s.kv_cells_total or kv_cells for s in ready) - busy_cells
-    free_places = len(ready) * max_running - sum(s.running for s in ready)
-    queue_ms = sum(s.queued_tokens * s.cost_prompt_token_ms for s in ready) / len(ready)
-    return NodeLoad(kv_free=_fraction(free_cells, workers * kv_cells),
-                    running_free=_fraction(free_places, workers * max_running),
-                    queue_seconds=max(0.0, queue_ms / 1000))
+    free_cells = sum(s.kv_cells_total or w.kv_cells for w, s in ready if w.generates)
+    free_places = sum(w.max_running - s.running for w, s in ready)
+    queue_ms = sum(s.queued_tokens * s.cost_prompt_token_ms for _, s in ready)
+    return NodeLoad(kv_free=_fraction(free_cells - busy_cells, cells) if cells else 1.0,
+                    running_free=_fraction(free_places, sum(w.max_running for w in measured)),
+                    queue_seconds=max(0.0, queue_ms / max(1, len(ready)) / 1000))
 
 
 def _fraction(part: float, whole: float) -> float:

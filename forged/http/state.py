@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
-from forged.agent.weight import agent_reply, node_load
+from forged.agent.weight import Worker, agent_reply, node_load
 from forged.auth import KeyStore
 from forged.config import Config
 from forged.engine.groups import Models
@@ -193,9 +193,9 @@ class AppState:
         workers of every model serving or draining (a swap's two share the node)."""
         # Not a swap's group still loading: its workers are no capacity yet.
         pools = [g.pool for g in self.models.all() if g.status != "loading"]
-        lim = self.models.default.pool.limits
-        load = node_load([w.stats for p in pools for w in p.workers if w.ready],
-                         workers=sum(len(p.workers) for p in pools),
-                         kv_cells=lim.kv_cells, max_running=lim.max_running)
+        # Each worker against its own model's limits (a swap's two may differ).
+        load = node_load([Worker(w.stats if w.ready else None, p.limits.kv_cells,
+                                 p.limits.max_running, generates=not p.embedding)
+                          for p in pools for w in p.workers])
         return agent_reply(leaving=self.leaving or self.draining, load=load,
                            queue_half=self.cfg.server.agent_queue_half)
