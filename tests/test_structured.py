@@ -603,13 +603,16 @@ def test_a_pattern_with_the_usual_escapes_makes_a_grammar_llama_cpp_takes(
         check_grammar(m, g)
 
 
-def _grammar_writes(m: Model, gbnf: str, text: str) -> bool:
-    """Whether llama.cpp's grammar ``gbnf`` lets a model write exactly ``text``, a
-    token a character (each checked before it is accepted), and then end."""
+def _grammar_writes(m: Model, gbnf: str, text: str, *, per_character: bool = True) -> bool:
+    """Whether llama.cpp's grammar ``gbnf`` lets a model write exactly ``text`` and then
+    end: a token a character (each checked before it is accepted), or the tokens the
+    tokenizer makes of it (a character of several bytes may be several tokens)."""
+    tokens = ([t for ch in text for t in m.tokenize(ch, add_special=False,
+                                                    parse_special=False)]
+              if per_character else m.tokenize(text, add_special=False, parse_special=False))
     ptr = grammar_sampler(m, Grammar(gbnf=gbnf))
     try:
-        for ch in text:
-            (tok,) = m.tokenize(ch, add_special=False, parse_special=False)
+        for tok in tokens:
             if not _fits(ptr, tok):
                 return False
             ll.llama_sampler_accept(ptr, tok)
@@ -626,20 +629,6 @@ def _fits(ptr: Any, token: int) -> bool:
     return bool(np.isfinite(one.logit))
 
 
-def _grammar_writes_tokens(m: Model, gbnf: str, text: str) -> bool:
-    """As :func:`_grammar_writes`, with ``text`` in the tokens the tokenizer makes of it
-    (a character of several bytes may be several tokens)."""
-    ptr = grammar_sampler(m, Grammar(gbnf=gbnf))
-    try:
-        for tok in m.tokenize(text, add_special=False, parse_special=False):
-            if not _fits(ptr, tok):
-                return False
-            ll.llama_sampler_accept(ptr, tok)
-        return _fits(ptr, m.eos)
-    finally:
-        ll.llama_sampler_free(ptr)
-
-
 @pytest.mark.parametrize("choices", [["😀", "🙁"], ["a\fb", "x\by"], ['say "hi"\n', "a\\b"],
                                      ["tab\there", "é"]])
 def test_guided_choice_writes_each_choice_as_it_is(real_model: Path,
@@ -651,8 +640,9 @@ def test_guided_choice_writes_each_choice_as_it_is(real_model: Path,
     with Model(str(real_model), vocab_only=True) as m:
         check_grammar(m, g)
         for choice in choices:
-            assert _grammar_writes_tokens(m, g.gbnf, choice), choice
-        assert not _grammar_writes_tokens(m, g.gbnf, choices[0] + choices[1])
+            assert _grammar_writes(m, g.gbnf, choice, per_character=False), choice
+        assert not _grammar_writes(m, g.gbnf, choices[0] + choices[1],
+                                   per_character=False)
 
 
 @pytest.mark.parametrize(("pattern", "written", "refused"), [
