@@ -63,6 +63,62 @@ def test_only_the_plainest_get_is_hot() -> None:
         assert parse_head(raw) is None, raw
 
 
+def _hot_door() -> HotDoor:
+    """A hot door answering from a door process's view: no daemon behind it."""
+    view = DoorView(View(on=True, health_status=200, health=b'{"status":"ok"}',
+                         models=b"{}", keys=[], keep_alive_s=30.0, max_requests=100))
+    return HotDoor(view, ResponseTail(HyperConfig()))
+
+
+async def _handed_over(*sends: bytes, eof: bool = False) -> bytes | None:
+    """The bytes the hot door hands to the general path when a client sends each of
+    ``sends`` (and then, with ``eof``, its end of the connection); None if the door
+    closes the connection instead. Within a second: a door still waiting for more
+    fails it (hypercorn would have answered)."""
+    idle, handed = IdleConnections(lambda: 30.0), []
+
+    async def general(stream: trio.abc.Stream) -> None:
+        assert isinstance(stream, hotdoor.Prefixed)
+        handed.append(stream.first)
+        await stream.aclose()
+
+    ours, theirs = trio.socket.socketpair()
+    async with trio.SocketStream(ours) as server, trio.SocketStream(theirs) as peer:
+        with trio.fail_after(1):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_hot_door().serve, server,
+                                   hotdoor.Handoff(general, lambda: 100, idle))
+                for data in sends:
+                    await peer.send_all(data)
+                    await trio.testing.wait_all_tasks_blocked()
+                if eof:
+                    await peer.send_eof()
+    return handed[0] if handed else None
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\nHost: x\n\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n\n",
+    b"POST /tokenize HTTP/1.1\nHost: x\nContent-Length: 2\n\n{}",
+])
+async def test_a_head_whose_lines_end_in_a_bare_lf_is_handed_over_at_once(
+        head: bytes, autojump_clock: trio.testing.MockClock) -> None:
+    """h11 ends a line at a bare LF and a head at a blank line of them: hypercorn
+    answers such a head, so the hot door hands it over as soon as it sees one. (It
+    waited for a CRLF blank line that never came: the client got nothing, and the
+    connection closed at the keep-alive timeout.)"""
+    assert await _handed_over(head) == head
+    assert await _handed_over(head[:20], head[20:]) == head  # the LF in a later read
+
+
+async def test_a_bare_lf_health_probe_is_answered(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """As plain hypercorn answers it: 200."""
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        answer, = await _exchange(stream, b"GET /health HTTP/1.1\nHost: x\n\n", 1)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}')
+
+
 async def _exchange(stream: trio.SocketStream, request: bytes, answers: int) -> list[bytes]:
     """Send ``request`` (one or more pipelined requests) and read ``answers`` responses,
     each with its Content-Length body."""

@@ -233,7 +233,7 @@ class HotDoor:
         try:
             while True:
                 end = buf.find(b"\r\n\r\n", start)
-                if end < 0 and len(buf) - start <= MAX_HEAD:
+                if end < 0 and len(buf) - start <= MAX_HEAD and _may_be_hot(buf, start):
                     between = served > 0 and start == len(buf)
                     waits = handoff.idle.waiting(stream, between)
                     data = await _receive(stream) if waits else b""
@@ -256,6 +256,15 @@ class HotDoor:
             handoff.idle.busy(stream)
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
         await handoff.serve(Prefixed(stream, buf[start:]))
+
+
+def _may_be_hot(buf: bytes, start: int) -> bool:
+    """Whether the head begun at ``start`` of ``buf``, not yet ended by a blank line of
+    CRLFs, may still be one this module answers. h11 also ends a line at a bare LF, and
+    a head at a blank line of them (``\\n\\n``, ``\\n\\r\\n``): a head with one is
+    never answered here, and may be whole for hypercorn already (its client waited
+    for an answer while this module waited for a CRLF blank line that never came)."""
+    return buf.count(b"\n", start) == buf.count(b"\r\n", start)
 
 
 async def _receive(stream: trio.SocketStream) -> bytes:
