@@ -89,9 +89,11 @@ async def _handed_over(*sends: bytes, eof: bool = False) -> bytes | None:
                 nursery.start_soon(_hot_door().serve, server,
                                    hotdoor.Handoff(general, lambda: 100, idle))
                 for data in sends:
+                    if handed:  # hypercorn's already: it would read the rest
+                        break
                     await peer.send_all(data)
                     await trio.testing.wait_all_tasks_blocked()
-                if eof:
+                if eof and not handed:
                     await peer.send_eof()
     return handed[0] if handed else None
 
@@ -108,7 +110,9 @@ async def test_a_head_whose_lines_end_in_a_bare_lf_is_handed_over_at_once(
     waited for a CRLF blank line that never came: the client got nothing, and the
     connection closed at the keep-alive timeout.)"""
     assert await _handed_over(head) == head
-    assert await _handed_over(head[:20], head[20:]) == head  # the LF in a later read
+    # The LF in a later read (a POST is hypercorn's from its first read already).
+    assert await _handed_over(head[:20], head[20:]) == (
+        head if head.startswith(b"GET ") else head[:20])
 
 
 async def test_a_bare_lf_health_probe_is_answered(
@@ -117,6 +121,45 @@ async def test_a_bare_lf_health_probe_is_answered(
     async with start_daemon(tiny_model) as d, await _connect(d) as stream:
         answer, = await _exchange(stream, b"GET /health HTTP/1.1\nHost: x\n\n", 1)
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}')
+
+
+@pytest.mark.parametrize(("sends", "eof"), [
+    ((b"\x16\x03\x01\x00\xa5",), False),  # a TLS ClientHello on the plain port
+    ((b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n",), False),  # a leading CRLF
+    ((b"POST",), False),  # no route the hot door answers: hypercorn's, from here
+    ((b"GET /health?x=1 ",), False),
+    ((b"GET /he",), True),  # part of a head, then the client's end
+    ((b"GET /health HTTP/1.1\r\n", b"Host: x\r\n"), True),
+])
+async def test_what_cannot_be_a_hot_head_is_handed_over_at_once_and_so_is_an_end(
+        sends: tuple[bytes, ...], eof: bool, autojump_clock: trio.testing.MockClock) -> None:
+    """hypercorn answers some input at once: h11 refuses a first byte below "!" (a TLS
+    ClientHello, a leading CRLF) and part of a head that its client ends, with a 400.
+    The hot door hands a head over as soon as it cannot be a hot route's, and one the
+    client ended, with the bytes read. (It kept reading until a blank line or 16 KiB:
+    the client waited for the keep-alive timeout, then got nothing; a head cut short
+    by the client's end got nothing at once.)"""
+    assert await _handed_over(*sends, eof=eof) == b"".join(sends)
+
+
+async def test_a_client_that_ends_between_requests_is_closed() -> None:
+    assert await _handed_over(eof=True) is None
+    assert await _handed_over(_get("/health"), eof=True) is None
+
+
+async def test_what_h11_refuses_at_once_gets_its_400_at_once(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    async with start_daemon(tiny_model) as d:
+        for data, eof in ((b"\x16\x03\x01\x00\xa5", False), (b"GET /he", True)):
+            async with await _connect(d) as stream:
+                await stream.send_all(data)
+                if eof:
+                    await stream.send_eof()
+                answer = b""
+                with trio.fail_after(1):
+                    while chunk := await stream.receive_some(65536):
+                        answer += chunk
+            assert answer.startswith(b"HTTP/1.1 400 ") and b"connection: close" in answer
 
 
 async def _exchange(stream: trio.SocketStream, request: bytes, answers: int) -> list[bytes]:

@@ -12,8 +12,11 @@ access-log line.
 
 Anything else (another route, a missing or unknown key, a header this module does not
 read, a head it cannot parse) hands the connection, with the bytes already read, to
-hypercorn for the rest of its life (:class:`Handoff`). So every error and every edge of
-HTTP is the general path's, by construction: this module never answers an error.
+hypercorn for the rest of its life (:class:`Handoff`): as soon as those bytes cannot
+begin a hot request line, and when the client ends the connection partway through a
+head, since h11 answers some such input before a whole head (a 400). So every error
+and every edge of HTTP is the general path's, by construction: this module never
+answers an error.
 """
 
 from __future__ import annotations
@@ -200,6 +203,10 @@ class HotDoor:
             "/health": ("/health", view.health),
             "/v1/models": ("/v1/models", lambda: (200, view.models())),
         }
+        # The request lines this module may answer: a head that starts otherwise is the
+        # general path's as soon as it shows it.
+        self._lines = tuple(b"GET %s HTTP/1.1\r\n" % path.encode() for path in self._routes)
+        self._longest = max(map(len, self._lines))
 
     def answer(self, head: Head) -> bytes | None:
         """The whole response to ``head``, or None when the general path must answer."""
@@ -225,6 +232,19 @@ class HotDoor:
                 b"x-request-id: %s\r\n%s\r\n%s" % (status, len(body), rid.encode(),
                                                   self._tail(), body))
 
+    def _may_be_hot(self, buf: bytes, start: int) -> bool:
+        """Whether the head begun at ``start`` of ``buf``, not yet ended by a blank line
+        of CRLFs, may still be one this module answers: the start of a hot route's
+        request line, or one whole, and no bare LF. Anything else goes to hypercorn as
+        soon as it shows, as h11 refuses some at once (a TLS ClientHello on the plain
+        port, a leading CRLF: its 400) rather than after a whole head that may never
+        come. h11 also ends a line at a bare LF, and a head at a blank line of them
+        (``\\n\\n``, ``\\n\\r\\n``): such a head may be whole for hypercorn already."""
+        pending = buf[start:start + self._longest]
+        return (any(line.startswith(pending) or pending.startswith(line)
+                    for line in self._lines)
+                and buf.count(b"\n", start) == buf.count(b"\r\n", start))
+
     async def serve(self, stream: trio.SocketStream, handoff: Handoff) -> None:
         """Answer the hot requests of ``stream`` until one is not, then hand it over.
         Pipelined heads are read from an offset, not sliced off one by one: a read of
@@ -233,13 +253,15 @@ class HotDoor:
         try:
             while True:
                 end = buf.find(b"\r\n\r\n", start)
-                if end < 0 and len(buf) - start <= MAX_HEAD and _may_be_hot(buf, start):
+                if end < 0 and len(buf) - start <= MAX_HEAD and self._may_be_hot(buf, start):
                     between = served > 0 and start == len(buf)
                     waits = handoff.idle.waiting(stream, between)
-                    data = await _receive(stream) if waits else b""
-                    if not data:  # the client left, or the sweeper closed it
-                        await stream.aclose()
+                    data = await _receive(stream) if waits else None
+                    if data is None or not (data or start < len(buf)):
+                        await stream.aclose()  # closed (by the sweeper), or the client left
                         return
+                    if not data:
+                        break  # the client's end after part of a head: hypercorn's 400
                     buf, start = buf[start:] + data, 0
                     continue
                 handoff.idle.busy(stream)
@@ -258,20 +280,13 @@ class HotDoor:
         await handoff.serve(Prefixed(stream, buf[start:]))
 
 
-def _may_be_hot(buf: bytes, start: int) -> bool:
-    """Whether the head begun at ``start`` of ``buf``, not yet ended by a blank line of
-    CRLFs, may still be one this module answers. h11 also ends a line at a bare LF, and
-    a head at a blank line of them (``\\n\\n``, ``\\n\\r\\n``): a head with one is
-    never answered here, and may be whole for hypercorn already (its client waited
-    for an answer while this module waited for a CRLF blank line that never came)."""
-    return buf.count(b"\n", start) == buf.count(b"\r\n", start)
-
-
-async def _receive(stream: trio.SocketStream) -> bytes:
+async def _receive(stream: trio.SocketStream) -> bytes | None:
+    """The next bytes; b"" at the client's end, None once the connection is broken or
+    closed (by the sweeper)."""
     try:
         return bytes(await stream.receive_some(READ_SIZE))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return b""
+        return None
 
 
 async def _send(stream: trio.SocketStream, answer: bytes, last: bool) -> bool:
