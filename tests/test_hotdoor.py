@@ -378,10 +378,10 @@ async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered
         autojump_clock: trio.testing.MockClock) -> None:
     """close_all closes the connections between requests (one answered, nothing of the
     next read) at once; one just accepted, whose client has not written yet, or that
-    has sent part of a head, is read and answered, with ``connection: close``, if its
-    request comes within the grace time, and closed after it if not. (Both were closed
-    at once: a request sent just after a drain's start got an empty reply or a
-    reset.)"""
+    has sent part of a head (its first, or its next after an answer), is read and
+    answered, with ``connection: close``, if its request comes within the grace time,
+    and closed after it if not. (Each was closed at once: a request sent just after a
+    drain's start got an empty reply or a reset.)"""
     view = DoorView(View(on=True, health_status=200, health=b'{"status":"ok"}',
                          models=b"{}", keys=[], keep_alive_s=30.0, max_requests=100))
     door = HotDoor(view, ResponseTail(HyperConfig()))
@@ -393,14 +393,17 @@ async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered
     handoff = hotdoor.Handoff(general, lambda: 100, idle)
     peers = []
     async with trio.open_nursery() as nursery:
-        for _ in range(4):
+        for _ in range(5):
             ours, theirs = trio.socket.socketpair()
             nursery.start_soon(door.serve, trio.SocketStream(ours), handoff)
             peers.append(trio.SocketStream(theirs))
-        fresh, partial, between, silent = peers
+        fresh, partial, between, silent, again = peers
         await partial.send_all(b"GET /health HTTP/1.1\r\n")
-        answer, = await _exchange(between, _get("/health"), 1)
-        assert b"connection: close" not in answer
+        for peer in (between, again):
+            answer, = await _exchange(peer, _get("/health"), 1)
+            assert b"connection: close" not in answer
+        await trio.testing.wait_all_tasks_blocked()  # both wait between requests
+        await again.send_all(b"GET /health HTTP/1.1\r\n")  # and then one does not
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(idle.close_all)
         await trio.testing.wait_all_tasks_blocked()
@@ -408,8 +411,9 @@ async def test_at_shutdown_a_connection_with_no_request_yet_is_read_and_answered
         started = trio.current_time()
         await trio.sleep(0.5)
         await fresh.send_all(_get("/health"))
-        await partial.send_all(b"Host: forged\r\n\r\n")
-        for peer in (fresh, partial):
+        for peer in (partial, again):
+            await peer.send_all(b"Host: forged\r\n\r\n")
+        for peer in (fresh, partial, again):
             data = b""
             while chunk := await peer.receive_some(65536):
                 data += chunk

@@ -82,6 +82,8 @@ class IdleConnections:
             self._until[stream] = trio.current_time() + self._keep_alive_s()
             if between:
                 self._between.add(stream)
+        elif not between:  # part of its next head has come since: no longer idle
+            self._between.discard(stream)
         return not (self.closing and between)
 
     def busy(self, stream: trio.SocketStream) -> None:
