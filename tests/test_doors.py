@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ import trio
 
 from forged.auth import add_key
 from forged.daemon import doors as doors_module
+from forged.daemon import listener
 from forged.daemon.doors import Door, Doors
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
@@ -489,6 +491,40 @@ async def test_a_request_a_door_accepted_before_its_stop_is_answered_by_the_daem
         await until(lambda: _doors(d)[0]["restarts"] == 1)
         d.daemon.state.leaving = False
     assert f"door process {door['pid']} exited with code 0" in caplog.text
+
+
+@pytest.mark.parametrize("doors", [0, 1])
+async def test_at_a_drain_a_connection_accepted_before_it_has_its_grace(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        doors: int) -> None:
+    """A connection accepted (by the daemon's hot door, or a door process) whose request
+    comes within the grace after a drain's start (hotdoor.CLOSING_GRACE_S) is answered:
+    the listeners stay up until that grace, and the doors' stop, are over; and then
+    end, the connection of a client that sends nothing holding them no longer. (They
+    were ended half a second into the drain, with the grace cut short and what the
+    doors handed after it closed unread: an empty reply.)"""
+    serve, ended = listener.serve, []
+
+    async def timed(*args: Any, **kwargs: Any) -> None:
+        try:
+            await serve(*args, **kwargs)
+        finally:
+            ended.append(trio.current_time())
+
+    monkeypatch.setattr(listener, "serve", timed)
+    async with start_daemon(tiny_model, server={"door_processes": doors}) as d:
+        pid = (await _running(d))[0]["pid"] if doors else os.getpid()
+        late, silent = await _connect(d), await _connect(d)
+        await until(lambda: _holds(pid, late) and _holds(pid, silent))
+        d.daemon.begin_drain()
+        started = trio.current_time()
+        await trio.sleep(0.75)
+        answer, = await _exchange(late, _get("/health"), 1)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        await until(lambda: len(ended) == 2, limit=5)  # the API's and the admin's
+        assert max(ended) - started < 2.5  # the grace (1 s), a door's exit, 0.5 s
+        for stream in (late, silent):
+            await stream.aclose()
 
 
 def _holds(pid: int, stream: trio.SocketStream) -> bool:

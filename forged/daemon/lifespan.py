@@ -43,9 +43,13 @@ from forged.observe.metrics import Metrics
 log = logging.getLogger("forged")
 # Beyond the workers' start: the listeners, the doors, the first status line.
 _START_MARGIN_S = 60.0
-# After the last generation of a drain, how long its final bytes get before the
-# listeners (and their idle keep-alive connections) are ended.
+# After the last generation of a drain (and the listeners' grace for the connections
+# they had accepted), how long the final bytes get before the listeners (and their idle
+# keep-alive connections) are ended.
 _LAST_BYTES_S = 0.5
+# A bound on a listener's stop: its doors' (forged.daemon.doors.STOP_S) and the grace of
+# the connections accepted (forged.http.hotdoor.CLOSING_GRACE_S), with room.
+_LISTENER_STOP_S = 10.0
 
 
 def _listen_fds() -> list[int]:
@@ -140,6 +144,7 @@ class Daemon:
         # The nurseries of the listeners and of the tasks beside them, while serving.
         self._aux: trio.Nursery | None = None
         self._listeners: trio.Nursery | None = None
+        self._settled: list[trio.Event] = []  # each listener's, once its stop is over
         self._tls: TLS | None = None  # the API listener's, when server.tls_cert is set
         self.agent_bind: str | None = None  # the agent check's address, once listening
         self.metrics_binds: list[str] = []  # the read-only listener's, once listening
@@ -251,9 +256,11 @@ class Daemon:
         if tls is not None:
             tls.serve_with(hc)
         self._hyper_configs.append(hc)
+        self._settled.append(settled := trio.Event())
         try:
             binds: list[str] = await http.start(partial(
-                listener.serve, app, hc, hot, shutdown_trigger=self._shutdown.wait))
+                listener.serve, app, hc, hot, shutdown_trigger=self._shutdown.wait,
+                settled=settled))
         except (OSError, BaseExceptionGroup) as exc:
             # hypercorn binds inside its nurseries: say which address failed, in a line.
             fault = sole_fault(exc, OSError)
@@ -308,10 +315,18 @@ class Daemon:
         deadline passed), after a moment for its last bytes. On its own, hypercorn holds
         an idle keep-alive connection open for its whole graceful timeout after the
         shutdown: a restart with nothing in flight took drain_timeout + 5 s, while the
-        connections arriving meanwhile waited unanswered in the socket."""
+        connections arriving meanwhile waited unanswered in the socket.
+
+        Not before each listener's stop is over, though: the connections accepted
+        without their request yet have a grace to send it, and door processes hand
+        over what they read until they have gone. (Ended half a second into the
+        drain, those requests got an empty reply.)"""
         assert self.state is not None and self._listeners is not None
         with trio.move_on_at(self.state.drain.deadline):
             await self.state.drain.none_open()
+        with trio.move_on_after(_LISTENER_STOP_S):
+            for settled in self._settled:
+                await settled.wait()
         await trio.sleep(_LAST_BYTES_S)
         self._listeners.cancel_scope.cancel()
 

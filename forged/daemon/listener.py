@@ -42,10 +42,11 @@ from forged.http.state import AppState
 
 
 async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
-                shutdown_trigger: Callable[[], Awaitable[None]],
+                shutdown_trigger: Callable[[], Awaitable[None]], settled: trio.Event,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` as ``hypercorn.trio.serve`` does; with ``state``, through the hot
-    door on plain-TCP sockets."""
+    door on plain-TCP sockets. ``settled`` is set once the shutdown has stopped the
+    accepting and the connections accepted have had their grace (:func:`_stop`)."""
     wrapped = wrap_app(partial(_shielded_close, app), hc.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, hc, lifespan_state)
@@ -74,10 +75,8 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
                 if other is not None:
                     raise other from None
             finally:
-                if doors is not None:
-                    doors.close()
-                await context.terminated.set()
-                await idle.close_all()
+                await _stop(doors, context, idle)
+                settled.set()
                 server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
@@ -89,6 +88,17 @@ async def _closing(trigger: Callable[[], Awaitable[None]], doors: Doors | None) 
     await trigger()
     if doors is not None:
         doors.close()
+
+
+async def _stop(doors: Doors | None, context: WorkerContext, idle: IdleConnections) -> None:
+    """Once the accepting has ended (and the doors, if any, have stopped, handing over
+    what they read meanwhile): hypercorn's connections told, and the hot door's
+    connections accepted without their request yet given its grace to send one
+    (``IdleConnections.close_all``)."""
+    if doors is not None:
+        doors.close()
+    await context.terminated.set()
+    await idle.close_all()
 
 
 async def _shielded_close(app: Any, scope: Scope, receive: ASGIReceiveCallable,
