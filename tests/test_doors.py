@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import trio
 
+import forged.config as fc
 from forged.auth import add_key
 from forged.daemon import doors as doors_module
 from forged.daemon import listener
@@ -30,6 +32,7 @@ from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.test_api import until
 from tests.test_hotdoor import GENERAL, _connect, _exchange, _get, _requests, _shape
+from tests.test_models import as_toml
 
 TWO = {"door_processes": 2}
 
@@ -416,6 +419,39 @@ async def test_doors_follow_the_daemons_state_and_keys(
         assert (await get("/v1/models", b"Authorization: Bearer nope\r\n")
                 ).startswith(b"HTTP/1.1 401 ")
         assert sum(door["handed"] for door in _doors(d)) == handed + 1
+
+
+async def test_doors_follow_a_reload_of_the_log_level(
+        tiny_model: Path, start_daemon: DaemonFactory, capfd: pytest.CaptureFixture[str]
+        ) -> None:
+    """A reload to log.level "warning" silences a door's access lines as the daemon's.
+    (A door kept the level it started with: a /health it answered still wrote its
+    forged.access line, one the daemon answered none.)"""
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        state = d.daemon.state
+        assert state is not None
+        await _running(d)
+        assert "forged.access" in capfd.readouterr().out  # the door logs to our stdout
+        quiet = msgspec.structs.replace(d.daemon.cfg, log=fc.LogConfig(level="warning"))
+        d.daemon.config_path.write_text(as_toml(quiet))
+        d.daemon.reload()
+        assert d.daemon.cfg.log.level == "warning"
+        for leaving in (True, False):  # a view the door is seen to have taken, twice
+            state.leaving = leaving
+            with trio.fail_after(5):
+                while (await _health(d)).startswith(b"HTTP/1.1 200 ") == leaving:  # noqa: ASYNC110
+                    await trio.sleep(0.02)  # (another process's view)
+        capfd.readouterr()  # the door's lines (it logs to the stdout it shares) so far
+        for _ in range(3):
+            assert (await _health(d)).startswith(b"HTTP/1.1 200 ")
+        await until(lambda: _doors(d)[0]["answered"] >= 3)  # the door's, not the daemon's
+        assert "forged.access" not in capfd.readouterr().out
+
+
+async def _health(d: RunningDaemon) -> bytes:
+    async with await _connect(d) as stream:
+        answer, = await _exchange(stream, _get("/health"), 1)
+    return answer
 
 
 async def test_a_drain_stops_the_doors_and_lets_their_streams_finish(

@@ -56,6 +56,10 @@ class DoorView:
     def set(self, view: View) -> None:
         self.view = view
         self._keys = KeyStore(by_hash={k.sha256: k for k in view.keys})
+        # The daemon's level, as a reload left it: its --log-level was the start's.
+        level = logging.getLevelName(view.log_level.upper()) if view.log_level else None
+        if isinstance(level, int) and logging.getLogger().level != level:
+            logging.getLogger().setLevel(level)
 
     @property
     def on(self) -> bool:

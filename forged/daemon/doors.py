@@ -102,10 +102,12 @@ class Doors:
     def __init__(self, n: int, sockets: list[socket.socket], view: Callable[[], View],
                  serve_handed: Callable[[trio.SocketStream, bytes], None],
                  counted: Callable[[Counted], None], restarted: Callable[[], None],
-                 log_level: str, accept_here: Callable[[], Awaitable[None]]) -> None:
+                 log_level: Callable[[], str], accept_here: Callable[[], Awaitable[None]]
+                 ) -> None:
         """``view()``: what the doors answer from now; ``serve_handed(stream, data)``
         serves a connection a door handed; ``counted`` takes a door's answered counts;
-        ``restarted`` counts a door's restart (forged_door_restarts); ``accept_here()``
+        ``restarted`` counts a door's restart (forged_door_restarts); ``log_level()``,
+        the level a door starts with (its views then carry it); ``accept_here()``
         accepts and serves the connections in the daemon until cancelled (no door is
         ready)."""
         self.doors = [Door() for _ in range(n)]
@@ -187,7 +189,7 @@ class Doors:
         listen = [a for s in self._sockets for a in ("--listen", str(s.fileno()))]
         # -P: nothing from the working directory shadows an installed module
         return [sys.executable, "-P", "-m", "forged.daemon.doorproc", "--hub", str(hub_fd),
-                "--log-level", self._log_level, *listen]
+                "--log-level", self._log_level(), *listen]
 
     async def _stop(self, ours: socket.socket, door: Door) -> None:
         """SIGTERM the door if it runs, and serve what it hands until it has gone

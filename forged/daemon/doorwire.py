@@ -19,7 +19,8 @@ from forged.http.hotdoor import MAX_HEAD, READ_SIZE
 
 class View(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
     """What a door answers from: the hot routes' bodies as the daemon would send them,
-    the keys, and the hypercorn settings a connection's loop reads."""
+    the keys, the hypercorn settings a connection's loop reads, and the daemon's log
+    level (``log.level``, which a reload changes: a door's access lines follow it)."""
 
     on: bool
     health_status: int
@@ -28,6 +29,9 @@ class View(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
     keys: list[KeyEntry]
     keep_alive_s: float
     max_requests: int
+    # "" from a daemon older than the door (a package upgraded under a running daemon
+    # that then restarts a door): the door keeps the level it started with.
+    log_level: str = ""
 
 
 class Handed(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):

@@ -182,14 +182,14 @@ def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
         return View(on=hub.on, health_status=status, health=body, models=hub.models(),
                     keys=list(hub.keys.by_hash.values()),
                     keep_alive_s=float(hc.keep_alive_timeout),
-                    max_requests=int(hc.keep_alive_max_requests))
+                    max_requests=int(hc.keep_alive_max_requests), log_level=state.cfg.log.level)
 
     def counted(message: Counted) -> None:
         for rule, status, key_name, count in message.counts:
             count_requests(state.metrics, rule, status, "none", key_name, "-", count)
 
     doors = Doors(n, sockets, view, serve_handed, counted, state.metrics.door_restarts.inc,
-                  state.cfg.log.level, accept_here)
+                  lambda: state.cfg.log.level, accept_here)
     state.door_report = doors.report
     return doors
 
