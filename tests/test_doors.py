@@ -27,6 +27,7 @@ from forged.auth import add_key
 from forged.daemon import doors as doors_module
 from forged.daemon import listener
 from forged.daemon.doors import Door, Doors
+from forged.daemon.doorwire import Handed, encoder, from_door
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
@@ -452,6 +453,34 @@ async def _health(d: RunningDaemon) -> bytes:
     async with await _connect(d) as stream:
         answer, = await _exchange(stream, _get("/health"), 1)
     return answer
+
+
+@pytest.mark.parametrize("doors", [0, 1])
+async def test_requests_the_hot_door_answered_count_towards_hypercorns_limit(
+        tiny_model: Path, start_daemon: DaemonFactory, doors: int) -> None:
+    """keep_alive_max_requests (1000) holds for a connection whatever answered its
+    requests: after 999 hot ones, hypercorn's first answer on it is its last. (hypercorn
+    counted from 0 when the connection was handed to it: nearly 2,000 requests.)"""
+    async with start_daemon(tiny_model, server={"door_processes": doors}) as d:
+        if doors:
+            await _running(d)
+        async with await _connect(d) as stream:
+            answers = await _exchange(stream, _get("/health") * 999 + _get("/health", GENERAL),
+                                      1000)
+            assert b"connection: close" not in answers[-2]
+            assert answers[-1].startswith(b"HTTP/1.1 200 ")
+            assert b"\r\nconnection: close\r\n" in answers[-1]
+            with trio.fail_after(10):
+                assert await stream.receive_some(100) == b""
+
+
+def test_a_fresh_connections_handoff_is_the_datagram_it_was() -> None:
+    """A door's Handed names the requests it answered only when there were some: a
+    daemon older than its doors (a package upgraded under it, a door restarted) then
+    still takes the fresh connections it refuses unknown fields of."""
+    assert msgspec.msgpack.decode(encoder.encode(Handed(b"GET"))) == {
+        "type": "Handed", "data": b"GET"}
+    assert from_door.decode(encoder.encode(Handed(b"GET", 3))) == Handed(b"GET", 3)
 
 
 async def test_a_drain_stops_the_doors_and_lets_their_streams_finish(

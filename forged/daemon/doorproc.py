@@ -128,7 +128,7 @@ async def hand(hub: socket.socket, stream: trio.abc.Stream) -> None:
     assert isinstance(stream, Prefixed)
     with trio.move_on_after(HAND_TIMEOUT_S) as scope:
         try:
-            await send_datagram(hub, encoder.encode(Handed(stream.first)),
+            await send_datagram(hub, encoder.encode(Handed(stream.first, stream.served)),
                                 [stream.transport.socket.fileno()])
         except OSError as exc:  # the daemon is gone: this door stops with it
             log.error("cannot hand a connection to the daemon: %s", exc)

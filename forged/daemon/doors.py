@@ -100,11 +100,11 @@ class Doors:
     """The door processes of one listener and the daemon's side of their sockets."""
 
     def __init__(self, n: int, sockets: list[socket.socket], view: Callable[[], View],
-                 serve_handed: Callable[[trio.SocketStream, bytes], None],
+                 serve_handed: Callable[[trio.SocketStream, Handed], None],
                  counted: Callable[[Counted], None], restarted: Callable[[], None],
                  log_level: Callable[[], str], accept_here: Callable[[], Awaitable[None]]
                  ) -> None:
-        """``view()``: what the doors answer from now; ``serve_handed(stream, data)``
+        """``view()``: what the doors answer from now; ``serve_handed(stream, handed)``
         serves a connection a door handed; ``counted`` takes a door's answered counts;
         ``restarted`` counts a door's restart (forged_door_restarts); ``log_level()``,
         the level a door starts with (its views then carry it); ``accept_here()``
@@ -237,7 +237,7 @@ class Doors:
             door.handed += 1
             conn = socket.socket(fileno=fds[0])
             self._serve_handed(trio.SocketStream(trio.socket.from_stdlib_socket(conn)),
-                               message.data)
+                               message)
             return
         for fd in fds:  # a descriptor with no Handed: never expected, never leaked
             os.close(fd)

@@ -34,11 +34,16 @@ class View(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
     log_level: str = ""
 
 
-class Handed(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+class Handed(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True,
+             omit_defaults=True):
     """A connection the door does not answer: the daemon serves it from here, with the
-    bytes the door already read from it."""
+    bytes the door already read from it and the number of requests it answered on it
+    (they count towards hypercorn's ``keep_alive_max_requests``). ``served`` is left
+    out when 0, so a daemon older than the door (a package upgraded under it) still
+    takes a fresh connection."""
 
     data: bytes
+    served: int = 0
 
 
 class Counted(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config as HyperConfig
@@ -33,7 +33,7 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wra
 
 from forged.daemon.accept import Handler, ResponseTail, accept_bursts, connection
 from forged.daemon.doors import Doors
-from forged.daemon.doorwire import Counted, View
+from forged.daemon.doorwire import Counted, Handed, View
 from forged.http.access import count_requests
 from forged.http.direct import CONNECTION
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
@@ -55,7 +55,7 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
-            general = partial(TCPServer, wrapped, hc, context,
+            general = partial(_tcp_server, wrapped, hc, context,
                               ConnectionState(lifespan_state.copy()))
             idle = IdleConnections(lambda: float(hc.keep_alive_timeout))
             listeners, binds, doors = _listeners(hc, general, state, idle, server_nursery)
@@ -130,6 +130,32 @@ async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Han
         await accept_bursts(listener, handler, nursery)
 
 
+def _tcp_server(app: Any, hc: HyperConfig, context: WorkerContext, state: ConnectionState,
+                stream: Any) -> TCPServer:
+    """hypercorn's connection on ``stream``; on one the hot door answered requests of
+    first, with its ``keep_alive_max_requests`` counting them (hypercorn counts from 0:
+    a connection could make nearly twice as many)."""
+    served = stream.served if isinstance(stream, Prefixed) else 0
+    config = cast(HyperConfig, _Served(hc, served)) if served else hc
+    return TCPServer(app, config, context, state, stream)
+
+
+class _Served:
+    """hypercorn's config as one connection sees it, ``served`` requests in: each
+    setting read from ``hc`` when hypercorn needs it (a reload's apply)."""
+
+    def __init__(self, hc: HyperConfig, served: int) -> None:
+        self._hc, self._served = hc, served
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hc, name)
+
+    @property
+    def keep_alive_max_requests(self) -> int:
+        # At least 1: the hot door closes a connection at the limit, never hands it over.
+        return max(1, int(self._hc.keep_alive_max_requests) - self._served)
+
+
 def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppState | None,
                idle: IdleConnections, nursery: trio.Nursery,
                ) -> tuple[list[Listening], list[str], Doors | None]:
@@ -173,7 +199,7 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
 
 
 def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
-           serve_handed: Callable[[trio.SocketStream, bytes], None],
+           serve_handed: Callable[[trio.SocketStream, Handed], None],
            accept_here: Callable[[], Awaitable[None]]) -> Doors:
     state = hub.state
 
@@ -195,11 +221,11 @@ def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
 
 
 def _after_door(serve_general: Handler, nursery: trio.Nursery, stream: trio.SocketStream,
-                data: bytes) -> None:
+                handed: Handed) -> None:
     """Serve a connection a door process handed over, as the hot door hands one to
-    hypercorn here (the door read ``data`` from it)."""
+    hypercorn here (the door read ``handed.data`` from it)."""
     async def serve(stream: trio.SocketStream) -> None:
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
-        await serve_general(Prefixed(stream, data))
+        await serve_general(Prefixed(stream, handed.data, handed.served))
 
     nursery.start_soon(connection, stream, serve)

@@ -279,7 +279,7 @@ class HotDoor:
         finally:
             handoff.idle.busy(stream)
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
-        await handoff.serve(Prefixed(stream, buf[start:]))
+        await handoff.serve(Prefixed(stream, buf[start:], served))
 
 
 async def _receive(stream: trio.SocketStream) -> bytes | None:
@@ -309,12 +309,15 @@ async def _send(stream: trio.SocketStream, answer: bytes, last: bool) -> bool:
 
 class Prefixed(trio.abc.Stream):
     """A socket stream whose first reads return bytes already read from it: the hot
-    door's unanswered requests, which hypercorn then parses as if fresh."""
+    door's unanswered requests, which hypercorn then parses as if fresh. ``served``:
+    the requests the hot door answered on it, which count towards hypercorn's
+    ``keep_alive_max_requests``."""
 
-    def __init__(self, stream: trio.SocketStream, first: bytes) -> None:
+    def __init__(self, stream: trio.SocketStream, first: bytes, served: int = 0) -> None:
         self.transport = stream
         self.socket = stream.socket  # hypercorn reads the peer's address from it
         self.first = first  # not yet returned by receive_some
+        self.served = served
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self.first:
