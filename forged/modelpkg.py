@@ -17,6 +17,7 @@ runs on the appliance itself.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -142,13 +143,28 @@ def drop_in(spec: Spec) -> str:
     lines = [f"# Installed by {spec.package} (`forged model package`). Edits are kept on",
              "# upgrades (a conffile); `systemctl reload forged` applies them.",
              "[[models]]"]
-    lines += [f"{key} = {json.dumps(table[key])}" for key in ("path", "name", "aliases")]
+    lines += [f"{key} = {toml_value(table[key])}" for key in ("path", "name", "aliases")]
     if spec.role:
-        lines.append(f"role = {json.dumps(spec.role)}")
-    if spec.engine:  # JSON's scalars are TOML's too
-        lines += ["[models.engine]", *(f"{k} = {json.dumps(v)}"
+        lines.append(f"role = {toml_value(spec.role)}")
+    if spec.engine:
+        lines += ["[models.engine]", *(f"{k} = {toml_value(v)}"
                                        for k, v in spec.engine.items())]
     return "\n".join(lines) + "\n"
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (a string, number, boolean or list of them) as TOML writes it. JSON's
+    text is TOML's but for two: an infinite or NaN float, which JSON writes Infinity
+    and NaN (``--engine first_token_weight=inf``, the documented default, made a
+    drop-in the daemon could not read), and a character past U+FFFF, which JSON
+    escapes as a surrogate pair TOML refuses (an emoji in an alias or file name)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(toml_value, value)) + "]"
+    if isinstance(value, str):  # TOML wants DEL escaped too; JSON leaves it raw
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return json.dumps(value)
 
 
 _RELOAD = """\

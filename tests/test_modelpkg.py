@@ -61,6 +61,26 @@ def test_a_fim_model_becomes_a_package_whose_drop_in_the_daemon_reads(
         fim_model.read_bytes()
 
 
+def test_the_drop_in_is_toml_whatever_its_values(tmp_path: Path, tiny_model: Path) -> None:
+    # first_token_weight's default is inf, which JSON writes Infinity; an emoji is a
+    # surrogate pair in JSON's escapes: TOML takes neither, and the daemon read nothing.
+    assert _package(tmp_path, tiny_model, "--id", "chat-b", "--alias", "llama-\U0001f999",
+                    "--engine", "first_token_weight=inf", "--engine", "target_step_ms=250.5",
+                    "--engine", "cpus=[0]") == 0
+    root = tmp_path / "root"
+    _dpkg_deb("-x", str(tmp_path / "out" / "forged-model-chat-b_1.0_all.deb"), str(root))
+    config = tmp_path / "etc" / "forged.toml"
+    fc.drop_in_dir(config).mkdir(parents=True)
+    config.write_text(f'[model]\npath = "{tiny_model}"\n')
+    (fc.drop_in_dir(config) / "chat-b.toml").write_text(
+        (root / "etc/forged/models.d/chat-b.toml").read_text().replace("/usr/share",
+                                                                     f"{root}/usr/share"))
+    (model,) = fc.load(config).models
+    assert model.aliases == ["llama-\U0001f999"]
+    assert model.engine == {"first_token_weight": float("inf"), "target_step_ms": 250.5,
+                            "cpus": [0]}
+
+
 def test_the_default_model_s_package_installs_the_file_only(
         tmp_path: Path, tiny_model: Path) -> None:
     assert _package(tmp_path, tiny_model, "--no-config") == 0
