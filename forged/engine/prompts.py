@@ -36,6 +36,32 @@ TEMPLATE_NAMES = frozenset({"messages", "tools", "tool_choice", "functions", "fu
                             "raise_exception", "strftime_now"})
 
 
+# What a system message says in the probe of whether a template writes one.
+_SYSTEM_NEEDLE = "<System Needle>"
+
+
+def system_in_user_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template without a system role, as llama.cpp sends them to
+    one (minja's polyfill): system messages' text, a line each, opens the next user
+    message, or a user message of its own before any other turn or at the end."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for m in messages:
+        if m["role"] == "system":
+            pending.append(m["content"])
+            continue
+        if pending and m["role"] == "user":
+            m = {**m, "content": "\n".join([*pending, m["content"]] if m["content"]
+                                           else pending)}
+        elif pending:
+            out.append({"role": "user", "content": "\n".join(pending)})
+        pending = []
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n".join(pending)})
+    return out
+
+
 class ModelInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """What ``/v1/models`` says of the model (llama.cpp's ``meta``), and ``identity``:
     a short hash of the model and of the build serving it (OpenAI's
@@ -74,6 +100,7 @@ class Prompter(Closing):
         eos = self.vocab.piece(self.vocab.eos, special=True).decode("utf-8", "replace")
         bos = self.vocab.piece(self.vocab.bos, special=True).decode("utf-8", "replace")
         self._chat = chat_formatter(template, eos, bos)
+        self.takes_system = self._takes_system()
         # A template that renders tools and writes calls as <tool_call> blocks (the
         # format forged parses); others get the tools in a system message of forged's.
         self.renders_tools = "tools" in template and TOOL_OPEN in template
@@ -130,6 +157,17 @@ class Prompter(Closing):
                 piece, add_special=i == 0, parse_special=True)
         return out
 
+    def _takes_system(self) -> bool:
+        """Whether the template writes a system message's text (minja's test, which
+        llama.cpp runs): Gemma's and older Mistrals' raise on one, or drop it."""
+        try:
+            text = self._chat(messages=[
+                {"role": "system", "content": _SYSTEM_NEEDLE},
+                {"role": "user", "content": "Hey"}]).prompt
+        except Exception:  # a template's raise_exception or a Jinja2 error
+            return False
+        return _SYSTEM_NEEDLE in str(text)
+
     def _special_token(self, text: str) -> int | None:
         ids = self.vocab.tokenize(text, add_special=False, parse_special=True)
         plain = self.vocab.tokenize(text, add_special=False, parse_special=False)
@@ -159,6 +197,8 @@ class Prompter(Closing):
             if name in TEMPLATE_NAMES:
                 raise BadRequest(f"{name!r} is set by forged, not by chat_template_kwargs",
                                  param=f"chat_template_kwargs.{name}")
+        if not self.takes_system:
+            messages = system_in_user_turns(messages)
         try:
             return str(self._chat(messages=messages,  # type: ignore[arg-type]
                                   tools=tools,  # type: ignore[arg-type]
