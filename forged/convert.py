@@ -21,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 import numpy.typing as npt
+from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 # Hugging Face tensors llama.cpp's BERT graph does not use.
@@ -44,7 +45,7 @@ def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
     write_bert(out, config, [tok for tok, _ in vocab], specials,
-               load_file(str(src / "model.safetensors")), pooling=_pooling(src),
+               _tensors(src), pooling=_pooling(src),
                name=name or config.get("_name_or_path", src.name))
     return out
 
@@ -134,6 +135,21 @@ def _pooling(src: Path) -> gguf.PoolingType:
     if p.get("pooling_mode_mean_tokens"):
         return gguf.PoolingType.MEAN
     raise ConvertError(f"{path}: a pooling llama.cpp has not (only mean and CLS)")
+
+
+def _tensors(src: Path) -> dict[str, npt.NDArray[Any]]:
+    path = src / "model.safetensors"
+    if not path.is_file():
+        # Older sentence-transformers repositories ship pytorch_model.bin alone, which
+        # takes torch to read: the user needs the way out, not a traceback.
+        only = " (pytorch_model.bin is torch's pickle, which this converter does not " \
+            "read: take the repository's safetensors revision, or convert it with " \
+            "llama.cpp's convert_hf_to_gguf.py)" if (src / "pytorch_model.bin").exists() else ""
+        raise ConvertError(f"{src}: no model.safetensors{only}")
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConvertError(f"cannot read {path}: {exc}") from exc
 
 
 def _json(path: Path) -> dict[str, Any]:

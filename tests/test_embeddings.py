@@ -16,6 +16,7 @@ import openai
 import pytest
 import trio
 
+from forged import cli
 from forged import config as fc
 from forged.convert import ConvertError, write_bert
 from forged.daemon.startup import open_prompter
@@ -190,3 +191,19 @@ def test_the_converter_refuses_what_llama_cpp_would_abort_on(tmp_path: Path) -> 
     with pytest.raises(ConvertError, match="no \\[UNK\\]"):
         write_bert(tmp_path / "y.gguf", config, ["[PAD]", "a"], {"[PAD]"}, {},
                    pooling=gguf.PoolingType.MEAN, name="y")
+
+
+def test_the_converter_says_what_is_missing_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder without model.safetensors, or with a damaged one, was a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "bert"}')
+    (src / "tokenizer.json").write_text('{"model": {"type": "WordPiece", "vocab": {}}}')
+    out = str(tmp_path / "out.gguf")
+    (src / "pytorch_model.bin").write_bytes(b"torch")
+    assert cli.main(["model", "convert", str(src), out]) == 1
+    assert "no model.safetensors (pytorch_model.bin" in capsys.readouterr().err
+    (src / "model.safetensors").write_bytes(b"garbage" * 10)
+    assert cli.main(["model", "convert", str(src), out]) == 1
+    assert "cannot read" in capsys.readouterr().err
