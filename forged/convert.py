@@ -35,7 +35,10 @@ class ConvertError(ValueError):
 
 
 def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
-    """Write ``src``'s BERT model to ``out`` as a GGUF (f16 matrices, f32 the rest)."""
+    """Write ``src``'s BERT model to ``out`` as a GGUF (f16 matrices, f32 the rest),
+    named ``name`` or the folder's name. Not config.json's ``_name_or_path``: that is
+    the model it was fine-tuned from (all-MiniLM-L6-v2 says
+    nreimers/MiniLM-L6-H384-uncased)."""
     config = _json(src / "config.json")
     if config.get("model_type") != "bert":
         raise ConvertError(f"{src}: model_type {config.get('model_type')!r}, not 'bert'")
@@ -46,7 +49,7 @@ def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
     specials = {t["content"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
     write_bert(out, config, [tok for tok, _ in vocab], specials,
                _tensors(src), pooling=_pooling(src),
-               name=name or config.get("_name_or_path", src.name))
+               name=name or src.resolve().name)
     return out
 
 

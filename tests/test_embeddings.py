@@ -5,6 +5,7 @@ OpenAI's /v1/embeddings, llama.cpp's /embedding and Ollama's /api/embed and
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,25 @@ def test_the_converter_says_what_is_missing_in_one_line(
     (src / "model.safetensors").write_bytes(b"garbage" * 10)
     assert cli.main(["model", "convert", str(src), out]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_converted_model_is_named_after_its_folder(tmp_path: Path) -> None:
+    """config.json's _name_or_path names the model it was fine-tuned from (MiniLM's
+    base, for all-MiniLM-L6-v2): the GGUF, and Ollama's /api/show, said that name."""
+    from safetensors.numpy import save_file
+
+    from forged.convert import convert_bert
+
+    src = tmp_path / "all-MiniLM-L6-v2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({
+        "model_type": "bert", "_name_or_path": "nreimers/MiniLM-L6-H384-uncased",
+        "max_position_embeddings": 8, "hidden_size": 4, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 1}))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]
+    (src / "tokenizer.json").write_text(json.dumps({
+        "model": {"type": "WordPiece", "vocab": {t: i for i, t in enumerate(vocab)}}}))
+    save_file({}, str(src / "model.safetensors"))
+    out = convert_bert(src, tmp_path / "out.gguf")
+    name = gguf.GGUFReader(out).fields["general.name"].contents()
+    assert name == "all-MiniLM-L6-v2"
