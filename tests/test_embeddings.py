@@ -173,6 +173,27 @@ async def test_llamacpp_and_ollama_routes_and_the_official_clients(
                 for line in metrics.splitlines())
 
 
+async def test_ollama_s_empty_embed_loads_the_model_and_answers_no_vectors(
+        tiny_model: Path, tiny_bert: Path, start_daemon: DaemonFactory) -> None:
+    """Ollama answers an /api/embed with no input, "" or [] with no vectors (200): its
+    clients warm a model up so. forged answered a 400 (OpenAI's way, kept there)."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model, models=[{"path": str(tiny_bert), **EMBED}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            for extra in ({}, {"input": ""}, {"input": []}):
+                r = await c.post("/api/embed", json={"model": "minilm", **extra})
+                assert r.status_code == 200, (extra, r.text)
+                assert r.json() == {"model": "minilm", "embeddings": []}
+            r = await c.post("/api/embeddings", json={"model": "minilm", "prompt": ""})
+            assert r.status_code == 200 and r.json() == {"embedding": []}, r.text
+            async with ollama.AsyncClient(host=d.url, timeout=30) as o:
+                assert (await o.embed("minilm", [])).embeddings == []
+            # The model is still looked up; OpenAI's route still refuses an empty input.
+            assert (await c.post("/api/embed", json={"model": "nope"})).status_code == 404
+            assert (await c.post("/api/embed", json={"model": "tiny"})).status_code == 400
+            assert (await c.post("/v1/embeddings", json={"input": ""})).status_code == 400
+
+
 def test_roles_must_fit_the_model(tiny_model: Path, tiny_bert: Path, tmp_path: Path) -> None:
     with pytest.raises(fc.ConfigError, match="not an embedding model"):
         open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(tiny_model), role="embed"))

@@ -245,12 +245,16 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/embed", endpoint="ollama_embed")
     async def embed() -> Response:
         body = await api.decoded_body(state, _embed_decoder, engine=False)
+        if _nothing_to_embed(state, body, body.input):
+            return json_response({"model": body.model, "embeddings": []})
         done = await _embed(state, body, body.input, "input")
         return await answer(state, done, functools.partial(_embed_body, body.model))
 
     @app.post("/api/embeddings", endpoint="ollama_embeddings")
     async def embeddings() -> Response:
         body = await api.decoded_body(state, _embed_decoder, engine=False)
+        if _nothing_to_embed(state, body, body.prompt):
+            return json_response({"embedding": []})
         done = await _embed(state, body, body.prompt, "prompt")
         return await answer(state, done, lambda d, _: {"embedding": d.vectors[0].tolist()})
 
@@ -259,6 +263,17 @@ def _embed_body(model: str, done: Embedded, encoding: str) -> dict[str, Any]:
     return {"model": model, "embeddings": done.vectors.tolist(),
             "total_duration": nanoseconds(done.seconds), "load_duration": 0,
             "prompt_eval_count": done.prompt_tokens}
+
+
+def _nothing_to_embed(state: AppState, body: EmbedBody, given: str | list[str] | None
+                      ) -> bool:
+    """Whether the body embeds nothing (no input, "" or []): Ollama answers it with no
+    vectors, 200, once the model is found (its way to load one: OpenAI's 400 for an
+    empty input failed the clients that warm a model up so)."""
+    if given:
+        return False
+    state.models.resolve(model_name(body.model) if body.model else None, embed=True)
+    return True
 
 
 async def _embed(state: AppState, body: EmbedBody, given: str | list[str] | None,
