@@ -178,6 +178,9 @@ async def test_fim_on_a_model_without_fim_tokens_is_a_400(
                 ("/infill", infill()),
                 ("/v1/completions", {"prompt": CODE_BEFORE, "suffix": CODE_AFTER}),
                 ("/v1/completions", {"prompt": "<|fim_prefix|>x<|fim_suffix|>y<|fim_middle|>"}),
+                # DeepSeek-Coder's, whose bars are fullwidth (U+FF5C).
+                ("/v1/completions", {"prompt": "<\uff5cfim\u2581begin\uff5c>x"
+                                               "<\uff5cfim\u2581hole\uff5c>y<\uff5cfim\u2581end\uff5c>"}),
             ):
                 r = await c.post(path, json=body)
                 assert r.status_code == 400, (path, r.text)

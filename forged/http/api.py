@@ -485,8 +485,10 @@ async def _completion_prompt(state: AppState, group: ModelGroup, req: Completion
     return tokens, found
 
 
-# How FIM-trained models write their tokens (StarCoder, Qwen-Coder, CodeLlama, DeepSeek).
-_FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<|fim▁begin|>", "<PRE>")
+# How FIM-trained models write their tokens (StarCoder, Qwen-Coder, CodeLlama, DeepSeek:
+# its bars are U+FF5C, fullwidth; the ASCII look-alike is kept for hand-typed prompts).
+_FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<|fim▁begin|>",
+                "<\uff5cfim\u2581begin\uff5c>", "<PRE>")
 
 
 def _refuse_raw_fim(group: ModelGroup, text: str) -> None:
