@@ -1,8 +1,8 @@
 """``forged model package``: any GGUF as a model .deb.
 
-The package installs the GGUF under ``/usr/share/forged/models/`` and its [[models]]
-table as a drop-in, ``/etc/forged/models.d/<id>.toml`` (a conffile: an admin's edits
-survive upgrades). Its maintainer scripts reload a running daemon, which then adds
+The package installs the GGUF under ``/usr/share/forged/models/<id>/`` and its
+[[models]] table as a drop-in, ``/etc/forged/models.d/<id>.toml`` (a conffile: an
+admin's edits survive upgrades). Its maintainer scripts reload a running daemon, which then adds
 the model under live traffic, swaps it on an upgrade, and withdraws it on removal
 (the drop-in stays until purged, and is skipped while its GGUF is gone). With
 ``--no-config`` it installs the GGUF only: a model that forged.toml's [model] names,
@@ -69,7 +69,11 @@ class Spec:
 
     @property
     def installed_path(self) -> str:
-        return f"{MODELS_DIR}/{self.gguf.name}"
+        """A model with a table of its own has a folder of its own: one GGUF packaged
+        twice (as chat and as fim, say) is two packages' files, which dpkg refuses to
+        install at one path. A file for [model] goes where forged.toml names it."""
+        folder = f"{MODELS_DIR}/{self.slug}" if self.drop_in else MODELS_DIR
+        return f"{folder}/{self.gguf.name}"
 
     @property
     def table(self) -> fc.ModelConfig:
@@ -210,7 +214,7 @@ def _control(spec: Spec, role: str, size_kib: int) -> str:
             f"Maintainer: {spec.maintainer}\nInstalled-Size: {size_kib}\n"
             "Section: misc\nPriority: optional\nEnhances: forged\n"
             f"Description: {spec.model_id} ({role}) model for forged\n"
-            f" The GGUF model {spec.gguf.name} under {MODELS_DIR}/, {served}.\n"
+            f" The GGUF model {spec.installed_path}, {served}.\n"
             " Built by `forged model package`.\n")
 
 
@@ -223,9 +227,9 @@ def build(spec: Spec, out_dir: Path) -> tuple[Path, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="forged-package-", dir=out_dir) as tmp:
         root = Path(tmp)
-        models = root / MODELS_DIR.lstrip("/")
-        models.mkdir(parents=True)
-        shutil.copyfile(spec.gguf, models / spec.gguf.name)
+        installed = root / spec.installed_path.lstrip("/")
+        installed.parent.mkdir(parents=True)
+        shutil.copyfile(spec.gguf, installed)
         meta = root / "DEBIAN"
         meta.mkdir()
         if spec.drop_in:

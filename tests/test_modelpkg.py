@@ -34,11 +34,12 @@ def test_a_fim_model_becomes_a_package_whose_drop_in_the_daemon_reads(
     assert fields.split("\n")[:4] == ["Package: forged-model-coder-1.5b", "Version: 2.1",
                                       "Architecture: all", "Enhances: forged"]
     files = _dpkg_deb("-c", str(deb))
-    assert "./usr/share/forged/models/tiny-fim.gguf" in files
+    assert "./usr/share/forged/models/coder-1.5b/tiny-fim.gguf" in files
     assert "./etc/forged/models.d/coder-1.5b.toml" in files
     # Root's, and readable by the daemon's user whatever the builder's umask.
     modes = {line.split()[-1]: line.split()[:2] for line in files.splitlines()}
-    assert modes["./usr/share/forged/models/tiny-fim.gguf"] == ["-rw-r--r--", "root/root"]
+    assert modes["./usr/share/forged/models/coder-1.5b/tiny-fim.gguf"] == ["-rw-r--r--",
+                                                                    "root/root"]
     assert {m[0] for p, m in modes.items() if p.endswith("/")} == {"drwxr-xr-x"}
     meta = tmp_path / "meta"
     _dpkg_deb("-e", str(deb), str(meta))
@@ -57,7 +58,7 @@ def test_a_fim_model_becomes_a_package_whose_drop_in_the_daemon_reads(
     (model,) = fc.load(config).models
     assert (model.model_id, model.aliases, model.role) == ("Coder:1.5b", ["fim"], "fim")
     assert model.engine == {"slots": 4, "max_running": 4, "kv_layout": "unified"}
-    assert (root / "usr/share/forged/models/tiny-fim.gguf").read_bytes() == \
+    assert (root / "usr/share/forged/models/coder-1.5b/tiny-fim.gguf").read_bytes() == \
         fim_model.read_bytes()
 
 
@@ -81,11 +82,25 @@ def test_the_drop_in_is_toml_whatever_its_values(tmp_path: Path, tiny_model: Pat
                             "cpus": [0]}
 
 
+def test_one_gguf_packaged_twice_installs_side_by_side(tmp_path: Path, fim_model: Path) -> None:
+    """A coder as chat and as fim: both packages installed its file at one path, and
+    dpkg refused the second ("trying to overwrite ..., which is also in package")."""
+    assert _package(tmp_path, fim_model, "--id", "coder", "--role", "chat") == 0
+    assert _package(tmp_path, fim_model, "--id", "coder-fim", "--role", "fim") == 0
+    listed = [{line.split()[-1] for line in _dpkg_deb("-c", str(
+        tmp_path / "out" / f"forged-model-{name}_1.0_all.deb")).splitlines()
+        if not line.split()[-1].endswith("/")} for name in ("coder", "coder-fim")]
+    assert not listed[0] & listed[1]
+    assert "./usr/share/forged/models/coder-fim/tiny-fim.gguf" in listed[1]
+
+
 def test_the_default_model_s_package_installs_the_file_only(
         tmp_path: Path, tiny_model: Path) -> None:
     assert _package(tmp_path, tiny_model, "--no-config") == 0
     deb = tmp_path / "out" / "forged-model-tiny_1.0_all.deb"
-    assert "models.d" not in _dpkg_deb("-c", str(deb))
+    files = _dpkg_deb("-c", str(deb))
+    assert "models.d" not in files
+    assert "./usr/share/forged/models/tiny.gguf" in files  # where [model] names it
     meta = tmp_path / "meta"
     _dpkg_deb("-e", str(deb), str(meta))
     # An upgrade's new file is swapped in by the reload; a removal changes nothing.
