@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -28,6 +28,9 @@ from safetensors.numpy import load_file
 _UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
 _SPECIALS = {"unk": "[UNK]", "bos": "[CLS]", "sep": "[SEP]", "pad": "[PAD]",
              "mask": "[MASK]"}
+
+
+_T = TypeVar("_T", dict[str, Any], list[dict[str, Any]])
 
 
 class ConvertError(ValueError):
@@ -128,16 +131,32 @@ def _typed(name: str, data: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return data.astype(np.float16)
 
 
+# The sentence-transformers modules a GGUF's BERT, pooling and unit vectors compute.
+_MODULES = {"Transformer", "Pooling", "Normalize"}
+_POOLINGS = {"pooling_mode_cls_token": gguf.PoolingType.CLS,
+             "pooling_mode_mean_tokens": gguf.PoolingType.MEAN}
+
+
 def _pooling(src: Path) -> gguf.PoolingType:
-    path = src / "1_Pooling" / "config.json"
+    """The pooling of the sentence-transformers model (mean without one). A module
+    after the pooling (a Dense projection, as LaBSE's) or several poolings at once
+    (their vectors concatenated) are refused: llama.cpp computes neither, and the
+    GGUF's vectors would be silently other than the model's."""
+    folder = "1_Pooling"
+    for m in _read(src / "modules.json", []) if (src / "modules.json").exists() else []:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _MODULES:
+            raise ConvertError(f"{src / 'modules.json'}: a {kind} module "
+                               f"({m.get('path')}), which llama.cpp does not compute")
+        folder = str(m.get("path", folder)) if kind == "Pooling" else folder
+    path = src / folder / "config.json"
     if not path.exists():
         return gguf.PoolingType.MEAN
-    p = _json(path)
-    if p.get("pooling_mode_cls_token"):
-        return gguf.PoolingType.CLS
-    if p.get("pooling_mode_mean_tokens"):
-        return gguf.PoolingType.MEAN
-    raise ConvertError(f"{path}: a pooling llama.cpp has not (only mean and CLS)")
+    modes = sorted(k for k, on in _json(path).items() if k.startswith("pooling_mode") and on)
+    if len(modes) != 1 or modes[0] not in _POOLINGS:
+        raise ConvertError(f"{path}: pooling {', '.join(modes) or 'none'}; llama.cpp has "
+                           "one of mean and CLS only")
+    return _POOLINGS[modes[0]]
 
 
 def _tensors(src: Path) -> dict[str, npt.NDArray[Any]]:
@@ -156,8 +175,15 @@ def _tensors(src: Path) -> dict[str, npt.NDArray[Any]]:
 
 
 def _json(path: Path) -> dict[str, Any]:
+    return _read(path, {})
+
+
+def _read(path: Path, shape: _T) -> _T:
+    """``path``'s JSON, which must be of ``shape``'s type (an object, or a list)."""
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConvertError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, type(shape)):
+        raise ConvertError(f"{path}: not a JSON {type(shape).__name__}")
     return data

@@ -19,7 +19,7 @@ import trio
 
 from forged import cli
 from forged import config as fc
-from forged.convert import ConvertError, write_bert
+from forged.convert import ConvertError, convert_bert, write_bert
 from forged.daemon.startup import open_prompter
 from tests.conftest import DaemonFactory
 
@@ -234,11 +234,16 @@ def test_the_converter_says_what_is_missing_in_one_line(
 def test_a_converted_model_is_named_after_its_folder(tmp_path: Path) -> None:
     """config.json's _name_or_path names the model it was fine-tuned from (MiniLM's
     base, for all-MiniLM-L6-v2): the GGUF, and Ollama's /api/show, said that name."""
+    src = _bert_folder(tmp_path / "all-MiniLM-L6-v2")
+    out = convert_bert(src, tmp_path / "out.gguf")
+    name = gguf.GGUFReader(out).fields["general.name"].contents()
+    assert name == "all-MiniLM-L6-v2"
+
+
+def _bert_folder(src: Path) -> Path:
+    """A Hugging Face BERT's files, without weights (enough for what is refused first)."""
     from safetensors.numpy import save_file
 
-    from forged.convert import convert_bert
-
-    src = tmp_path / "all-MiniLM-L6-v2"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({
         "model_type": "bert", "_name_or_path": "nreimers/MiniLM-L6-H384-uncased",
@@ -248,6 +253,29 @@ def test_a_converted_model_is_named_after_its_folder(tmp_path: Path) -> None:
     (src / "tokenizer.json").write_text(json.dumps({
         "model": {"type": "WordPiece", "vocab": {t: i for i, t in enumerate(vocab)}}}))
     save_file({}, str(src / "model.safetensors"))
-    out = convert_bert(src, tmp_path / "out.gguf")
-    name = gguf.GGUFReader(out).fields["general.name"].contents()
-    assert name == "all-MiniLM-L6-v2"
+    return src
+
+
+def _module(kind: str, path: str) -> dict[str, str]:
+    return {"path": path, "type": f"sentence_transformers.models.{kind}"}
+
+
+def test_the_converter_refuses_what_llama_cpp_would_compute_otherwise(tmp_path: Path) -> None:
+    """A Dense module after the pooling (LaBSE's), or two poolings at once, were
+    dropped: the GGUF's vectors were silently not the model's."""
+    src = _bert_folder(tmp_path / "labse")
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    modules = [_module("Transformer", ""), _module("Pooling", "1_Pooling"),
+               _module("Dense", "2_Dense"), _module("Normalize", "3_Normalize")]
+    (src / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConvertError, match="a Dense module \\(2_Dense\\)"):
+        convert_bert(src, tmp_path / "labse.gguf")
+    del modules[2]
+    (src / "modules.json").write_text(json.dumps(modules))
+    convert_bert(src, tmp_path / "labse.gguf")  # CLS pooling alone: as it is
+    (src / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}))
+    with pytest.raises(ConvertError, match="pooling pooling_mode_cls_token, pooling_mode_m"):
+        convert_bert(src, tmp_path / "both.gguf")
