@@ -48,6 +48,11 @@ def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
     tokenizer = _json(src / "tokenizer.json")
     if tokenizer.get("model", {}).get("type") != "WordPiece":
         raise ConvertError(f"{src}: the tokenizer is not WordPiece")
+    if (tokenizer.get("normalizer") or {}).get("lowercase") is False:
+        # llama.cpp's WordPiece lowercases every text: "Paris" would be read as the
+        # piece "paris", or [UNK], and the vectors would silently not be the model's.
+        raise ConvertError(f"{src}: a cased tokenizer (lowercase false); llama.cpp's "
+                           "BERT reads every text lowercased")
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
     write_bert(out, config, [tok for tok, _ in vocab], specials,

@@ -279,3 +279,10 @@ def test_the_converter_refuses_what_llama_cpp_would_compute_otherwise(tmp_path: 
         {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}))
     with pytest.raises(ConvertError, match="pooling pooling_mode_cls_token, pooling_mode_m"):
         convert_bert(src, tmp_path / "both.gguf")
+    # A cased vocabulary: llama.cpp would read "Paris" as "paris".
+    cased = _bert_folder(tmp_path / "cased")
+    tokenizer = json.loads((cased / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "BertNormalizer", "lowercase": False}
+    (cased / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConvertError, match="cased tokenizer"):
+        convert_bert(cased, tmp_path / "cased.gguf")
