@@ -24,8 +24,11 @@ import numpy.typing as npt
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-# Hugging Face tensors llama.cpp's BERT graph does not use.
-_UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+# Hugging Face tensors llama.cpp's BERT graph does not use: the pooler, and the heads of
+# pre-training (a checkpoint saved as BertForPreTraining or BertForMaskedLM has them;
+# llama.cpp's converter skips them too).
+_UNUSED = ("embeddings.position_ids", "pooler.dense.", "cls.predictions.",
+           "cls.seq_relationship.")
 _SPECIALS = {"unk": "[UNK]", "bos": "[CLS]", "sep": "[SEP]", "pad": "[PAD]",
              "mask": "[MASK]"}
 
@@ -72,7 +75,7 @@ def write_bert(out: Path, config: Mapping[str, Any], vocab: list[str], specials:
     _vocabulary(w, vocab, specials)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, int(config["num_hidden_layers"]))
     for hf_name, data in tensors.items():
-        if hf_name.removeprefix("bert.") in _UNUSED:
+        if hf_name.removeprefix("bert.").startswith(_UNUSED):
             continue
         new = names.get_name(hf_name.removeprefix("bert."), try_suffixes=(".weight", ".bias"))
         if new is None:

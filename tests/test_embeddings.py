@@ -260,6 +260,19 @@ def _module(kind: str, path: str) -> dict[str, str]:
     return {"path": path, "type": f"sentence_transformers.models.{kind}"}
 
 
+def test_the_converter_leaves_out_the_pre_training_heads(tmp_path: Path) -> None:
+    """A BertForMaskedLM checkpoint's cls.predictions.* were 'no llama.cpp name'."""
+    config = {"max_position_embeddings": 8, "hidden_size": 4, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 1}
+    specials = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    heads = {name: np.zeros(4, dtype=np.float32) for name in (
+        "cls.predictions.bias", "cls.predictions.transform.dense.bias",
+        "cls.seq_relationship.bias", "bert.pooler.dense.bias")}
+    write_bert(tmp_path / "x.gguf", config, [*sorted(specials), "a"], specials, heads,
+               pooling=gguf.PoolingType.MEAN, name="x")
+    assert not gguf.GGUFReader(tmp_path / "x.gguf").tensors
+
+
 def test_the_converter_refuses_what_llama_cpp_would_compute_otherwise(tmp_path: Path) -> None:
     """A Dense module after the pooling (LaBSE's), or two poolings at once, were
     dropped: the GGUF's vectors were silently not the model's."""
