@@ -56,12 +56,25 @@ def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
         # piece "paris", or [UNK], and the vectors would silently not be the model's.
         raise ConvertError(f"{src}: a cased tokenizer (lowercase false); llama.cpp's "
                            "BERT reads every text lowercased")
-    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
-    write_bert(out, config, [tok for tok, _ in vocab], specials,
+    vocab, specials = _tokens(tokenizer, int(config.get("vocab_size", 0)))
+    write_bert(out, config, vocab, specials,
                _tensors(src), pooling=_pooling(src),
                name=name or src.resolve().name)
     return out
+
+
+def _tokens(tokenizer: dict[str, Any], vocab_size: int) -> tuple[list[str], set[str]]:
+    """The tokens by id, and the special ones. As llama.cpp's converter: added tokens
+    beyond the WordPiece vocabulary are in it, and ids up to the config's vocab_size
+    that no token has are [PADn] (the embedding matrix has a row for each: a shorter
+    list made a GGUF llama.cpp refused to load, "wrong shape")."""
+    added = tokenizer.get("added_tokens", [])
+    by_id = {int(i): t for t, i in tokenizer["model"]["vocab"].items()}
+    by_id.update((int(t["id"]), t["content"]) for t in added if int(t["id"]) not in by_id)
+    size = max(vocab_size, max(by_id, default=-1) + 1)
+    vocab = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
+    specials = {t["content"] for t in added if t.get("special")}
+    return vocab, specials | {t for i, t in enumerate(vocab) if i not in by_id}
 
 
 def write_bert(out: Path, config: Mapping[str, Any], vocab: list[str], specials: set[str],

@@ -260,6 +260,24 @@ def _module(kind: str, path: str) -> dict[str, str]:
     return {"path": path, "type": f"sentence_transformers.models.{kind}"}
 
 
+def test_the_converter_lists_a_token_for_every_row_of_the_embeddings(tmp_path: Path) -> None:
+    """Ids past the WordPiece vocabulary (added tokens, or rows padded to vocab_size)
+    were left out: the token list was shorter than the embedding matrix, and llama.cpp
+    refused the GGUF ("wrong shape")."""
+    src = _bert_folder(tmp_path / "padded")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "vocab_size": 9}))
+    tokenizer = json.loads((src / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [{"id": i, "content": t, "special": True} for i, t in
+                                 enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])]
+    tokenizer["added_tokens"].append({"id": 6, "content": "<code>", "special": True})
+    (src / "tokenizer.json").write_text(json.dumps(tokenizer))
+    out = convert_bert(src, tmp_path / "padded.gguf")
+    field = gguf.GGUFReader(out).fields["tokenizer.ggml.tokens"]
+    assert field.contents() == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "\u2581a",
+                                "<code>", "[PAD7]", "[PAD8]"]
+
+
 def test_the_converter_leaves_out_the_pre_training_heads(tmp_path: Path) -> None:
     """A BertForMaskedLM checkpoint's cls.predictions.* were 'no llama.cpp name'."""
     config = {"max_position_embeddings": 8, "hidden_size": 4, "intermediate_size": 8,
