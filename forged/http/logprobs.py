@@ -102,6 +102,9 @@ class CompletionLogprobs:
         ``entries``), whose text the choice returns as ``text``."""
         out = self.tokens([TokenLogprob(tokens[0], 0.0), *entries])
         out["token_logprobs"][0] = out["top_logprobs"][0] = None
+        # A prompt of ids may end inside a character, whose bytes ``text`` ends with as
+        # one U+FFFD: counted here too, or the shift below would move every offset on.
+        self._chars += len(self._decoder.decode(b"", final=True))
         # Offsets are into ``text``: where the tokens' own text is longer (a BOS the
         # tokenizer added), the first tokens share offset 0.
         shift = len(text) - self._chars
