@@ -96,6 +96,11 @@ def test_input_items_become_chat_turns() -> None:
     ({"role": "user", "content": "hi", "colour": "red"}, "input[0].colour"),
     ({"type": "function_call", "call_id": "c", "name": "f"}, "input[0].arguments"),
     ({"role": "tool", "content": "x"}, "input[0].role"),
+    # Stored with the conversation, not always in its prompt: bounded as OpenAI's are.
+    ({"type": "function_call", "call_id": "c" * 65, "name": "f", "arguments": "{}"},
+     "input[0].call_id"),
+    ({"type": "function_call_output", "call_id": "c" * 65, "output": "4"},
+     "input[0].call_id"),
 ])
 def test_an_input_item_forged_cannot_read_is_named(item: dict[str, Any], param: str) -> None:
     with pytest.raises(e.BadRequest) as info:
@@ -396,6 +401,11 @@ def test_errors_are_the_sdks_exceptions(tiny: Any) -> None:
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"include": "reasoning.encrypted_content"}, "include"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    # Echoed by every stored response and never in its prompt: bounded.
+    ({"user": "u" * 257}, "user"),
+    ({"safety_identifier": "s" * 257}, "safety_identifier"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": SMALL,
+                          "description": "d" * 65537}}}, "text.format.description"),
 ])
 def test_what_forged_cannot_honour_is_a_400_naming_it(tiny: Any, fields: dict[str, Any],
                                                       param: str) -> None:

@@ -58,7 +58,8 @@ class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
 class JsonSchemaFormat(_Strict, tag="json_schema", tag_field="type"):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     schema: dict[str, Any]
-    description: str | None = None
+    # Echoed by a stored response, never in a prompt: bounded as the schema is.
+    description: Annotated[str, Meta(max_length=65536)] | None = None
     strict: bool | None = None  # the schema is always enforced (a grammar)
 
 
@@ -88,6 +89,9 @@ class StreamOptions(_Strict):
 
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
                           Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
+# What a stored response echoes and its prompt never holds: bounded, so that the store
+# holds its conversations' text, not megabytes of an identifier per response.
+Identifier = Annotated[str, Meta(max_length=256)]
 
 
 class ResponsesBody(_Strict):
@@ -109,8 +113,8 @@ class ResponsesBody(_Strict):
     # Only to name the engine session: forged's prefix cache needs no key.
     prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=200)] | None = None
     # Identifiers of the end user: recorded by OpenAI, and changing no output.
-    user: str | None = None
-    safety_identifier: str | None = None
+    user: Identifier | None = None
+    safety_identifier: Identifier | None = None
     # Refused unless they ask for nothing (_REFUSED).
     reasoning: Any = None
     include: list[str] | None = None
@@ -218,9 +222,14 @@ class MessageItem(_Strict):
     phase: str | None = None
 
 
+# Kept in a stored conversation, though a chat template may not write it in the prompt:
+# bounded as OpenAI bounds it (a 2 MiB call_id was stored for a prompt of 200 tokens).
+CallId = Annotated[str, Meta(max_length=64)]
+
+
 class FunctionCallItem(_Strict):
     type: Literal["function_call"]
-    call_id: str
+    call_id: CallId
     name: str
     arguments: str
     id: str | None = None
@@ -229,7 +238,7 @@ class FunctionCallItem(_Strict):
 
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: CallId
     output: str | list[dict[str, Any]]
     id: str | None = None
     status: str | None = None

@@ -9,8 +9,10 @@ key's lookup is the same miss as an unknown id, so ids do not leak between keys.
 
 Memory: each stored response holds its conversation's items (a follow-up shares its
 predecessors' items: the tuples are copied, the items are not). A response is stored
-only once it was generated, so its conversation fit the model's context: the store
-holds at most ``max_stored`` contexts' worth of text.
+only once it was generated, so its conversation fit the model's context; what it keeps
+beside its prompt is bounded (a ``call_id`` at 64 characters, ``user`` and
+``safety_identifier`` at 256, ``metadata``, a schema and its description at 64 KiB):
+the store holds at most ``max_stored`` contexts' worth of text, and little more.
 """
 
 from __future__ import annotations
