@@ -298,8 +298,9 @@ class TelemetryConfig(_Section, frozen=True):
 
 class ResponsesConfig(_Section, frozen=True):
     # OpenAI's Responses API (/v1/responses): responses kept in memory for
-    # previous_response_id and GET /v1/responses/{id}, at most this many (the oldest
-    # go first), each for at most `retention` seconds. Lost on a restart.
+    # previous_response_id and GET /v1/responses/{id}, at most this many (the oldest of
+    # the key holding the most go first), each for at most `retention` seconds. Lost on
+    # a restart.
     max_stored: Positive = 1000
     retention: Seconds = 3600.0
 

@@ -66,6 +66,21 @@ def test_the_store_keeps_the_newest_for_their_retention_and_only_for_their_key()
     assert store.get("resp_3", "alice", cfg, 63.5) is None and len(store) == 0
 
 
+def test_a_key_storing_many_evicts_its_own_not_another_keys() -> None:
+    cfg = ResponsesConfig(max_stored=3, retention=60.0)
+    store = ResponseStore()
+    store.put(_stored(0, "bob"), cfg)  # bob's conversation, then alice's batch
+    for n in range(1, 6):
+        store.put(_stored(n, "alice", at=float(n)), cfg)
+    assert store.get("resp_0", "bob", cfg, 6.0) is not None
+    assert [store.get(f"resp_{n}", "alice", cfg, 6.0) is not None for n in range(1, 6)] \
+        == [False, False, False, True, True]
+    # Even shares: the oldest of theirs goes.
+    store.put(_stored(6, "bob", at=6.0), cfg)
+    assert store.get("resp_0", "bob", cfg, 6.0) is None and len(store) == 3
+    assert store.get("resp_4", "alice", cfg, 6.0) is not None
+
+
 def test_input_items_become_chat_turns() -> None:
     items = input_items([
         {"role": "developer", "content": "Be brief."},

@@ -2,8 +2,9 @@
 ``GET``/``DELETE /v1/responses/{id}``): in memory, per API key, bounded.
 
 Sans-IO: the caller passes the time and the limits (``responses.max_stored``,
-``responses.retention``, read at each call so that a reload applies at once). The
-oldest response goes first when the count is full; one older than the retention is
+``responses.retention``, read at each call so that a reload applies at once). When the
+count is full, the oldest response of the key that holds the most goes first, so that
+one key's many responses never push out another's; one older than the retention is
 gone for every purpose. A response is found only by the key that made it: another
 key's lookup is the same miss as an unknown id, so ids do not leak between keys.
 
@@ -40,6 +41,7 @@ class Stored:
 class ResponseStore:
     def __init__(self) -> None:
         self._kept: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        self._ids: dict[str, OrderedDict[str, None]] = {}  # each key's ids, oldest first
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -47,8 +49,25 @@ class ResponseStore:
     def put(self, stored: Stored, cfg: ResponsesConfig) -> None:
         self._expire(cfg, stored.at)
         self._kept[stored.id] = stored
+        self._ids.setdefault(stored.key, OrderedDict())[stored.id] = None
         while len(self._kept) > cfg.max_stored:
-            self._kept.popitem(last=False)
+            self._evict()
+
+    def _evict(self) -> None:
+        """The oldest response of the key that holds the most goes: a key storing many
+        evicts its own, not another key's conversation mid-way (with the oldest of all
+        going, one key's batch of max_stored ended every other key's follow-ups); of keys
+        holding as many, the oldest response goes."""
+        oldest = max(self._ids.values(),
+                     key=lambda ids: (len(ids), -self._kept[next(iter(ids))].at))
+        self._remove(next(iter(oldest)))
+
+    def _remove(self, response_id: str) -> None:
+        stored = self._kept.pop(response_id)
+        ids = self._ids[stored.key]
+        del ids[response_id]
+        if not ids:
+            del self._ids[stored.key]
 
     def get(self, response_id: str, key: str, cfg: ResponsesConfig, now: float
             ) -> Stored | None:
@@ -59,7 +78,7 @@ class ResponseStore:
     def delete(self, response_id: str, key: str, cfg: ResponsesConfig, now: float) -> bool:
         found = self.get(response_id, key, cfg, now) is not None
         if found:
-            del self._kept[response_id]
+            self._remove(response_id)
         return found
 
     def _expire(self, cfg: ResponsesConfig, now: float) -> None:
@@ -67,4 +86,4 @@ class ResponseStore:
             oldest = next(iter(self._kept.values()))
             if now - oldest.at <= cfg.retention:
                 return
-            self._kept.popitem(last=False)
+            self._remove(oldest.id)
