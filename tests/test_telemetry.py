@@ -248,6 +248,18 @@ def test_usage_is_one_row_per_key_model_and_day_pruned_by_day(tmp_path: Path) ->
     db.close()
 
 
+def test_a_selected_completion_counts_as_shown(tmp_path: Path) -> None:
+    db = open_db(tmp_path / "telemetry.sqlite3")
+    day0 = 1.9e9 - 1.9e9 % DAY
+    write(db, [Event("c1", "k", "view", day0), Event("c1", "k", "select", day0 + 1),
+               Event("c2", "k", "select", day0 + 2), Event("c3", "k", "select", day0 + 3),
+               Event("c3", "k", "select", day0 + 4), Event("c4", "k", "dismiss", day0 + 5),
+               Event("c4", "k", "view", day0 + 5)])
+    [r] = report(db)
+    db.close()
+    assert (r.shown, r.accepted, r.dismissed, r.acceptance) == (4, 3, 1, 0.75)
+
+
 async def inline(func: Any, *args: Any) -> Any:
     """The writer's database work, run in the task: no thread for the clock to wait on."""
     return func(*args)
