@@ -316,7 +316,9 @@ def _status_pool(urls: list[str], *, as_json: bool) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from forged.observe.telemetry import read_report, render_report
+    import sqlite3
+
+    from forged.observe.telemetry import read_report, render_report, telemetry_path
 
     path = Path(_config(args).server.state_dir)
     try:
@@ -325,7 +327,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"forged: --since {args.since!r}: expected YYYY-MM-DD (UTC)", file=sys.stderr)
         return 2
-    rows = read_report(path, since)
+    try:
+        rows = read_report(path, since)
+    except (OSError, sqlite3.Error) as exc:  # unreadable to this user, or not a database
+        print(f"forged: cannot read {telemetry_path(path)}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps([{**dataclasses.asdict(r), "acceptance": r.acceptance}
                           for r in rows], indent=2))

@@ -260,6 +260,16 @@ def test_a_selected_completion_counts_as_shown(tmp_path: Path) -> None:
     assert (r.shown, r.accepted, r.dismissed, r.acceptance) == (4, 3, 1, 0.75)
 
 
+def test_a_report_of_a_file_that_is_not_a_database_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "state").mkdir()
+    telemetry_path(tmp_path / "state").write_bytes(b"\x07" * 4096)
+    config = tmp_path / "report.toml"
+    config.write_text(f'[server]\nstate_dir = "{tmp_path / "state"}"\n')
+    assert main(["report", "--config", str(config)]) == 1
+    assert "telemetry.sqlite3: file is not a database" in capsys.readouterr().err
+
+
 async def inline(func: Any, *args: Any) -> Any:
     """The writer's database work, run in the task: no thread for the clock to wait on."""
     return func(*args)
