@@ -525,3 +525,30 @@ def test_micro_batches_are_llama_cpps_own_split(tiny_model: Path,
     finally:
         ll.llama_log_set(backend._log_errors_only, None)
         model.close()
+
+
+async def test_detokenize_checks_its_ids_off_the_event_loop(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """The check grows with the list (80 ms for a million ids, every stream stalled):
+    it runs in one of the door's threads, with the detokenizing."""
+    import threading
+
+    import forged.http.tokens as tokens
+
+    loop_thread, threads = threading.get_ident(), []
+    check = tokens.check_ids
+
+    def recorded(*args: Any) -> None:
+        threads.append(threading.get_ident())
+        check(*args)
+
+    monkeypatch.setattr(tokens, "check_ids", recorded)
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            r = await c.post("/detokenize", json={"tokens": [1, 2]})
+            assert r.status_code == 200, r.text
+            r = await c.post("/detokenize", json={"tokens": [1, 10**9]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert len(threads) == 2 and loop_thread not in threads
