@@ -159,6 +159,26 @@ def test_a_system_prompt_as_blocks_is_the_same_prompt_as_its_text(tiny: Tiny) ->
     assert text.input_tokens == blocks.input_tokens > plain
 
 
+@pytest.mark.parametrize("as_blocks", [False, True])
+def test_claude_codes_billing_stamp_does_not_stop_the_prefix_cache(tiny: Tiny,
+                                                                  as_blocks: bool) -> None:
+    """Claude Code's system prompt opens with a billing line whose cch= stamp changes
+    on every request: each turn recomputed the whole prompt after its first line."""
+    def ask(stamp: str) -> Any:
+        head = f"x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; " \
+               f"cch={stamp};"
+        rest = "You are a careful assistant. " * 6 + f"Blocks: {as_blocks}."
+        system: Any = [{"type": "text", "text": head}, {"type": "text", "text": rest}] \
+            if as_blocks else head + rest
+        return tiny.client.messages.create(model="tiny", max_tokens=1, system=system,
+                                           messages=HELLO).usage
+    first, second = (ask("c1d2e"), ask("9f8e7")) if as_blocks else (ask("a5145"),
+                                                                     ask("0b3c7"))
+    prompt = first.input_tokens + (first.cache_read_input_tokens or 0)
+    assert second.input_tokens + (second.cache_read_input_tokens or 0) == prompt
+    assert (second.cache_read_input_tokens or 0) >= prompt - 8, second
+
+
 def test_a_system_prompt_as_blocks_takes_the_repository_chunks_as_its_text_does(
         tiny: Tiny) -> None:
     """Claude Code sends its system prompt as blocks: with a key's default_repo, the

@@ -274,13 +274,31 @@ def _messages(body: CountTokensRequest) -> list[ChatMessage]:
                            "supported: end with a user message",
                            param=f"messages[{len(body.messages) - 1}]")
     out = []
-    if isinstance(body.system, list):
-        out.append(ChatMessage("system", [ContentPart("text", b.text) for b in body.system]))
-    elif body.system:  # a system prompt of nothing is no system message
-        out.append(ChatMessage("system", body.system))
+    system = body.system
+    if isinstance(system, list):  # blocks run on, as llama-server joins them
+        system = "".join(stable_system(b.text) for b in system)
+    elif system:
+        system = stable_system(system)
+    if system:  # a system prompt of nothing is no system message
+        out.append(ChatMessage("system", system))
     for i, m in enumerate(body.messages):
         out += _turn(m, f"messages[{i}]")
     return out
+
+
+# Claude Code opens its system prompt with a billing line whose ``cch=`` stamp changes
+# on every request ("x-anthropic-billing-header: cc_version=...; cch=a5145;You are
+# ..."): left as sent, no request could reuse a cached prefix past its first line, and
+# every turn of an agent recomputed its whole system prompt. The stamp means nothing to
+# the model; llama-server writes it as fffff too.
+_BILLING_STAMP = re.compile(r"(x-anthropic-billing-header:[^\n]*?\bcch=)[^;\n]{5};")
+
+
+def stable_system(text: str) -> str:
+    """``text`` with a leading billing line's per-request stamp made constant."""
+    if not text.startswith("x-anthropic-billing-header:"):
+        return text
+    return _BILLING_STAMP.sub(r"\1fffff;", text, count=1)
 
 
 def _turn(m: Message, where: str) -> list[ChatMessage]:
