@@ -438,6 +438,17 @@ def test_props_and_apply_template(http: httpx.Client, real_model: Path) -> None:
 
 
 @pytest.mark.model
+def test_a_messages_text_parts_are_joined_by_newlines_as_the_peers_join_them(
+        http: httpx.Client) -> None:
+    """llama-server and vLLM join a message's text parts with a newline; forged ran
+    them together ("First part.Second part.")."""
+    parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+    r = http.post("/apply-template", json={"messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200, r.text
+    assert "<|im_start|>user\nFirst part.\nSecond part.<|im_end|>" in r.json()["prompt"]
+
+
+@pytest.mark.model
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {**VSCODE_EDIT, "typical_p": 2}, "typical_p"),
     ("/v1/chat/completions", {**VSCODE_EDIT, "samplers": "edkypmxz"}, "samplers"),

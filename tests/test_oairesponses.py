@@ -93,7 +93,7 @@ def test_input_items_become_chat_turns() -> None:
         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
     ])
-    assert items[:2] == [Said("developer", "Be brief."), Said("user", "Weather in Oslo?")]
+    assert items[:2] == [Said("developer", "Be brief."), Said("user", "Weather \nin Oslo?")]
     assert items[3:] == [Called("c1", "f", "{}"), Called("c2", "g", "{\"a\": 1}"),
                          Answered("c1", "sunny")]
     chat = messages("Answer in French.", items)

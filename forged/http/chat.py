@@ -90,7 +90,7 @@ def _text(m: ChatMessage, where: str) -> str:
         if part.text is None:
             raise e.BadRequest("a text part needs its text", param=f"{where}[{j}].text")
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)  # a line each, as llama-server and vLLM join them
 
 
 def _call(call: dict[str, Any], where: str) -> dict[str, Any]:

@@ -301,7 +301,7 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
                               "only" if what else f"content parts of type {kind!r} are not "
                               "supported", f"{where}[{j}].type")
         texts.append(_convert(part, TextPart, f"{where}[{j}]").text)
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat message's text parts are joined
 
 
 def output_items(output: list[dict[str, Any]]) -> list[Item]:
