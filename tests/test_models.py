@@ -319,6 +319,32 @@ async def test_a_swap_to_the_file_a_model_serves_is_refused(
             assert (await c.post("/v1/completions", json=PROMPT)).status_code == 200
 
 
+async def test_a_reload_applies_an_edited_table_of_the_same_file(
+        tiny_model: Path, fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """README's day one: edit a [[models]] table (other aliases, more [engine] keys)
+    and reload. The swap was refused since its file was the one served ("a restart
+    loads it again"), on every reload after."""
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, models=[
+                {"path": str(fim_model), "name": "coder"}]) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            cfg = d.daemon.cfg
+            old = d.daemon.models.serving[1]
+            edited = msgspec.structs.replace(cfg.models[0], aliases=["coder-v2"],
+                                             engine={"slots": 2, "max_running": 2})
+            d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                cfg, models=[edited])))
+            d.daemon.reload()
+            await d.daemon.models_applied.wait()
+            new = d.daemon.models.serving[1]
+            assert new is not old and new.ids == ["coder", "coder-v2"]
+            assert new.pool.cfg.engine.slots == 2
+            assert new.pool.disk_folders() and \
+                not new.pool.disk_folders() & old.pool.disk_folders()
+            r = await c.post("/v1/completions", json={**PROMPT, "model": "coder-v2"})
+            assert r.status_code == 200, r.text
+
+
 async def test_a_swap_that_would_not_fit_in_memory_is_refused(
         tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
     # The tiny model and its 4,096-cell KV cache take about 2.5 MiB: one fits in 4.
@@ -372,6 +398,8 @@ def toml_value(value: object) -> str:
     """JSON's spelling, except for the infinite floats JSON lacks (TOML says inf)."""
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):  # a table's [engine] keys: an inline table
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
 
 

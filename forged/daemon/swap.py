@@ -68,8 +68,7 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
             raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
                                  f"cannot open: {exc.strerror}") from exc
         pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
-                          cache_dir=kv_cache_dir(cfg.server.state_dir, file,
-                                                 model.model_id),
+                          cache_dir=kv_cache_dir(cfg.server.state_dir, file, model),
                           model_fd=file.fd, embedding=prompter.embedding,
                           threads_why=threads_why)
         group = ModelGroup(number, model, prompter, pool, file,
@@ -184,14 +183,14 @@ class Swapper:
                                   f"model {group.model_id!r}; set its name")
 
     def _check_not_serving(self, place: int, model: fc.ModelConfig) -> None:
-        """A swap to the file the place serves (the same path, the same file there, the
-        same id) would run two groups on one folder of saved states: the old one's stop
-        writes its files beside the new one's, which never indexed them."""
+        """A swap to what the place serves (the same table, the same file at its path)
+        changes nothing, and would run two groups on one folder of saved states: the
+        old one's stop writes its files beside the new one's, which never indexed them.
+        An edited table of the same file is a swap (a folder of its own)."""
         serving = self.models.serving[place]
-        if (serving.model.path, serving.model.model_id) == (model.path, model.model_id) \
-                and serving.file.stamp == file_stamp(model.path):
-            raise SwapRefused(f"{model.path} is the file {serving.model_id} serves now; "
-                              "a restart loads it again")
+        if serving.model == model and serving.file.stamp == file_stamp(model.path):
+            raise SwapRefused(f"{model.path} is the file {serving.model_id} serves now, "
+                              "with these settings; a restart loads it again")
 
     async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig
                      ) -> ModelGroup:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
 import trio
 
 from forged.config import EngineConfig, ModelConfig
@@ -293,15 +294,17 @@ class Models:
         return {f for g in self.all() for f in g.pool.disk_folders()}
 
 
-def kv_cache_dir(state_dir: str, file: ModelFile, model_id: str) -> Path:
+def kv_cache_dir(state_dir: str, file: ModelFile, model: ModelConfig) -> Path:
     """Where a model's workers keep saved KV states: one folder per model file (its
-    path and its inode) and id, so that two models served at once (one file may serve
-    as two, a FIM model and a chat model with their own settings), or a swap's two
-    (even of one path, as a package upgrade leaves it), never share one; a restart of
-    the same config finds its folders again."""
+    path and its inode) and table (its id, settings, aliases: all of it), so that two
+    models served at once (one file may serve as two, a FIM model and a chat model with
+    their own settings), or a swap's two (a package upgrade's new file at one path, or
+    an edited table of the same file), never share one; a restart of the same config
+    finds its folders again."""
     name = Path(file.path).name.removesuffix(".gguf")
-    key = f"{Path(file.path).absolute()}\0{file.stamp[:2]}\0{model_id}"
-    return Path(state_dir) / "kvcache" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    key = (f"{Path(file.path).absolute()}\0{file.stamp[:2]}\0".encode()
+           + msgspec.json.encode(model))
+    return Path(state_dir) / "kvcache" / f"{name}-{hashlib.sha256(key).hexdigest()[:8]}"
 
 
 def pick_memory(limit_mib: int, in_use: int) -> float:
