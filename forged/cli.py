@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -110,7 +111,21 @@ def load_checked(args: argparse.Namespace) -> fc.Config:
     for place, model in enumerate(cfg.served):  # a file that is no model is one too
         check_gguf_header(args.config, model, model_key(place))
     KeyStore.load(Path(cfg.auth.keys_file))  # a broken keys file is a config error too
+    _check_tls(args.config, cfg.server)
     return cfg
+
+
+def _check_tls(path: str, server: fc.ServerConfig) -> None:
+    """The TLS pair reads as one, now: serve found out only after loading the model,
+    and check-config (the unit's ExecStartPre) said OK."""
+    from forged.daemon.tls import TLS
+
+    if server.tls_cert:
+        try:
+            TLS(server.tls_cert, server.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise fc.ConfigError(f"{path}: server.tls_cert {server.tls_cert} and "
+                                 f"server.tls_key {server.tls_key}: {exc}") from exc
 
 
 class StateDirError(Exception):

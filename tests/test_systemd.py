@@ -577,6 +577,22 @@ def test_bad_config_exits_78_with_one_clear_line(tmp_path: Path, tiny_model: Pat
     assert r.returncode == 78 and "HOST:PORT" in r.stderr
 
 
+def test_an_unreadable_tls_pair_exits_78_before_the_model_loads(tmp_path: Path,
+                                                                  tiny_model: Path) -> None:
+    """check-config (the unit's ExecStartPre) said OK, and serve failed only after it
+    had loaded the model and started a worker, in a line that named no config file."""
+    cert, key = tmp_path / "gone.crt", tmp_path / "gone.key"
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, free_port(), engine=ENGINE,
+                       server={"tls_cert": str(cert), "tls_key": str(key)})
+    for cmd in ("check-config", "serve"):
+        r = subprocess.run([sys.executable, "-m", "forged", cmd, "--config", str(cfg)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 78, (cmd, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"forged: {cfg}: server.tls_cert {cert} and "
+                                   f"server.tls_key {key}: "), (cmd, r.stderr)
+        assert "worker" not in r.stdout, (cmd, r.stdout)  # nothing was started
+
+
 def _damage(model: bytes, how: str) -> bytes:
     if how == "random":  # 4 KiB of noise named .gguf
         return random.Random(7).randbytes(4096)
