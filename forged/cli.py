@@ -633,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     except fc.ConfigError as exc:
         fatal(str(exc))
         return fc.EX_CONFIG
+    except BrokenPipeError:  # `forged status --json | head`: the reader left, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        return 1
 
 
 if __name__ == "__main__":

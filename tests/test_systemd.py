@@ -593,6 +593,21 @@ def test_an_unreadable_tls_pair_exits_78_before_the_model_loads(tmp_path: Path,
         assert "worker" not in r.stdout, (cmd, r.stdout)  # nothing was started
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path,
+                                                      tiny_model: Path) -> None:
+    """`forged status --json | head` ended in a BrokenPipeError traceback."""
+    cfg = write_config(tmp_path / "forged.toml", tiny_model, free_port(), engine=ENGINE)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before forged writes
+    try:
+        done = subprocess.run([sys.executable, "-m", "forged", "check-config", "--config",
+                               str(cfg)], stdout=w, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    finally:
+        os.close(w)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+
+
 def _damage(model: bytes, how: str) -> bytes:
     if how == "random":  # 4 KiB of noise named .gguf
         return random.Random(7).randbytes(4096)
