@@ -20,7 +20,8 @@ ignored, as Ollama's server does; fields it knows and cannot honour (``images``,
 ``think``, a ``template`` of the request's own, ...) are a 400 naming them.
 
 Models are the admin's: pulling, pushing, creating, copying and deleting are refused
-(403). There is no embedding model yet: ``/api/embed`` says so (400).
+(403). ``/api/embed`` and ``/api/embeddings`` are served by the embedding model (the
+one whose role is "embed", or the one ``model`` names).
 """
 
 from __future__ import annotations
