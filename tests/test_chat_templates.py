@@ -51,6 +51,21 @@ def test_a_template_with_a_system_role_is_rendered_as_given(tiny_model: Path) ->
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>")
 
 
+@pytest.mark.parametrize("template", [None, GEMMA2])
+def test_a_chat_prompt_begins_with_bos_once_where_the_model_wants_it(
+        tiny_model: Path, template: str | None) -> None:
+    """The tiny model wants BOS (as Llama's and Mistral's GGUFs do) and its ChatML
+    template writes none: llama-server's prompt began with BOS, forged's did not.
+    Gemma's writes one: it is there once, and /apply-template's text, as llama-server's,
+    leaves it to the tokenizer."""
+    with Prompter(str(tiny_model), template) as p:
+        hi = [{"role": "user", "content": "Hi"}]
+        tokens = p.encode_chat(hi)
+        assert tokens[0] == p.vocab.bos and tokens[1] != p.vocab.bos
+        assert not p.render_chat(hi).startswith(p.vocab.piece(p.vocab.bos, special=True)
+                                                .decode())
+
+
 def test_system_text_goes_where_llama_cpp_puts_it() -> None:
     def m(role: str, content: str) -> dict[str, str]:
         return {"role": role, "content": content}

@@ -474,7 +474,7 @@ async def test_a_stream_cut_by_a_lost_worker_ends_with_response_failed(
             pid, body = d.daemon.pool.workers[0].pid, ""
             assert pid is not None
             async with c.stream("POST", "/v1/responses", json={
-                    "input": "go", "max_output_tokens": 2000, "temperature": 0,
+                    "input": "Go on", "max_output_tokens": 2000, "temperature": 0,
                     "stream": True}) as r:
                 async for text in r.aiter_text():
                     if body.count("\n\n") < 8 <= (body + text).count("\n\n"):

@@ -114,6 +114,7 @@ class Prompter(Closing):
         self.fim = self.vocab.fim_tokens()
         self.embedding = self.vocab.pools
         self._bos = self.vocab.bos if self.vocab.add_bos else None
+        self._bos_text = bos if self._bos is not None else ""
         # The file's content (its size and ends): what an index's vectors must be made
         # by to be compared with this model's (forged.retrieval.vectors).
         self.content_id = model_identity(model_path)
@@ -200,19 +201,25 @@ class Prompter(Closing):
         if not self.takes_system:
             messages = system_in_user_turns(messages)
         try:
-            return str(self._chat(messages=messages,  # type: ignore[arg-type]
+            text = str(self._chat(messages=messages,  # type: ignore[arg-type]
                                   tools=tools,  # type: ignore[arg-type]
                                   **(variables or {})).prompt)
         except Exception as exc:  # a template's raise_exception or a Jinja2 error
             raise BadRequest(f"the chat template rejected the messages: {exc}",
                              param="messages") from exc
+        # As llama-server: where the model wants BOS, the template's own goes and the
+        # tokenizer adds it (encode_chat), so that it is there once whether or not the
+        # template writes it.
+        return text.removeprefix(self._bos_text) if self._bos_text else text
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
                     variables: dict[str, Any] | None = None) -> list[int]:
-        # The template writes BOS itself where the model wants it.
+        # BOS where the model wants it (render_chat took the template's away), as
+        # llama-server tokenizes a chat's prompt; a template that does not write one
+        # (ChatML's, on a model that wants it) left the prompt without.
         return self.vocab.tokenize(self.render_chat(messages, tools, variables),
-                                   add_special=False, parse_special=True)
+                                   add_special=True, parse_special=True)
 
     def encode_infill(self, prefix: MixedText, suffix: MixedText, extra: list[ExtraFile],
                       prompt: str, *, n_batch: int, n_ctx: int, n_predict: int,
