@@ -345,7 +345,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 1}}}}]}, "tools[0].input_schema"),
+        "n": {"type": "integer", "multipleOf": 2}}}}]}, "tools[0].input_schema"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice.name"),
     ({"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}]},

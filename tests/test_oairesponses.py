@@ -410,7 +410,8 @@ def test_errors_are_the_sdks_exceptions(tiny: Any) -> None:
     ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
     ({"tools": [{**WEATHER, "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 1}}}}]}, "tools[0].parameters.properties.n.minimum"),
+        "n": {"type": "integer", "multipleOf": 2}}}}]},
+     "tools[0].parameters.properties.n.multipleOf"),
     ({"text": {"format": {"type": "json_schema", "schema": SMALL}}}, "text.format.name"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"tool_choice": "sometimes"}, "tool_choice"),

@@ -73,7 +73,9 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.mark.parametrize(("schema", "param"), [
-    ({"type": "integer", "minimum": 3}, "s.minimum"),
+    ({"type": "string", "minimum": 3}, "s.minimum"),
+    ({"type": "integer", "enum": [1, 5], "maximum": 3}, "s.maximum"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "s.propertyNames"),
     ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
      "s.properties.a.uniqueItems"),
     ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "s.oneOf"),
@@ -165,8 +167,8 @@ def test_a_call_cut_by_the_limit_is_never_half_sent_nor_content() -> None:
     ([{"type": "function", "function": {"name": "bad name"}}], None,
      "tools[0].function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}}}],
-     None, "tools[0].function.parameters.properties.n.maximum"),
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}}],
+     None, "tools[0].function.parameters.properties.n.multipleOf"),
 ])
 def test_bad_tools_are_named(tools: Any, choice: Any, param: str) -> None:
     with pytest.raises(e.BadRequest) as info:
@@ -293,8 +295,8 @@ def test_json_object_and_completions_fields(tiny_tools: DaemonProcess) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "integer", "minimum": 1}}}},
-     "response_format.json_schema.schema.minimum"),
+        "name": "x", "schema": {"type": "integer", "multipleOf": 2}}}},
+     "response_format.json_schema.schema.multipleOf"),
     ({"json_schema": {"type": "object"}, "grammar": 'root ::= "x"'}, "grammar"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
 ])
@@ -669,6 +671,40 @@ def test_a_pattern_admits_each_character_as_json_text_writes_it(
             assert _grammar_writes(m, gbnf, text), text
             assert jsonschema.Draft202012Validator({"pattern": pattern}).is_valid(
                 json.loads(text))
+        for text in refused:
+            assert not _grammar_writes(m, gbnf, text), text
+
+
+# Claude Code 2.1's own tools (its Task, TaskOutput, WebFetch, TaskCreate input schemas).
+@pytest.mark.parametrize(("schema", "written", "refused"), [
+    ({"type": "integer", "exclusiveMinimum": 0, "maximum": 9007199254740991},
+     ["1", "42", "9007199254740991"], ["0", "-1", "9007199254740992", "01", "1.5"]),
+    ({"type": "number", "minimum": 0, "maximum": 600000},
+     ["0", "30000", "600000", "12.5", "599999.25"],
+     ["-1", "600001", "600000.5", "1e3", "1." + "1" * 17]),
+    ({"type": "integer", "minimum": -20, "exclusiveMaximum": 7}, ["-20", "-3", "0", "6"],
+     ["-21", "7", "-0"]),
+    ({"type": "number", "exclusiveMaximum": 0}, ["-1", "-250"], ["0", "0.5", "-0.5"]),
+    ({"type": "string", "format": "uri"},
+     ['"https://example.com:8080/a/b?q=1&r=%20#top"', '"mailto:a@b.c"', '"file:///etc/x"'],
+     ['"example.com"', '"not a url"', '"https://a b"', '"http://x/%zz"']),
+    ({"type": "object", "propertyNames": {"type": "string"},
+      "additionalProperties": {"type": "string"}}, ['{"a": "b"}', "{}"], ['{"a": 1}']),
+])
+def test_claude_codes_tool_schemas_are_enforced(real_model: Path, schema: dict[str, Any],
+                                                written: list[str],
+                                                refused: list[str]) -> None:
+    """Each of them was a 400 (minimum, exclusiveMinimum, the format uri,
+    propertyNames), so every request Claude Code sends with its tools was refused. Now
+    the grammar writes only values within the bounds, URIs and any object's names."""
+    gbnf = schema_grammar(schema, "s").gbnf
+    check = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, Grammar(gbnf=gbnf))
+        for text in written:
+            assert _grammar_writes(m, gbnf, text), text
+            assert check.is_valid(json.loads(text)), text
         for text in refused:
             assert not _grammar_writes(m, gbnf, text), text
 

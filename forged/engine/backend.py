@@ -23,11 +23,12 @@ import llama_cpp as ll
 import numpy as np
 import numpy.typing as npt
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+from llama_cpp.llama_grammar import JSON_GBNF, RESERVED_NAMES, SchemaConverter
 
 from forged.engine.closing import Closing
 from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace, TokenLogprob, TokenSampler
 from forged.engine.fim import FimTokens
+from forged.engine.numrange import bounded_rule
 from forged.engine.request import Grammar, SamplerName, Sampling
 from forged.engine.schemawalk import mapped
 from forged.engine.utf8 import Utf8Guard, Utf8Table
@@ -113,6 +114,15 @@ class _Converter(SchemaConverter):
     def _format_literal(self, literal: str) -> str:
         return gbnf_literal(literal)
 
+    def visit(self, schema: dict[str, Any], name: str) -> str:
+        """The converter's visit, with an integer's or a number's bounds enforced (it
+        wrote any number: forged.engine.numrange)."""
+        if schema.get("type") in ("integer", "number") and (
+                rule := bounded_rule(schema)) is not None:
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            return str(self._add_rule(rule_name, rule + " space"))  # type: ignore[no-untyped-call]
+        return str(super().visit(schema, name))  # type: ignore[no-untyped-call]
+
     def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
         """The converter's resolve_refs for local references, walking schemas only: its
         own rewrote every ``"$ref"`` key it met, data included, so a ``const`` of
@@ -148,7 +158,7 @@ def schema_gbnf(schema: dict[str, Any], name: str, param: str,
     RecursionError on a schema it cannot convert."""
     converter = _Converter(  # type: ignore[no-untyped-call]
         prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
-    converter.visit(converter.resolve_refs(schema, param), name)  # type: ignore[no-untyped-call]
+    converter.visit(converter.resolve_refs(schema, param), name)
     return str(converter.format_grammar())  # type: ignore[no-untyped-call]
 
 

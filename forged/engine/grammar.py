@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any
 
 from forged import errors as e
 from forged.engine.backend import JSON_OBJECT_GBNF, gbnf_literal, schema_gbnf
 from forged.engine.jsonpattern import json_pattern
+from forged.engine.numrange import BOUNDS, integer_bounds, integers
 from forged.engine.request import Grammar
 from forged.engine.schemawalk import mapped, subschemas
 
@@ -30,7 +32,7 @@ _ENFORCED = frozenset({
     "properties", "required", "additionalProperties",
     "items", "prefixItems", "minItems", "maxItems",
     "pattern", "format", "minLength", "maxLength",
-    "$defs", "definitions",
+    "$defs", "definitions", *BOUNDS, "propertyNames",
 })
 # Words that describe a schema and constrain nothing.
 _ANNOTATIONS = frozenset({
@@ -39,7 +41,18 @@ _ANNOTATIONS = frozenset({
 })
 # The string formats the converter has rules for.
 _FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3",
-                      "uuid4", "uuid5"})
+                      "uuid4", "uuid5", "uri"})
+# A "uri" is written as one of RFC 3986's absolute URIs: a scheme, then "//" and a host
+# (letters, digits, "._~-") with an optional port, or a path, then a query and a
+# fragment, each character unreserved, a sub-delimiter, ":", "@" or a %-escape. Every
+# one is a URI, and a URL to `new URL()` (Claude Code's WebFetch takes a "uri").
+_PCHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+URI_PATTERN = (rf"^[A-Za-z][A-Za-z0-9+.-]*:(?://[A-Za-z0-9._~-]*(?::[0-9]+)?(?:/{_PCHAR}*)*"
+               rf"|/?{_PCHAR}+(?:/{_PCHAR}*)*)(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?$")
+# What a "uri" string cannot have beside it: the converter would enforce one of them.
+_URI_ALONE = ("pattern", "minLength", "maxLength")
+# propertyNames that ask for nothing: every key of a JSON object is a string.
+_ANY_NAME: list[Any] = [True, {}, {"type": "string"}]
 _WHY = {
     "oneOf": "a grammar cannot enforce that exactly one branch matches; use anyOf",
 }
@@ -135,7 +148,10 @@ def _for_converter(node: Any) -> Any:
     $refs find them."""
     if not isinstance(node, dict):
         return copy.deepcopy(node)
-    out = {key: _split_within(key, value) for key, value in node.items()}
+    if node.get("format") == "uri":
+        node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": URI_PATTERN}
+    out = {key: _split_within(key, value) for key, value in node.items()
+           if key != "propertyNames"}  # one that asks for nothing (check_schema)
     if isinstance(parts := out.get("allOf"), list) and len(parts) == 1 and isinstance(
             parts[0], dict):
         # pydantic's {"allOf": [{"$ref": ...}], "description": ...}: the converter merges
@@ -196,9 +212,39 @@ def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> Non
         if key == "format" and value not in _FORMATS:
             raise e.BadRequest(f"the string format {value!r} is not supported; forged "
                                f"enforces {', '.join(sorted(_FORMATS))}", param=at)
+        _check_extra(node, key, value, at)
         for i, sub in subschemas(key, value):
             check_schema(sub, f"{at}{i}", depth + 1, root)
     _check_object(node, where)
+
+
+def _check_extra(node: dict[str, Any], key: str, value: Any, at: str) -> None:
+    """The keywords forged enforces beyond the converter: numeric bounds
+    (forged.engine.numrange), a "uri" and propertyNames that ask for nothing."""
+    if key in BOUNDS:
+        _check_bound(node, key, value, at)
+    elif key == "propertyNames" and value not in _ANY_NAME:
+        raise e.BadRequest("the JSON schema keyword 'propertyNames' is supported only as "
+                           "{\"type\": \"string\"} (the grammar cannot enforce more)", param=at)
+    elif key == "format" and value == "uri" and (beside := set(_URI_ALONE) & set(node)):
+        raise e.BadRequest(f"a \"uri\" is written as a pattern of its own; "
+                           f"{sorted(beside)[0]!r} beside it is not supported", param=at)
+
+
+def _check_bound(node: dict[str, Any], key: str, value: Any, at: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
+            value):
+        raise e.BadRequest(f"{at} must be a JSON number", param=at)
+    types = node.get("type")
+    if not {"integer", "number"} & set(types if isinstance(types, list) else [types]):
+        raise e.BadRequest(f"the JSON schema keyword {key!r} is enforced only on a schema "
+                           "whose type is \"integer\" or \"number\"", param=at)
+    if beside := {"enum", "const", "anyOf", "allOf", "$ref"} & set(node):
+        raise e.BadRequest(f"the JSON schema keyword {key!r} beside {sorted(beside)[0]!r} "
+                           "is not supported (one of them would be ignored)", param=at)
+    if not integers(*integer_bounds(node)):
+        raise e.BadRequest(f"the bounds ({key!r}) admit no integer, and forged writes a "
+                           "number within them as an integer part and digits", param=at)
 
 
 # An object schema's own keywords: all a part of a multi-part allOf may have.
