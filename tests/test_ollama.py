@@ -63,6 +63,8 @@ async def test_version_tags_show_and_ps(tiny_model: Path, fim_model: Path,
             assert shown.capabilities == ["completion", "tools"]
             assert shown.modelinfo is not None
             assert shown.modelinfo["llama.context_length"] == 2048
+            # Continue's Ollama provider reads its num_ctx from here, and sends it back
+            assert shown.parameters == "num_ctx 2048"
             assert shown.modelinfo["general.architecture"] == "llama"
             assert shown.template and "im_start" in shown.template
             assert "insert" in ((await c.show("fim")).capabilities or [])

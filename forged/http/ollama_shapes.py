@@ -273,8 +273,12 @@ def _model_info(group: ModelGroup) -> dict[str, Any]:
 def show(group: ModelGroup, verbose: bool) -> dict[str, Any]:
     """``/api/show``: the model's details, its GGUF keys, its chat template (Jinja2, as
     the GGUF has it; Ollama's are Go templates) and what it can do. ``verbose`` asks
-    Ollama for the tokenizer's lists too, which forged does not give."""
+    Ollama for the tokenizer's lists too, which forged does not give. ``parameters``
+    holds the context forged serves as Ollama's ``num_ctx`` line: Continue reads its
+    context length there and sends it back as ``options.num_ctx`` on every request
+    (without it, its own default: a 400 where that is more than forged serves)."""
     return {"modified_at": _timestamp(group.file.stamp[3] / 1e9),
+            "parameters": f"num_ctx {group.max_context}",
             "template": group.prompter.template, "details": _details(group),
             "model_info": _model_info(group), "capabilities": _capabilities(group),
             "license": group.prompter.meta("general.license") or ""}
