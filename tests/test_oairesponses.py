@@ -439,6 +439,19 @@ def test_values_that_ask_for_nothing_are_accepted(tiny: Any) -> None:
     assert r.status == "incomplete" and r.prompt_cache_key == "conv-7"
 
 
+def test_codexs_client_metadata_is_accepted(tiny: Any) -> None:
+    """Codex sends client_metadata on every request; it was a 400 (unknown field), so
+    no Codex turn was answered."""
+    turn = json.dumps({"session_id": "0199", "workspaces": {"/w": {"has_changes": True}},
+                       "sandbox": "workspace-write", "request_kind": "turn"} | {
+        "pad": "x" * 600})
+    r = _client(tiny).responses.create(
+        input="Hi", max_output_tokens=1, store=False, extra_body={"client_metadata": {
+            "session_id": "0199", "thread_id": "0199", "x-codex-window-id": "w1",
+            "x-codex-turn-metadata": turn}})
+    assert r.status == "incomplete"
+
+
 # --- the same prompt, the same greedy answer ---------------------------------------------
 
 

@@ -115,6 +115,10 @@ class ResponsesBody(_Strict):
     # Identifiers of the end user: recorded by OpenAI, and changing no output.
     user: Identifier | None = None
     safety_identifier: Identifier | None = None
+    # Codex sends its session's, thread's and window's ids, and its turn's metadata, on
+    # every request (codex-rs/core/src/responses_metadata.rs): read by OpenAI's servers,
+    # changing no output, neither kept nor echoed.
+    client_metadata: dict[str, str] | None = None
     # Refused unless they ask for nothing (_REFUSED).
     reasoning: Any = None
     include: list[str] | None = None
