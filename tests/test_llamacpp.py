@@ -24,6 +24,7 @@ import trio
 
 from forged import errors as e
 from forged.auth import add_key
+from forged.engine import testhooks
 from forged.engine.backend import Context, ContextParams, Model, Sampler
 from forged.engine.request import SAMPLER_ORDER, SamplerName, Sampling
 from forged.http.sampling import sampler_order
@@ -492,6 +493,32 @@ async def test_the_native_routes_need_an_api_key(
                 assert r.status_code == 401, path
                 r = await c.request(method, path, json=body, headers={"x-api-key": key})
                 assert r.status_code == 200, (path, r.text)
+
+
+NEWLINE = 3 + 0x0A  # the tiny vocabulary's byte token for "\n"
+
+
+@pytest.mark.trio
+async def test_completion_honours_the_editors_bounds(tiny_model: Path,
+                                                     start_daemon: DaemonFactory) -> None:
+    """n_indent and t_max_predict_ms were taken by /completion and ignored: only
+    /infill's reached the engine. (The bounds token by token: tests/test_core.py.)"""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c:
+            # the cursor's line goes out; the next, indented less than 2, is cut
+            r = await c.post("/completion", json={
+                "prompt": "def f():", "n_predict": 12, "n_indent": 2,
+                "grammar": 'root ::= "x\\ny" "z"*'})
+            assert r.status_code == 200, r.text
+            assert (r.json()["content"], r.json()["stop_type"]) == ("x\n", "limit")
+            testhooks.slow_steps(d.daemon.pool, 0, 0.01)  # 10 ms per token at least
+            r = await c.post("/completion", json={
+                "prompt": "a", "n_predict": 200, "ignore_eos": True,
+                "logit_bias": {str(NEWLINE): 100}, "t_max_predict_ms": 50})
+            # every token is a newline: the first one made after 50 ms ends it
+            cut = r.json()
+            assert cut["stop_type"] == "limit" and 2 <= cut["tokens_predicted"] < 200
 
 
 SPLITS = [

@@ -37,7 +37,6 @@ from forged.http.cors import add_cors
 from forged.http.editor_telemetry import event_decoder, record_event
 from forged.http.generate import begin_outcome, generate
 from forged.http.infill import (
-    InfillRequest,
     check_ids,
     extra_files,
     fim_prompt,
@@ -522,6 +521,7 @@ def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: 
         check_ids(group, req.stop_token_ids, "stop_token_ids")
     key = call().key
     n = _choices(group, req, prompt, max_tokens)
+    max_predict_ms, n_indent = req.editor_bounds()  # an editor's, on llama.cpp's routes
     if n > req.n and asked.top is None:  # best_of ranks by the tokens' logprobs
         asked = Asked(0, asked.prompt)
     return Request(
@@ -531,9 +531,7 @@ def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: 
         stop=_stops(lim, req.stop), preserve=group.prompter.tool_tokens if grammar else [],
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
-        # An editor's bounds, llama.cpp's /infill's only.
-        max_predict_ms=req.t_max_predict_ms if isinstance(req, InfillRequest) else 0.0,
-        n_indent=req.n_indent if isinstance(req, InfillRequest) else 0,
+        max_predict_ms=max_predict_ms, n_indent=n_indent,
         # One key cannot pin (or unpin) another key's conversations.
         session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
         tenant=key.tenant if key else "", logprobs=asked.top, prompt_logprobs=asked.prompt,

@@ -60,6 +60,9 @@ class InfillRequest(GenerationFields, kw_only=True):
     def content(self) -> object:
         return self.prompt
 
+    def editor_bounds(self) -> tuple[float, int]:
+        return self.t_max_predict_ms, self.n_indent
+
 
 infill_decoder = msgspec.json.Decoder(InfillRequest)
 

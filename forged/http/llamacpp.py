@@ -69,6 +69,9 @@ class LlamaCompletion(CompletionRequest, kw_only=True):
     n_keep: Annotated[int, Meta(ge=-1)] = 0
     response_fields: Annotated[list[str], Meta(max_length=64)] | None = None
 
+    def editor_bounds(self) -> tuple[float, int]:
+        return self.t_max_predict_ms, self.n_indent
+
 
 _completion_decoder = msgspec.json.Decoder(LlamaCompletion)
 _template_decoder = msgspec.json.Decoder(ChatRequest)

@@ -103,6 +103,11 @@ class GenerationFields(Struct, kw_only=True):
         chat's messages, the prompt of a completion or an infill."""
         raise NotImplementedError
 
+    def editor_bounds(self) -> tuple[float, int]:
+        """llama.cpp's ``t_max_predict_ms`` and ``n_indent``: taken by its native
+        routes (/infill, /completion), none elsewhere."""
+        return 0.0, 0
+
 
 # OpenAI's bound on the alternatives per token (vLLM's default max_logprobs too).
 MAX_TOP_LOGPROBS = 20
