@@ -91,6 +91,21 @@ def test_a_schema_keyword_the_grammar_cannot_enforce_is_named(schema: dict[str, 
     assert repr(param.rsplit(".", 1)[-1]) in str(info.value) or "format" in param
 
 
+@pytest.mark.parametrize(("schema", "param"), [
+    # the converter wrote minLength's repetition and left maxLength out: 200, "Hello"
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "s.minLength"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1},
+     "s.minItems"),
+    # llama.cpp could not parse what was written: a 400 naming `grammar`, never sent
+    ({"enum": []}, "s.enum"), ({"type": []}, "s.type"), ({"anyOf": []}, "s.anyOf"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "s.properties.a.enum"),
+])
+def test_a_schema_no_answer_matches_is_named(schema: dict[str, Any], param: str) -> None:
+    with pytest.raises(e.BadRequest) as info:
+        schema_grammar(schema, "s")
+    assert info.value.param == param and "no answer" in str(info.value)
+
+
 def test_annotations_and_enforced_keywords_pass() -> None:
     check_schema({**SCHEMA, "title": "T", "description": "d", "$schema": "x"}, "s")
     assert "root ::=" in schema_grammar(SCHEMA, "s").gbnf

@@ -216,6 +216,7 @@ def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> Non
         for i, sub in subschemas(key, value):
             check_schema(sub, f"{at}{i}", depth + 1, root)
     _check_object(node, where)
+    _check_satisfiable(node, where)
 
 
 def _check_extra(node: dict[str, Any], key: str, value: Any, at: str) -> None:
@@ -313,6 +314,28 @@ def _check_object(node: dict[str, Any], where: str) -> None:
         if not isinstance(name, str) or ("properties" in node and name not in props):
             raise e.BadRequest(f"required names {name!r}, which is not among the properties",
                                param=f"{where}.required")
+
+
+# Bounds whose minimum above their maximum admit nothing: the converter wrote the
+# minimum's repetition and left the maximum out (a 200 whose answer broke the schema).
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
+# Keywords whose empty list admits nothing: llama.cpp could not parse what the converter
+# wrote for them (a 400 naming `grammar`, a field the client never sent).
+_NONE_OF = ("enum", "type", "anyOf")
+
+
+def _check_satisfiable(node: dict[str, Any], where: str) -> None:
+    """A BadRequest naming what makes ``node`` match no answer at all (its counts are
+    checked already)."""
+    for low, high in _BOUNDS:
+        least, most = node.get(low), node.get(high)
+        if isinstance(least, int) and isinstance(most, int) and least > most:
+            raise e.BadRequest(f"{low} ({least}) is more than {high} ({most}): no answer "
+                               "matches the schema", param=f"{where}.{low}")
+    for key in _NONE_OF:
+        if node.get(key) == []:
+            raise e.BadRequest(f"{where}.{key} is empty: no answer matches the schema",
+                               param=f"{where}.{key}")
 
 
 def _check_count(value: Any, where: str) -> None:
