@@ -238,8 +238,11 @@ REALISTIC: dict[str, Any] = {
 @pytest.mark.parametrize("field", sorted(refused.FIELDS))
 def test_a_field_forged_does_not_do_is_a_400_naming_it(tiny: DaemonProcess,
                                                       field: str) -> None:
+    # llama.cpp's own routes too: /infill took every one of them and ignored it
     for path, body in (("/v1/chat/completions", {"messages": [
-            {"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"})):
+            {"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"}),
+            ("/completion", {"prompt": "hi"}),
+            ("/infill", {"input_prefix": "def f(", "input_suffix": ")"})):
         r = httpx.post(tiny.url + path, timeout=30, json={
             **body, "max_tokens": 2, field: REALISTIC.get(field, {"on": True})})
         assert r.status_code == 400, r.text

@@ -277,7 +277,7 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.post("/infill")
     async def infill() -> Response:
-        req = await decoded_body(state, infill_decoder)
+        req = await decoded_body(state, infill_decoder, refuse=True)
         group = _use_model(state, req, fim=True)
         found = await infill_context(state, group, req, call().key)
         prompt = await infill_tokens(state, group, req, found)
