@@ -465,6 +465,8 @@ def test_a_messages_text_parts_are_joined_by_newlines_as_the_peers_join_them(
     ("/completion", {"prompt": "x", "n_cmpl": 2}, "n_cmpl"),
     ("/completion", {"prompt": "x", "n_cache_reuse": 256}, "n_cache_reuse"),
     ("/completion", {"prompt": ["a", "b"]}, "prompt"),
+    # taken from /v1/completions' body and dropped: the answer held no prompt
+    ("/completion", {"prompt": "x", "echo": True}, "echo"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "dynatemp_range": -1},
      "dynatemp_range"),
 ])

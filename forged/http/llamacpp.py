@@ -37,6 +37,7 @@ from forged.http.chat import chat_text
 from forged.http.embeddings import answer, embed
 from forged.http.infill import final_fields, select
 from forged.http.logprobs import Vocabulary
+from forged.http.refused import unsupported
 from forged.http.responses import HTTPError, json_response
 from forged.http.sampling import sampling
 from forged.http.schemas import (
@@ -124,11 +125,14 @@ def _translated(state: AppState, req: LlamaCompletion
     if req.id_slot != -1:
         raise e.BadRequest("id_slot must be -1: forged has no slots to pin (its shared "
                            "prefix cache reuses any earlier prompt)", param="id_slot")
+    if req.echo:  # /v1/completions' field, which llama-server's answer has no room for
+        raise unsupported("the answer holds the completion only: /v1/completions echoes "
+                          "the prompt", "echo")
     probs = req.n_probs if req.n_probs is not None else req.logprobs or 0
     budget = req.n_predict if req.n_predict is not None else req.max_tokens
     # Token ids come with the logprob entries: asked for whenever the answer has ids.
     tokens = req.stream or req.return_tokens
-    completion = msgspec.structs.replace(req, max_tokens=budget, echo=False, logprobs=(
+    completion = msgspec.structs.replace(req, max_tokens=budget, logprobs=(
         probs if probs or tokens else None))
     group = state.models.resolve(req.model)
     settings = generation_settings(sampling(state, group, req), group.max_context,
