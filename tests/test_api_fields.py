@@ -232,6 +232,7 @@ REALISTIC: dict[str, Any] = {
     "penalty_last_n": 128, "adaptive_target": 0.5, "post_sampling_probs": True,
     "return_progress": True, "timings_per_token": True, "lora": [{"id": 0, "scale": 0.5}],
     "n_cmpl": 2, "n_cache_reuse": 256, "service_tier": "flex",
+    "image_data": [{"data": "AAAA", "id": 1}], "multimodal_data": ["AAAA"],
 }
 
 

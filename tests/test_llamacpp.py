@@ -467,6 +467,10 @@ def test_a_messages_text_parts_are_joined_by_newlines_as_the_peers_join_them(
     ("/completion", {"prompt": ["a", "b"]}, "prompt"),
     # taken from /v1/completions' body and dropped: the answer held no prompt
     ("/completion", {"prompt": "x", "echo": True}, "echo"),
+    # llama-server's images: the model answered about a picture it never saw
+    ("/completion", {"prompt": "x", "image_data": [{"data": "AAAA", "id": 1}]},
+     "image_data"),
+    ("/completion", {"prompt": "x", "multimodal_data": ["AAAA"]}, "multimodal_data"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "dynatemp_range": -1},
      "dynatemp_range"),
 ])

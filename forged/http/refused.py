@@ -76,6 +76,10 @@ FIELDS: dict[str, Refused] = {
                       "/v1/completions with n", (None, 1)),
     "n_cache_reuse": Refused("reusing cached chunks by shifting them is not supported: "
                              "forged reuses the longest cached prefix", (None, 0)),
+    "image_data": Refused("images are not supported: this model reads text only",
+                          (None, [])),
+    "multimodal_data": Refused("images and audio are not supported: this model reads "
+                               "text only", (None, [])),
 }
 
 # Content parts of chat messages other than text, by type: what they would carry.
