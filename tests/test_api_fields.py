@@ -217,6 +217,24 @@ def test_bad_vllm_fields_are_named(tiny: DaemonProcess, body: dict[str, Any],
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"max_tokens": 2}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+     "messages[0].content[0].type"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt"),
+    ("/infill", {"input_prefix": "x"}, "input_suffix"),
+    ("/v1/events", {"type": "view"}, "completion_id"),
+    ("/embedding", {"content": "x", "frob": 1}, "frob"),  # a strict body's unknown field
+])
+def test_a_missing_or_unknown_field_is_named(tiny: DaemonProcess, path: str,
+                                             body: dict[str, Any], param: str) -> None:
+    """The message named the field and `param` was null."""
+    r = httpx.post(tiny.url + path, timeout=30, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 def test_equal_penalties_under_both_names_are_one(tiny: DaemonProcess) -> None:
     assert _complete(tiny, max_tokens=2, repeat_penalty=1.1, repetition_penalty=1.1).choices
 

@@ -170,6 +170,9 @@ chat_decoder = msgspec.json.Decoder(ChatRequest)
 
 
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
+# An error about a field of the object at the path: one missing, or one a strict body
+# does not know. The field is the param, under the object's path.
+_FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]*)`")
 
 
 def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
@@ -178,9 +181,12 @@ def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
     text = str(exc)
     if isinstance(exc, msgspec.ValidationError):
         m = _AT.search(text)
-        param = m.group(1) if m else None
+        where = m.group(1) if m else ""
         message = _AT.sub("", text)
-        return e.BadRequest(f"{message} (at {param})" if param else message, param or None)
+        param = where
+        if field := _FIELD.match(message):
+            param = f"{where}.{field.group(1)}" if where else field.group(1)
+        return e.BadRequest(f"{message} (at {where})" if where else message, param or None)
     return e.BadRequest(f"We could not parse the JSON body of your request: {text}")
 
 
