@@ -340,6 +340,23 @@ def test_get_and_delete(tiny: Any) -> None:
         c.responses.retrieve("resp_unknown")
 
 
+@pytest.mark.parametrize(("query", "param"), [
+    ({"stream": True}, "stream"), ({"starting_after": 3}, "starting_after"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]")])
+def test_a_retrieve_asking_for_what_forged_does_not_do_is_a_400(
+        tiny: Any, query: dict[str, Any], param: str) -> None:
+    """The query was never read: ?stream=true was answered with the JSON body, which
+    the SDK's stream read as no events at all."""
+    c = _client(tiny)
+    r = c.responses.create(input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.retrieve(r.id, **query)
+    assert info.value.body["param"] == param  # type: ignore[index]
+    asks_nothing = c.responses.retrieve(r.id, stream=False, include=[
+        "reasoning.encrypted_content"])
+    assert asks_nothing.id == r.id
+
+
 def test_input_items_list_the_whole_context_in_pages(tiny: Any) -> None:
     c, bob = _client(tiny), _client(tiny, "bob")
     first = c.responses.create(input="Tell me a story", instructions="Be brief",

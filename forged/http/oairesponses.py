@@ -442,6 +442,7 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve(response_id: str) -> Response:
+        _retrieve_args(request.args)
         found = store.get(response_id, _key(), state.cfg.responses, time.monotonic())
         if found is None:
             raise _not_found(response_id)
@@ -459,6 +460,22 @@ def add_routes(app: QuartTrio, state: AppState) -> None:
         if not store.delete(response_id, _key(), state.cfg.responses, time.monotonic()):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _retrieve_args(args: Any) -> None:
+    """``GET /v1/responses/{id}``'s query: a 400 naming what asks for more than the
+    stored response, whole (its events streamed again, from a point; what it never
+    held)."""
+    if args.get("stream", "false").lower() not in ("false", "0"):
+        raise unsupported("a stored response is retrieved whole: its events are not "
+                          "streamed again", "stream")
+    if "starting_after" in args:
+        raise unsupported("a stored response is retrieved whole, not from an event on",
+                          "starting_after")
+    included = [v for k in args if k.partition("[")[0] == "include" for v in args.getlist(k)]
+    for i, item in enumerate(included):
+        if item not in _INCLUDABLE:
+            raise unsupported(f"{item!r} cannot be included", f"include[{i}]")
 
 
 class PageArgs(_Strict):
