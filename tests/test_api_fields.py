@@ -235,6 +235,21 @@ def test_a_missing_or_unknown_field_is_named(tiny: DaemonProcess, path: str,
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"5": None}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "minimum": 1e400}}}}, "response_format"),
+])
+def test_a_bad_value_inside_a_map_names_the_map(tiny: DaemonProcess, body: dict[str, Any],
+                                                param: str) -> None:
+    """`param` was msgspec's placeholder for a map's entries: `logit_bias[...]`."""
+    r = httpx.post(tiny.url + "/v1/chat/completions", timeout=30,
+                   content=json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                       **body}).replace("Infinity", "1e400"))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 def test_equal_penalties_under_both_names_are_one(tiny: DaemonProcess) -> None:
     assert _complete(tiny, max_tokens=2, repeat_penalty=1.1, repetition_penalty=1.1).choices
 

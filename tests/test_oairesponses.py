@@ -414,6 +414,11 @@ def test_errors_are_the_sdks_exceptions(tiny: Any) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         c.responses.create(input="Hi", max_output_tokens=1, extra_body={"seed": 3})
     assert info.value.body["param"] == "seed"  # type: ignore[index]
+    # a map's key or value: the map (param was null, or `metadata[...]`)
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.responses.create(input="Hi", max_output_tokens=1, metadata=metadata)
+        assert info.value.body["param"] == "metadata"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("fields", "param"), [

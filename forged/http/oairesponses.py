@@ -42,7 +42,7 @@ from forged.http.oaioutput import Turn, bound
 from forged.http.oaistore import ResponseStore, Stored
 from forged.http.refused import Refused, refuse, unsupported
 from forged.http.responses import json_response
-from forged.http.schemas import ChatMessage, ChatRequest
+from forged.http.schemas import ChatMessage, ChatRequest, error_path
 from forged.http.state import AppState
 
 T = TypeVar("T")
@@ -155,7 +155,6 @@ _INCLUDABLE = ("reasoning.encrypted_content",)
 _object_decoder = msgspec.json.Decoder(dict[str, Any])
 _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`")
 _MISSING = re.compile(r"^Object missing required field `([^`]*)`")
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def _convert(value: Any, kind: type[T], where: str = "") -> T:
@@ -164,10 +163,8 @@ def _convert(value: Any, kind: type[T], where: str = "") -> T:
     try:
         return msgspec.convert(value, kind)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        m = _AT.search(text)
-        path = _joined(where, m.group(1) if m else "")
-        text = _AT.sub("", text)
+        text, at = error_path(str(exc))
+        path = _joined(where, at)
         if unknown := _UNKNOWN.match(text):
             path = _joined(path, unknown.group(1))
             raise e.BadRequest(f"unknown field `{path}`: the Responses API has no such "

@@ -169,10 +169,18 @@ completion_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_decoder = msgspec.json.Decoder(ChatRequest)
 
 
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+# Where msgspec says the error is: a path, or a key of the map at a path.
+_AT = re.compile(r" - at `(?:key` in `)?\$\.?([^`]*)`$")
 # An error about a field of the object at the path: one missing, or one a strict body
 # does not know. The field is the param, under the object's path.
 _FIELD = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]*)`")
+
+
+def error_path(text: str) -> tuple[str, str]:
+    """A validation error's message, and the path it names as a param ("" for the body
+    itself): a map's entry, which msgspec writes as ``[...]``, is the map."""
+    m = _AT.search(text)
+    return _AT.sub("", text), m.group(1).partition("[...]")[0] if m else ""
 
 
 def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
@@ -180,9 +188,7 @@ def body_error(exc: msgspec.MsgspecError) -> e.BadRequest:
     field."""
     text = str(exc)
     if isinstance(exc, msgspec.ValidationError):
-        m = _AT.search(text)
-        where = m.group(1) if m else ""
-        message = _AT.sub("", text)
+        message, where = error_path(text)
         param = where
         if field := _FIELD.match(message):
             param = f"{where}.{field.group(1)}" if where else field.group(1)
