@@ -106,6 +106,21 @@ def test_a_schema_no_answer_matches_is_named(schema: dict[str, Any], param: str)
     assert info.value.param == param and "no answer" in str(info.value)
 
 
+@pytest.mark.parametrize(("schema", "param"), [
+    # the converter writes the enum (or const) alone: the answer was 1, not a string
+    ({"type": "string", "enum": [1]}, "s.enum"), ({"type": "string", "enum": ["a", 1]}, "s.enum"),
+    ({"type": "integer", "const": "a"}, "s.const"), ({"type": "number", "enum": [True]}, "s.enum"),
+    ({"type": ["string", "null"], "enum": [None, 2.5]}, "s.enum"),
+])
+def test_an_enum_or_const_its_type_forbids_is_named(schema: dict[str, Any], param: str) -> None:
+    with pytest.raises(e.BadRequest) as info:
+        schema_grammar(schema, "s")
+    assert info.value.param == param
+    # what the type allows, 1.0 an integer as JSON Schema says
+    schema_grammar({"type": ["string", "null"], "enum": [None, "a"]}, "s")
+    schema_grammar({"type": "integer", "enum": [1, 2.0]}, "s")
+
+
 def test_annotations_and_enforced_keywords_pass() -> None:
     check_schema({**SCHEMA, "title": "T", "description": "d", "$schema": "x"}, "s")
     assert "root ::=" in schema_grammar(SCHEMA, "s").gbnf

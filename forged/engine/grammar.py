@@ -336,6 +336,43 @@ def _check_satisfiable(node: dict[str, Any], where: str) -> None:
         if node.get(key) == []:
             raise e.BadRequest(f"{where}.{key} is empty: no answer matches the schema",
                                param=f"{where}.{key}")
+    _check_values_typed(node, where)
+
+
+def _check_values_typed(node: dict[str, Any], where: str) -> None:
+    """A BadRequest naming an enum or const value that ``node``'s type forbids: the
+    converter writes the values alone, and the answer broke the type (`1` for a
+    string)."""
+    types = node.get("type")
+    if not types or ("enum" not in node and "const" not in node):
+        return
+    allowed = {types} if isinstance(types, str) else set(types)
+    key = "enum" if "enum" in node else "const"
+    for value in node["enum"] if key == "enum" else [node["const"]]:
+        if not _json_types(value) & allowed:
+            raise e.BadRequest(f"{where}.{key} holds {json.dumps(value)}, which its type "
+                               f"{json.dumps(types)} forbids: the answer could break the "
+                               "schema", param=f"{where}.{key}")
+
+
+def _json_types(value: Any) -> set[str]:
+    """The schema types ``value`` has (1.0 is an integer, as JSON Schema counts)."""
+    match value:
+        case None:
+            return {"null"}
+        case bool():
+            return {"boolean"}
+        case int():
+            return {"integer", "number"}
+        case float():
+            return {"integer", "number"} if value.is_integer() else {"number"}
+        case str():
+            return {"string"}
+        case list():
+            return {"array"}
+        case dict():
+            return {"object"}
+    return set()
 
 
 def _check_count(value: Any, where: str) -> None:
