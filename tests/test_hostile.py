@@ -161,7 +161,7 @@ async def test_an_unexpected_exception_is_a_500_of_type_server_error(
         ) -> None:
     """It was a 500 of type invalid_request_error: OpenAI's clients read that as the
     caller's fault."""
-    def broken(*_: Any) -> None:
+    def broken(*_: Any, **__: Any) -> None:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr("forged.http.chat.message_dict", broken)

@@ -32,6 +32,8 @@ from forged.engine.backend import Model, check_grammar, grammar_sampler
 from forged.engine.grammar import call_grammar, check_schema, choice_grammar, schema_grammar
 from forged.engine.prompts import Prompter
 from forged.engine.request import Grammar
+from forged.http.chat import message_dict
+from forged.http.schemas import ChatMessage
 from forged.http.tools import ToolCallParser, fold_into_messages, plan_tools
 from tests.daemonproc import DaemonProcess, client, serve_model
 from tests.tinymodel import write_tiny_llama
@@ -233,6 +235,21 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", '
                       '"arguments": {"city": "Oslo"}}\n</tool_call>'}
     assert out[3] == {"role": "user", "content": "<tool_response>\n12 C\n</tool_response>"}
+
+
+def test_a_call_sent_back_unchanged_is_written_as_the_model_wrote_it() -> None:
+    """Seen with SmolLM2: it wrote { "city": "Paris" }, the next turn's prompt had
+    {"city": "Paris"}, and that turn reused the KV only to there (228 of 251 tokens)."""
+    block = ('<tool_call>\n{"name": "get_weather", "arguments": { "city": "Paris",'
+             ' "note": "\\u00e9" }}\n</tool_call>')
+    content, calls = ToolCallParser().feed(block)
+    assert content == "" and json.loads(calls[0].arguments) == {"city": "Paris", "note": "é"}
+    sent = ChatMessage(role="assistant", tool_calls=[calls[0].openai(0)])
+    out = fold_into_messages([message_dict(0, sent, json_text=True)], None)
+    assert out == [{"role": "assistant", "content": block}]
+    # A template that renders tools takes the arguments as a value
+    assert message_dict(0, sent)["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris", "note": "é"}
 
 
 # --- end to end -------------------------------------------------------------------------

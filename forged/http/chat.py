@@ -55,16 +55,17 @@ def _turns(lim: LimitsConfig, group: ModelGroup, req: ChatRequest
     if len(req.messages) > lim.max_messages:
         raise e.BadRequest(f"at most {lim.max_messages} messages are allowed", param="messages")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
-    tools = None
     if plan is not None and group.prompter.renders_tools:
-        tools = plan.tools
-    else:  # the template knows nothing of tools: forged writes them into the turns
-        messages = fold_into_messages(messages, plan.tools if plan else None)
-    return messages, tools, plan
+        return [message_dict(i, m) for i, m in enumerate(req.messages)], plan.tools, plan
+    # The template knows nothing of tools: forged writes them into the turns, and the
+    # calls' arguments as the client sent them (tools._call_text).
+    messages = [message_dict(i, m, json_text=True) for i, m in enumerate(req.messages)]
+    return fold_into_messages(messages, plan.tools if plan else None), None, plan
 
 
-def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+def message_dict(i: int, m: ChatMessage, *, json_text: bool = False) -> dict[str, Any]:
+    """Message ``i`` as templates take it; with ``json_text``, a tool call's arguments
+    sent as JSON text stay that text (checked), for forged's own blocks."""
     where = f"messages[{i}]"
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                            "content": _text(m, f"{where}.content")}
@@ -72,7 +73,7 @@ def message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
         if m.role != "assistant":
             raise e.BadRequest("only assistant messages carry tool_calls",
                                param=f"{where}.tool_calls")
-        out["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]")
+        out["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]", json_text)
                              for j, c in enumerate(m.tool_calls)]
     if m.role == "tool":
         out["tool_call_id"] = m.tool_call_id or ""
@@ -93,10 +94,13 @@ def _text(m: ChatMessage, where: str) -> str:
     return "\n".join(texts)  # a line each, as llama-server and vLLM join them
 
 
-def _call(call: dict[str, Any], where: str) -> dict[str, Any]:
+def _call(call: dict[str, Any], where: str, json_text: bool) -> dict[str, Any]:
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise e.BadRequest("a tool call needs function.name", param=f"{where}.function")
-    args = parse_arguments(fn.get("arguments", "{}"), f"{where}.function.arguments")
+    raw = fn.get("arguments", "{}")
+    args = parse_arguments(raw, f"{where}.function.arguments")
+    if json_text and isinstance(raw, str):
+        args = raw
     return {"id": str(call.get("id", "")), "type": "function",
             "function": {"name": fn["name"], "arguments": args}}

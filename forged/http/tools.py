@@ -153,8 +153,7 @@ def fold_into_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
             out.append({"role": "user",
                         "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
-            blocks = "\n".join(f"{OPEN}\n{json.dumps(_call_json(c))}\n{CLOSE}"
-                               for c in m["tool_calls"])
+            blocks = "\n".join(f"{OPEN}\n{_call_text(c)}\n{CLOSE}" for c in m["tool_calls"])
             out.append({"role": "assistant",
                         "content": (m["content"] + "\n" if m["content"] else "") + blocks})
         else:
@@ -168,9 +167,16 @@ def fold_into_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
     return out
 
 
-def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+def _call_text(call: dict[str, Any]) -> str:
+    """A call's JSON in its block. Arguments the client sent as JSON text (OpenAI's,
+    the Responses API's) are written as they are: the text the model wrote, sent back
+    unchanged, is then the tokens it generated, and the next turn's prompt reuses the
+    KV of this turn's answer past the call (re-serialized, ``{ "city": "Paris" }``
+    became ``{"city": "Paris"}`` and the turn's cache ended there)."""
     fn = call["function"]
-    return {"name": fn["name"], "arguments": fn["arguments"]}
+    args = fn["arguments"]
+    text = args if isinstance(args, str) else json.dumps(args)
+    return f'{{"name": {json.dumps(fn["name"])}, "arguments": {text}}}'
 
 
 _arguments_json = msgspec.json.Decoder()
@@ -296,6 +302,26 @@ def _parse_call(body: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None  # the dialects return arguments as an object: this is text
     try:  # 1e400 reads as inf, which is not JSON: then it is text too
-        return ToolCall(obj["name"], json.dumps(args, allow_nan=False, ensure_ascii=False))
+        canonical = json.dumps(args, allow_nan=False, ensure_ascii=False)
     except ValueError:
         return None
+    return ToolCall(obj["name"], _written(body, canonical) or canonical)
+
+
+_ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
+_raw_json = json.JSONDecoder()
+
+
+def _written(body: str, canonical: str) -> str | None:
+    """The arguments object as the model wrote it in ``body`` (its spaces and escapes),
+    None if it wrote them otherwise (as a JSON string). A client that sends them back
+    unchanged has the prompt repeat the model's own tokens (:func:`_call_text`)."""
+    for key in _ARGUMENTS_KEY.finditer(body):
+        try:
+            value, end = _raw_json.raw_decode(body, key.end())
+        except json.JSONDecodeError:
+            continue
+        # The same JSON value: dumps tells 1 from true and 1.0, which == does not.
+        if isinstance(value, dict) and json.dumps(value, ensure_ascii=False) == canonical:
+            return body[key.end():end]
+    return None
