@@ -252,6 +252,22 @@ def test_a_call_sent_back_unchanged_is_written_as_the_model_wrote_it() -> None:
         "city": "Paris", "note": "é"}
 
 
+def test_text_before_a_call_sent_back_unchanged_is_written_as_the_model_wrote_it() -> None:
+    """Its line break was written twice: the next turn's prompt left the model's tokens
+    between the text and the call."""
+    for text in ("Let me look.\n", "Let me look. "):
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        content, calls = ToolCallParser().feed(text + call)
+        sent = ChatMessage(role="assistant", content=content,
+                           tool_calls=[c.openai(i) for i, c in enumerate(calls)])
+        out = fold_into_messages([message_dict(0, sent, json_text=True)], None)
+        assert out == [{"role": "assistant", "content": text + call}]
+    # Text of the client's own, without one, still gets its line
+    sent = ChatMessage(role="assistant", content="Look.", tool_calls=[calls[0].openai(0)])
+    out = fold_into_messages([message_dict(0, sent, json_text=True)], None)
+    assert out[0]["content"] == "Look.\n" + call
+
+
 # --- end to end -------------------------------------------------------------------------
 
 

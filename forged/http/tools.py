@@ -154,8 +154,7 @@ def fold_into_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
                         "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
             blocks = "\n".join(f"{OPEN}\n{_call_text(c)}\n{CLOSE}" for c in m["tool_calls"])
-            out.append({"role": "assistant",
-                        "content": (m["content"] + "\n" if m["content"] else "") + blocks})
+            out.append({"role": "assistant", "content": _before_calls(m["content"]) + blocks})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:
@@ -165,6 +164,15 @@ def fold_into_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _before_calls(content: str) -> str:
+    """The text before an assistant's calls, a line of its own. The parser's content
+    keeps the line break the model wrote before ``<tool_call>`` ("Let me look.\\n"): a
+    second one made the next turn's prompt leave the model's tokens there."""
+    if not content or content[-1].isspace():
+        return content
+    return content + "\n"
 
 
 def _call_text(call: dict[str, Any]) -> str:
