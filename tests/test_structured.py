@@ -268,6 +268,17 @@ def test_text_before_a_call_sent_back_unchanged_is_written_as_the_model_wrote_it
     assert out[0]["content"] == "Look.\n" + call
 
 
+def test_arguments_sent_back_as_a_value_are_written_as_the_parser_reads_them() -> None:
+    """Anthropic's input and Ollama's arguments are objects: "Zürich" came back in the
+    next turn's prompt as "Z\\u00fcrich", which the model had not written."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+    _, calls = ToolCallParser().feed(block)
+    sent = ChatMessage(role="assistant", tool_calls=[{"id": "c1", "function": {
+        "name": "get_weather", "arguments": json.loads(calls[0].arguments)}}])
+    out = fold_into_messages([message_dict(0, sent, json_text=True)], None)
+    assert out == [{"role": "assistant", "content": block}]
+
+
 # --- end to end -------------------------------------------------------------------------
 
 

@@ -183,7 +183,9 @@ def _call_text(call: dict[str, Any]) -> str:
     became ``{"city": "Paris"}`` and the turn's cache ended there)."""
     fn = call["function"]
     args = fn["arguments"]
-    text = args if isinstance(args, str) else json.dumps(args)
+    # A value (Anthropic's input, Ollama's arguments) as the parser writes one: its
+    # UTF-8 as the model wrote it, not escaped ("Z\\u00fcrich" is 4 tokens more for SmolLM2).
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return f'{{"name": {json.dumps(fn["name"])}, "arguments": {text}}}'
 
 
