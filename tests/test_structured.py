@@ -759,6 +759,9 @@ def test_a_pattern_admits_each_character_as_json_text_writes_it(
     ({"type": "integer", "minimum": -20, "exclusiveMaximum": 7}, ["-20", "-3", "0", "6"],
      ["-21", "7", "-0"]),
     ({"type": "number", "exclusiveMaximum": 0}, ["-1", "-250"], ["0", "0.5", "-0.5"]),
+    # JavaScript's largest numbers as bounds: the digit ranges up to them were over 256 KiB.
+    ({"type": "integer", "minimum": -1.7976931348623157e308,
+      "maximum": 1.7976931348623157e308}, ["0", "-7", "9007199254740991"], ["1.5", "--1"]),
     ({"type": "string", "format": "uri"},
      ['"https://example.com:8080/a/b?q=1&r=%20#top"', '"mailto:a@b.c"', '"file:///etc/x"'],
      ['"example.com"', '"not a url"', '"https://a b"', '"http://x/%zz"']),

@@ -25,6 +25,7 @@ BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # fraction, as the converter's own number rules have it: a small model at temperature 1
 # otherwise wrote digits until its token limit.
 DIGITS = 16
+_PAST = 10 ** DIGITS  # the least integer of more digits
 
 
 def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -38,7 +39,11 @@ def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
         highs.append(math.floor(v))
     if (v := schema.get("exclusiveMaximum")) is not None:
         highs.append(math.ceil(v) - 1)
-    return (max(lows) if lows else None), (min(highs) if highs else None)
+    lo, hi = (max(lows) if lows else None), (min(highs) if highs else None)
+    # A bound past DIGITS digits bounds nothing the grammar writes (a JavaScript
+    # number's 1.7e308): the digit ranges up to it were over 256 KiB of grammar, a 400.
+    return (None if lo is not None and lo <= -_PAST else lo,
+            None if hi is not None and hi >= _PAST else hi)
 
 
 def bounded_rule(schema: dict[str, Any]) -> str | None:
