@@ -362,7 +362,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           # the dialects': Anthropic's, OpenAI's Responses, Ollama's
           "system", "stop_sequences", "metadata", "thinking", "output_config", "input",
           "instructions", "max_output_tokens", "previous_response_id", "text",
-          "options", "raw", "format", "keep_alive", "think",
+          "options", "raw", "format", "keep_alive", "think", "client_metadata",
+          "image_data", "multimodal_data",
           # issue 36: the embedding routes'
           "encoding_format", "dimensions", "truncate", "embd_normalize", "user"]
 code = st.one_of(st.text(max_size=40), st.lists(st.one_of(st.text(max_size=8),
@@ -380,6 +381,8 @@ schema_bombs = st.one_of(
               st.sampled_from(["minItems", "maxItems"]), _huge),
     st.builds(lambda n: {"type": "string", "pattern": f"^a{{{n}}}$"}, _huge),
     st.builds(lambda n: {"enum": list(range(n))}, st.sampled_from([10**4, 10**5])),
+    st.builds(lambda k, n: {"type": k, "minimum": -n, "exclusiveMaximum": n},
+              st.sampled_from(["integer", "number"]), st.sampled_from([1e17, 1e300])),
     st.integers(33, 200).map(lambda n: functools.reduce(
         lambda inner, _: {"type": "array", "items": inner}, range(n), {"type": "null"})),
 )
