@@ -166,6 +166,15 @@ def test_a_closing_marker_inside_an_argument_string_does_not_end_the_call() -> N
             ("get_weather", {"city": "f,[</tool_call>V"})]
 
 
+def test_a_block_nested_past_the_parsers_depth_is_content() -> None:
+    """A model may write arguments nested thousands deep (a grammar of any JSON lets
+    it): the parser's RecursionError escaped into the answer's stream."""
+    deep = "[" * 3000 + "]" * 3000
+    text = f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>'
+    p = ToolCallParser()
+    assert p.feed(text) == (text, []) and p.flush() == ""
+
+
 def test_a_block_that_is_not_a_call_is_content() -> None:
     p = ToolCallParser()
     content, calls = p.feed("<tool_call>not json</tool_call> and <tool_call>{")

@@ -296,6 +296,8 @@ def _block_end(text: str) -> tuple[int, ToolCall | None]:
         except json.JSONDecodeError as exc:
             if not exc.msg.startswith("Unterminated string"):
                 return close + len(CLOSE), None
+        except RecursionError:  # nested past what the parser reads: no call, content
+            return close + len(CLOSE), None
         close = text.find(CLOSE, close + 1)
     return -1, None
 
