@@ -318,7 +318,7 @@ def _check_object(node: dict[str, Any], where: str) -> None:
 
 # Bounds whose minimum above their maximum admit nothing: the converter wrote the
 # minimum's repetition and left the maximum out (a 200 whose answer broke the schema).
-_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"))
+_LEAST_MOST = (("minLength", "maxLength"), ("minItems", "maxItems"))
 # Keywords whose empty list admits nothing: llama.cpp could not parse what the converter
 # wrote for them (a 400 naming `grammar`, a field the client never sent).
 _NONE_OF = ("enum", "type", "anyOf")
@@ -327,7 +327,7 @@ _NONE_OF = ("enum", "type", "anyOf")
 def _check_satisfiable(node: dict[str, Any], where: str) -> None:
     """A BadRequest naming what makes ``node`` match no answer at all (its counts are
     checked already)."""
-    for low, high in _BOUNDS:
+    for low, high in _LEAST_MOST:
         least, most = node.get(low), node.get(high)
         if isinstance(least, int) and isinstance(most, int) and least > most:
             raise e.BadRequest(f"{low} ({least}) is more than {high} ({most}): no answer "
