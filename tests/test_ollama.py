@@ -67,7 +67,13 @@ async def test_version_tags_show_and_ps(tiny_model: Path, fim_model: Path,
             assert shown.parameters == "num_ctx 2048"
             assert shown.modelinfo["general.architecture"] == "llama"
             assert shown.template and "im_start" in shown.template
-            assert "insert" in ((await c.show("fim")).capabilities or [])
+            fim = await c.show("fim")
+            assert "insert" in (fim.capabilities or [])
+            # Continue's Ollama provider sends a suffix only where the template holds
+            # .Suffix (Ollama's FIM models' Go templates branch on it).
+            assert fim.template and fim.template.startswith("{{- if .Suffix }}<|fim_prefix|>")
+            assert "{{ .Suffix }}<|fim_middle|>{{- else }}" in fim.template
+            assert "im_start" in fim.template and ".Suffix" not in shown.template
             ps = await c.ps()
             assert [m.name for m in ps.models] == names
             assert ps.models[0].context_length == 2048

@@ -270,15 +270,31 @@ def _model_info(group: ModelGroup) -> dict[str, Any]:
     return info
 
 
+def _template(group: ModelGroup) -> str:
+    """The chat template; for a model with FIM tokens, inside the branch on ``.Suffix``
+    that Ollama's templates of FIM models open with, written with forged's FIM layout
+    (forged.engine.fim, prefix-suffix-middle). Ollama's API has no other sign of FIM:
+    Continue's Ollama provider completes code with a suffix only when the template
+    holds ``.Suffix``, and sent such a model no suffix before."""
+    p = group.prompter
+    if p.fim is None:
+        return p.template
+    pre, suf, mid = (p.piece(t).decode("utf-8", "replace")
+                     for t in (p.fim.pre, p.fim.suf, p.fim.mid))
+    return (f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}"
+            f"{{{{- else }}}}{p.template}{{{{- end }}}}")
+
+
 def show(group: ModelGroup, verbose: bool) -> dict[str, Any]:
     """``/api/show``: the model's details, its GGUF keys, its chat template (Jinja2, as
-    the GGUF has it; Ollama's are Go templates) and what it can do. ``verbose`` asks
+    the GGUF has it; Ollama's are Go templates; see :func:`_template` for FIM models)
+    and what it can do. ``verbose`` asks
     Ollama for the tokenizer's lists too, which forged does not give. ``parameters``
     holds the context forged serves as Ollama's ``num_ctx`` line: Continue reads its
     context length there and sends it back as ``options.num_ctx`` on every request
     (without it, its own default: a 400 where that is more than forged serves)."""
     return {"modified_at": _timestamp(group.file.stamp[3] / 1e9),
             "parameters": f"num_ctx {group.max_context}",
-            "template": group.prompter.template, "details": _details(group),
+            "template": _template(group), "details": _details(group),
             "model_info": _model_info(group), "capabilities": _capabilities(group),
             "license": group.prompter.meta("general.license") or ""}
