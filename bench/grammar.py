@@ -14,7 +14,8 @@ at a time, so the figure is a sequence's own cost, not the batch's.
 
 Then, in-process on the same model, the parts of a draw whose first pick the grammar
 refuses (median of 20): forged's copy of the logits into its candidate array, the
-UTF-8 guard, llama.cpp's grammar over every candidate, and the request's chain.
+UTF-8 guard, llama.cpp's grammar over every candidate, and the request's chain;
+and what that grammar pass costs for a large enum (:func:`enum_ms`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import argparse
 import ctypes
 import itertools
 import json
+import random
 import statistics
+import string
 import sys
 import tempfile
 import time
@@ -35,9 +38,17 @@ import llama_cpp as ll
 import numpy as np
 
 from bench.daemonproc import DaemonProcess, free_port, write_config
-from forged.engine.backend import ContextParams, Llama, Sampler
-from forged.engine.grammar import json_object_grammar
-from forged.engine.request import Sampling
+from forged.engine.backend import (
+    ContextParams,
+    Llama,
+    Model,
+    Sampler,
+    _Candidates,
+    gbnf_literal,
+    grammar_sampler,
+)
+from forged.engine.grammar import json_object_grammar, schema_grammar
+from forged.engine.request import Grammar, Sampling
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KINDS: dict[str, dict[str, Any]] = {
@@ -89,11 +100,57 @@ def full_draw_ms(draws: int = 20) -> dict[str, float]:
     return {name: round(statistics.median(v), 2) for name, v in parts.items()}
 
 
+def enum_ms(sizes: tuple[int, ...] = (100, 1000, 3500)) -> list[dict[str, Any]]:
+    """An enum of N random words (6-14 letters): llama.cpp's grammar over the whole
+    vocabulary at each token of one value (the pass a draw makes when its first pick
+    does not fit), the enum as a flat list of alternatives (llama-cpp-python's
+    converter, forged before) against forged's prefix tree, each shape on the same
+    words; ms at the value's first two tokens (the opening quote and the first
+    letters, where the flat list's stacks are all alive) and the mean of the rest."""
+    model = Model(str(MODEL), vocab_only=True)
+    row = np.random.default_rng(0).standard_normal(model.n_vocab).astype(np.float32)
+    out = []
+    for n in sizes:
+        rng = random.Random(n)
+        words = sorted({"".join(rng.choice(string.ascii_lowercase)
+                                for _ in range(rng.randint(6, 14))) for _ in range(n)})
+        tree = schema_grammar({"type": "string", "enum": words}, "enum").gbnf
+        flat = "root ::= " + " | ".join(gbnf_literal(json.dumps(w)) for w in words)
+        value = model.tokenize(json.dumps(words[n // 2]), add_special=False,
+                               parse_special=False)
+        for shape, gbnf in (("flat", flat), ("tree", tree)):
+            ms = _apply_ms(model, gbnf, value, row)
+            out.append({"values": n, "shape": shape, "first_ms": ms[0], "second_ms": ms[1],
+                        "rest_mean_ms": round(statistics.fmean(ms[2:]), 2)})
+    model.close()
+    return out
+
+
+def _apply_ms(model: Model, gbnf: str, value: list[int], row: Any) -> list[float]:
+    """ms of the grammar over every candidate before each of ``value``'s tokens."""
+    ptr = grammar_sampler(model, Grammar(gbnf=gbnf))
+    c = _Candidates(model.n_vocab)
+    ms = []
+    for token in value:
+        c.fill(row)
+        t = time.perf_counter()
+        ll.llama_sampler_apply(ptr, ctypes.byref(c.array))
+        ms.append(round(1000 * (time.perf_counter() - t), 2))
+        ll.llama_sampler_accept(ptr, token)
+    ll.llama_sampler_free(ptr)
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--enum-only", action="store_true", help="only the enum part")
     args = ap.parse_args(argv)
+    if args.enum_only:
+        json.dump(enum_ms(), sys.stdout, indent=1)
+        print()
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         d = DaemonProcess(write_config(Path(tmp) / "forged.toml", MODEL, port), port)
@@ -111,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             assert d.stop() == 0
     out["full_draw_ms"] = full_draw_ms()
+    out["enum"] = enum_ms()
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0

@@ -11,6 +11,8 @@ own C memory and free it in ``close()``; each is also a context manager.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import json
 import re
 import sys
 import threading
@@ -106,6 +108,44 @@ def _gbnf_escape(m: re.Match[str]) -> str:
     return "\\" + c if c in '"\\' else f"\\x{ord(c):02x}"
 
 
+def gbnf_alternatives(texts: list[str]) -> str:
+    """A GBNF expression that matches exactly one of ``texts`` (not empty), written as a
+    prefix tree: ``"\"a" ("b\"" | "c\"")`` rather than ``"\"ab\"" | "\"ac\""``.
+
+    Why: llama.cpp's grammar keeps one stack per alternative still alive and checks
+    every candidate token against each, so a flat list of N texts costs N times one
+    over the whole vocabulary until the texts part: 490 ms a token for an enum of 3,500
+    words on SmolLM2's 49k tokens, in the worker's step, where every other stream
+    waits. In the tree, the stacks alive are the branches at one node (at most the
+    characters that can come next). The language is the same."""
+    words = sorted(set(texts))
+    try:
+        return _tree(words)
+    except RecursionError:  # a tree nested past Python's stack: the flat list is exact
+        return " | ".join(gbnf_literal(w) for w in words)
+
+
+def _tree(words: list[str]) -> str:
+    """:func:`gbnf_alternatives` of sorted, distinct ``words``: their common prefix,
+    then one branch per next character ("" first, if a word ends there: optional)."""
+    first, last = words[0], words[-1]  # sorted: what they share, all of them share
+    n = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
+             min(len(first), len(last)))
+    prefix, rest = first[:n], [w[n:] for w in words]
+    head = gbnf_literal(prefix) if prefix else ""
+    optional = rest[0] == ""
+    branches = [_tree(list(group)) for _, group in
+                itertools.groupby(rest[optional:], key=lambda w: w[0])]
+    if not branches:
+        return head or '""'
+    body = "(" + " | ".join(branches) + ")" + ("?" if optional else "")
+    return f"{head} {body}" if head else body
+
+
+# What the converter's visit looks at before an enum (then the enum is not its rule).
+_OUTRANKS_ENUM = frozenset({"$ref", "oneOf", "anyOf", "const"})
+
+
 class _Converter(SchemaConverter):
     """llama-cpp-python's converter, with literals escaped for GBNF in full: it left a
     backslash as is, so JSON's ``\\n`` in an enum's value became the grammar's newline
@@ -117,10 +157,15 @@ class _Converter(SchemaConverter):
     def visit(self, schema: dict[str, Any], name: str) -> str:
         """The converter's visit, with an integer's or a number's bounds enforced (it
         wrote any number: forged.engine.numrange)."""
+        rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         if schema.get("type") in ("integer", "number") and (
                 rule := bounded_rule(schema)) is not None:
-            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
             return str(self._add_rule(rule_name, rule + " space"))  # type: ignore[no-untyped-call]
+        if "enum" in schema and not _OUTRANKS_ENUM & schema.keys() \
+                and not isinstance(schema.get("type"), list):
+            # Where the converter's own visit takes the enum, as a prefix tree.
+            rule = gbnf_alternatives([json.dumps(v) for v in schema["enum"]])
+            return str(self._add_rule(rule_name, rule))  # type: ignore[no-untyped-call]
         return str(super().visit(schema, name))  # type: ignore[no-untyped-call]
 
     def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:

@@ -17,7 +17,11 @@ import re
 from typing import Any
 
 from forged import errors as e
-from forged.engine.backend import JSON_OBJECT_GBNF, gbnf_literal, schema_gbnf
+from forged.engine.backend import (
+    JSON_OBJECT_GBNF,
+    gbnf_alternatives,
+    schema_gbnf,
+)
 from forged.engine.jsonpattern import json_pattern
 from forged.engine.numrange import BOUNDS, integer_bounds, integers
 from forged.engine.request import Grammar
@@ -180,7 +184,7 @@ def choice_grammar(choices: list[str], param: str) -> Grammar:
     """vLLM's guided_choice: the answer is exactly one of ``choices``."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise e.BadRequest("guided_choice must be a list of non-empty strings", param=param)
-    return Grammar(gbnf="root ::= " + " | ".join(gbnf_literal(c) for c in choices))
+    return Grammar(gbnf="root ::= " + gbnf_alternatives(choices))
 
 
 def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> None:
