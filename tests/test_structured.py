@@ -123,6 +123,34 @@ def test_an_enum_or_const_its_type_forbids_is_named(schema: dict[str, Any], para
     schema_grammar({"type": "integer", "enum": [1, 2.0]}, "s")
 
 
+@pytest.mark.parametrize(("schema", "param"), [
+    # the converter wrote a date and dropped maxLength: "2024-01-01" for maxLength 1
+    ({"type": "string", "format": "date", "maxLength": 1}, "s.format"),
+    ({"type": "string", "format": "uuid", "minLength": 50}, "s.format"),
+    ({"type": "string", "format": "time", "maxLength": 12}, "s.format"),
+    # it wrote the pattern and dropped the format: "x", not a date
+    ({"type": "string", "format": "date", "pattern": "^x$"}, "s.format"),
+    # it wrote the enum and dropped maxLength: "bbb"
+    ({"enum": ["a", "bbb"], "maxLength": 2}, "s.enum"),
+    ({"type": "string", "const": "", "minLength": 1}, "s.const"),
+    # it wrote {2} for {2,1} (which no text matches): "aa"
+    ({"type": "string", "pattern": "^a{2,1}$"}, "s.pattern"),
+])
+def test_a_keyword_the_converter_would_drop_beside_another_is_named(
+        schema: dict[str, Any], param: str) -> None:
+    """The converter writes the first of a string's enum or const, pattern, format and
+    lengths, and drops the rest: where the answer could then break the schema, a 400;
+    where the one written implies the rest, the schema passes."""
+    with pytest.raises(e.BadRequest) as info:
+        schema_grammar(schema, "s")
+    assert info.value.param == param
+    for fine in ({"type": "string", "format": "date", "minLength": 10, "maxLength": 10},
+                 {"type": "string", "format": "date-time", "maxLength": 64},
+                 {"enum": ["a", "bb", 3], "maxLength": 2}, {"const": "a", "minLength": 1},
+                 {"type": "string", "pattern": "^a{1,2}$"}):
+        schema_grammar(fine, "s")
+
+
 def test_annotations_and_enforced_keywords_pass() -> None:
     check_schema({**SCHEMA, "title": "T", "description": "d", "$schema": "x"}, "s")
     assert "root ::=" in schema_grammar(SCHEMA, "s").gbnf

@@ -341,6 +341,37 @@ def _check_satisfiable(node: dict[str, Any], where: str) -> None:
             raise e.BadRequest(f"{where}.{key} is empty: no answer matches the schema",
                                param=f"{where}.{key}")
     _check_values_typed(node, where)
+    _check_string_parts(node, where)
+
+
+# The lengths of the strings each format's rule writes (llama-cpp-python's: a time
+# is hh:mm:ss, then maybe .sss, then Z or +hh:mm).
+_FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 18), "date-time": (20, 29),
+                   **{f"uuid{v}": (36, 36) for v in ("", "1", "2", "3", "4", "5")}}
+
+
+def _check_string_parts(node: dict[str, Any], where: str) -> None:
+    """A BadRequest where the converter would write one of a string's keywords alone
+    and drop another, and the answer could break the one dropped. It takes the first
+    of: enum or const, pattern, format, the lengths."""
+    least, most = node.get("minLength", 0), node.get("maxLength", math.inf)
+    if "enum" in node or "const" in node:
+        key = "enum" if "enum" in node else "const"
+        for value in node["enum"] if key == "enum" else [node["const"]]:
+            if isinstance(value, str) and not least <= len(value) <= most:
+                raise e.BadRequest(f"{where}.{key} holds {json.dumps(value)}, which the "
+                                   "schema's minLength or maxLength forbids: the answer "
+                                   "could break the schema", param=f"{where}.{key}")
+    elif "pattern" in node and node.get("format", "uri") != "uri":
+        raise e.BadRequest("a pattern and a format together are not supported (the "
+                           "grammar enforces one; the other would be ignored)",
+                           param=f"{where}.format")
+    elif "pattern" not in node and (span := _FORMAT_LENGTHS.get(node.get("format", ""))) \
+            and not least <= span[0] <= span[1] <= most:
+        raise e.BadRequest(f"a {node['format']!r} is {span[0]} to {span[1]} characters "
+                           "long, which the schema's minLength or maxLength does not "
+                           "admit (the grammar writes the format alone)",
+                           param=f"{where}.format")
 
 
 def _check_values_typed(node: dict[str, Any], where: str) -> None:
@@ -494,6 +525,8 @@ class _Pattern:
             return 1, 1  # the converter says what is wrong
         lo = int(nums[0] or 0)
         hi = lo if len(nums) == 1 else (int(nums[1]) if nums[1] else None)
+        if hi is not None and lo > hi:  # the converter wrote {lo} and dropped the most
+            self.why = self.why or f"the repetition {{{nums[0]},{nums[1]}}} matches nothing"
         return lo, hi
 
 
