@@ -15,7 +15,8 @@ at a time, so the figure is a sequence's own cost, not the batch's.
 Then, in-process on the same model, the parts of a draw whose first pick the grammar
 refuses (median of 20): forged's copy of the logits into its candidate array, the
 UTF-8 guard, llama.cpp's grammar over every candidate, and the request's chain;
-and what that grammar pass costs for a large enum (:func:`enum_ms`).
+and what that grammar pass costs for a large enum (:func:`enum_ms`) and for many
+tools (:func:`tools_ms`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from forged.engine.backend import (
     gbnf_literal,
     grammar_sampler,
 )
-from forged.engine.grammar import json_object_grammar, schema_grammar
+from forged.engine.grammar import call_grammar, json_object_grammar, schema_grammar
 from forged.engine.request import Grammar, Sampling
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,6 +127,31 @@ def enum_ms(sizes: tuple[int, ...] = (100, 1000, 3500)) -> list[dict[str, Any]]:
     return out
 
 
+def tools_ms(sizes: tuple[int, ...] = (10, 50, 150)) -> list[dict[str, Any]]:
+    """N tools (``tool_000``...; a path or a count each): the grammar's pass over the
+    whole vocabulary before each token of one call, the call as the converter's anyOf
+    of one object per function (forged before) against forged's (the shared part once,
+    the names as a prefix tree); the slowest token and the mean."""
+    model = Model(str(MODEL), vocab_only=True)
+    row = np.random.default_rng(0).standard_normal(model.n_vocab).astype(np.float32)
+    out = []
+    for n in sizes:
+        fns = [{"name": f"tool_{i:03d}", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"}},
+            "required": ["path"]}} for i in range(n)]
+        tree = call_grammar(fns, many=False, lazy=False).gbnf
+        flat = "\n".join("call ::= calls" if line.startswith("call ::=") else line
+                         for line in tree.splitlines())
+        text = f'<tool_call>\n{{"name": "tool_{n // 2:03d}", "arguments": {{"path": "a"}}}}'
+        value = model.tokenize(text, add_special=False, parse_special=True)
+        for shape, gbnf in (("anyOf", flat), ("tree", tree)):
+            ms = _apply_ms(model, gbnf, value, row)
+            out.append({"tools": n, "shape": shape, "max_ms": max(ms),
+                        "mean_ms": round(statistics.fmean(ms), 2)})
+    model.close()
+    return out
+
+
 def _apply_ms(model: Model, gbnf: str, value: list[int], row: Any) -> list[float]:
     """ms of the grammar over every candidate before each of ``value``'s tokens."""
     ptr = grammar_sampler(model, Grammar(gbnf=gbnf))
@@ -145,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--enum-only", action="store_true", help="only the enum part")
+    ap.add_argument("--enum-only", action="store_true",
+                    help="only the in-process parts: a large enum, many tools")
     args = ap.parse_args(argv)
     if args.enum_only:
-        json.dump(enum_ms(), sys.stdout, indent=1)
+        json.dump({"enum": enum_ms(), "tools": tools_ms()}, sys.stdout, indent=1)
         print()
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             assert d.stop() == 0
     out["full_draw_ms"] = full_draw_ms()
     out["enum"] = enum_ms()
+    out["tools"] = tools_ms()
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0

@@ -108,9 +108,10 @@ def _gbnf_escape(m: re.Match[str]) -> str:
     return "\\" + c if c in '"\\' else f"\\x{ord(c):02x}"
 
 
-def gbnf_alternatives(texts: list[str]) -> str:
-    """A GBNF expression that matches exactly one of ``texts`` (not empty), written as a
-    prefix tree: ``"\"a" ("b\"" | "c\"")`` rather than ``"\"ab\"" | "\"ac\""``.
+def gbnf_alternatives(texts: list[str], then: dict[str, str] | None = None) -> str:
+    """A GBNF expression that matches exactly one of ``texts`` (not empty), each
+    followed by what ``then`` writes after it (GBNF; nothing where absent), written as
+    a prefix tree: ``"\\"a" ("b\\"" | "c\\"")`` rather than ``"\\"ab\\"" | "\\"ac\\""``.
 
     Why: llama.cpp's grammar keeps one stack per alternative still alive and checks
     every candidate token against each, so a flat list of N texts costs N times one
@@ -118,28 +119,35 @@ def gbnf_alternatives(texts: list[str]) -> str:
     words on SmolLM2's 49k tokens, in the worker's step, where every other stream
     waits. In the tree, the stacks alive are the branches at one node (at most the
     characters that can come next). The language is the same."""
-    words = sorted(set(texts))
+    after = then or {}
+    words = sorted((w, after.get(w, "")) for w in set(texts))
     try:
         return _tree(words)
     except RecursionError:  # a tree nested past Python's stack: the flat list is exact
-        return " | ".join(gbnf_literal(w) for w in words)
+        return " | ".join(_joined(gbnf_literal(w), c) for w, c in words)
 
 
-def _tree(words: list[str]) -> str:
-    """:func:`gbnf_alternatives` of sorted, distinct ``words``: their common prefix,
-    then one branch per next character ("" first, if a word ends there: optional)."""
-    first, last = words[0], words[-1]  # sorted: what they share, all of them share
+def _tree(words: list[tuple[str, str]]) -> str:
+    """:func:`gbnf_alternatives` of sorted, distinct ``(word, then)`` pairs: the words'
+    common prefix, then one branch per next character, and where a word ends there,
+    what comes after it (nothing: the branches are optional)."""
+    first, last = words[0][0], words[-1][0]  # sorted: what they share, all share
     n = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b),
              min(len(first), len(last)))
-    prefix, rest = first[:n], [w[n:] for w in words]
-    head = gbnf_literal(prefix) if prefix else ""
-    optional = rest[0] == ""
+    rest = [(w[n:], c) for w, c in words]
+    ended = rest[0][0] == ""  # sorted: a word that ends here comes first
     branches = [_tree(list(group)) for _, group in
-                itertools.groupby(rest[optional:], key=lambda w: w[0])]
-    if not branches:
-        return head or '""'
-    body = "(" + " | ".join(branches) + ")" + ("?" if optional else "")
-    return f"{head} {body}" if head else body
+                itertools.groupby(rest[ended:], key=lambda p: p[0][0])]
+    if ended and rest[0][1]:
+        branches.insert(0, f"({rest[0][1]})")
+    body = "(" + " | ".join(branches) + ")" if len(branches) > 1 else "".join(branches)
+    if ended and not rest[0][1] and branches:
+        body = f"{body}?" if len(branches) > 1 else f"({body})?"
+    return _joined(gbnf_literal(first[:n]) if n else "", body) or '""'
+
+
+def _joined(head: str, body: str) -> str:
+    return f"{head} {body}" if head and body else head or body
 
 
 # What the converter's visit looks at before an enum (then the enum is not its rule).
