@@ -305,6 +305,26 @@ async def test_a_swap_to_a_missing_or_corrupt_file_keeps_the_old_model(
                 assert bad.status_code == 400 and "regular file" in bad.json()["error"]
 
 
+async def test_a_swap_to_a_missing_file_names_the_file_not_the_config(
+        tiny_model: Path, tmp_path: Path, start_daemon: DaemonFactory) -> None:
+    """``forged model swap /nonexistent.gguf`` said "the new model cannot be loaded:
+    /etc/forged/forged.toml: model.path: /nonexistent.gguf: cannot read: ...", as if
+    the config file were wrong; the path was given on the command line. A reload's
+    file is still named by its config key (the config is what to fix then)."""
+    from forged.daemon.startup import open_prompter
+
+    missing = tmp_path / "nonexistent.gguf"
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model) as d, admin(d) as a:
+            r = await a.post("/models/swap", json={"path": str(missing)})
+            error = r.json()["error"]
+            assert r.status_code == 409, r.text
+            assert error == (f"the new model cannot be loaded: {missing}: cannot read: "
+                             "No such file or directory")
+    with pytest.raises(fc.ConfigError, match=r"forged.toml: model.path: .*: cannot read"):
+        open_prompter(tmp_path / "forged.toml", fc.ModelConfig(path=str(missing)))
+
+
 async def test_a_swap_to_the_file_a_model_serves_is_refused(
         tiny_model: Path, start_daemon: DaemonFactory) -> None:
     """Two groups of one file and id shared one folder of saved states: the old one's

@@ -53,37 +53,46 @@ def model_key(place: int) -> str:
     return "model" if place == 0 else f"models[{place - 1}]"
 
 
+def named_path(config_path: Path | str, key: str, path: str, *, given: bool = False) -> str:
+    """How an error names a model file: after the config key that names it; or alone,
+    when ``given`` to ``forged model swap``: no config file names it, and a missing
+    file read as a fault of the config (``/etc/forged/forged.toml: model.path: ...``)."""
+    return path if given else f"{config_path}: {key}.path: {path}"
+
+
 def check_gguf_header(config_path: Path | str, model: fc.ModelConfig,
-                      key: str = "model") -> None:
-    path = Path(model.path)
+                      key: str = "model", *, given: bool = False) -> None:
     try:
-        problem = gguf_header_problem(path)
+        problem = gguf_header_problem(Path(model.path))
     except OSError as exc:
         problem = f"cannot read: {exc.strerror or exc}"
     if problem is not None:
-        raise fc.ConfigError(f"{config_path}: {key}.path: {path}: {problem}")
+        raise fc.ConfigError(f"{named_path(config_path, key, model.path, given=given)}: "
+                             f"{problem}")
 
 
 def open_prompter(config_path: Path | str, model: fc.ModelConfig,
-                  key: str = "model") -> Prompter:
+                  key: str = "model", *, given: bool = False) -> Prompter:
     """Check the model file's header, then load its vocabulary and chat template; a
     file llama.cpp cannot load, or a template that does not compile, is a config
-    error. Its caller closes it (it is a context manager) or hands it on."""
+    error (``given``: see named_path). Its caller closes it (it is a context manager)
+    or hands it on."""
     import jinja2  # here, with llama.cpp: the header check stays light to import
 
     from forged.engine.backend import BackendError
     from forged.engine.prompts import Prompter
 
-    check_gguf_header(config_path, model, key)
+    check_gguf_header(config_path, model, key, given=given)
+    named = named_path(config_path, key, model.path, given=given)
     try:
         prompter = Prompter(model.path, model.chat_template)
     except BackendError as exc:
-        raise fc.ConfigError(f"{config_path}: {key}.path: {model.path}: llama.cpp "
-                             "cannot load it (a damaged or unsupported GGUF file)") from exc
+        raise fc.ConfigError(f"{named}: llama.cpp cannot load it (a damaged or "
+                             "unsupported GGUF file)") from exc
     except jinja2.TemplateError as exc:
-        where = f"{key}.chat_template" if model.chat_template else \
-            f"{key}.path: {model.path}: its chat template"
-        raise fc.ConfigError(f"{config_path}: {where}: {exc}".replace("\n", " ")) from exc
+        where = f"{config_path}: {key}.chat_template" if model.chat_template else \
+            f"{named}: its chat template"
+        raise fc.ConfigError(f"{where}: {exc}".replace("\n", " ")) from exc
     if why := role_problem(model.role, prompter.embedding):
         prompter.close()  # not handed on
         raise fc.ConfigError(f"{config_path}: {key}.role: \"{model.role}\", but "

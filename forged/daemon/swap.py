@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from forged import config as fc
-from forged.daemon.startup import model_key, open_prompter
+from forged.daemon.startup import model_key, named_path, open_prompter
 from forged.engine.groups import (
     MIB,
     ModelFile,
@@ -50,22 +50,24 @@ LOAD_NICE = 10
 
 
 def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelConfig,
-               number: int, *, test_hooks: bool) -> ModelGroup:
+               number: int, *, test_hooks: bool, given: bool = False) -> ModelGroup:
     """A group for ``model`` (not running yet): its vocabulary is loaded, so a bad
-    file is a ConfigError here. Its workers get [engine] with the model's own engine
+    file is a ConfigError here (``given``: its path was given to ``forged model
+    swap``, see named_path). Its workers get [engine] with the model's own engine
     settings over it. Blocking: run it in a thread. Its caller closes it (it is a
     context manager), or hands it to the swapper, which does when it is retired."""
     cfg = cfg.placed(place, model)
     threads_why = cfg.threads_why(model)
     cfg = cfg.for_model(model)
+    key = model_key(place)
     with contextlib.ExitStack() as opened:  # closed unless the group is made
-        prompter = opened.enter_context(open_prompter(config_path, model, model_key(place)))
+        prompter = opened.enter_context(open_prompter(config_path, model, key, given=given))
         try:
             # After the vocabulary, so that open_prompter says what is wrong with a bad
             # file. A file replaced in the moment between the two would go unnoticed.
             file = opened.enter_context(ModelFile(model.path))
         except OSError as exc:
-            raise fc.ConfigError(f"{config_path}: {model_key(place)}.path: {model.path}: "
+            raise fc.ConfigError(f"{named_path(config_path, key, model.path, given=given)}: "
                                  f"cannot open: {exc.strerror}") from exc
         pool = EnginePool(cfg, model, prompter.n_ctx_train, test_hooks=test_hooks,
                           cache_dir=kv_cache_dir(cfg.server.state_dir, file, model),
@@ -126,15 +128,16 @@ class Swapper:
         self._lock = trio.Lock()
 
     async def swap(self, cfg: fc.Config, place: int, model: fc.ModelConfig, *,
-                   wait: bool = False) -> ModelGroup:
+                   wait: bool = False, given: bool = False) -> ModelGroup:
         """Serve ``model`` in ``place`` instead of its current group; the new group
-        once it serves (the old one drains in the background). SwapRefused if not."""
+        once it serves (the old one drains in the background). SwapRefused if not.
+        ``given``: its path was given to ``forged model swap``, in no config file."""
         if self._lock.locked() and not wait:
             raise SwapRefused("a model swap is already under way")
         async with self._lock:
             self._check_ids(place, model)
             self._check_not_serving(place, model)
-            new = await self._start(cfg, place, model)
+            new = await self._start(cfg, place, model, given=given)
             if self.models.default.pool.draining:  # a stop began while it loaded
                 await self._stop(new)
                 raise SwapRefused("the server is shutting down")
@@ -192,13 +195,13 @@ class Swapper:
             raise SwapRefused(f"{model.path} is the file {serving.model_id} serves now, "
                               "with these settings; a restart loads it again")
 
-    async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig
-                     ) -> ModelGroup:
+    async def _start(self, cfg: fc.Config, place: int, model: fc.ModelConfig, *,
+                     given: bool = False) -> ModelGroup:
         number = self.models.next_number()
         try:
             new = await trio.to_thread.run_sync(
                 lambda: open_group(self.config_path, cfg, place, model, number,
-                                   test_hooks=self.test_hooks))
+                                   test_hooks=self.test_hooks, given=given))
         except (fc.ConfigError, OSError) as exc:  # OSError: its file gone or unreadable
             raise SwapRefused(f"the new model cannot be loaded: {exc}") from exc
         self._check_memory(cfg, new)

@@ -161,7 +161,9 @@ async def _swap(state: AppState) -> Response:
     model = msgspec.structs.replace(state.cfg.model if place == 0 else group.model,
                                     path=req.path)
     try:
-        group = await state.swapper.swap(state.cfg, place, model)
+        # given: its errors name the file, not [model].path of a config that never
+        # named it.
+        group = await state.swapper.swap(state.cfg, place, model, given=True)
     except SwapRefused as exc:
         return _answer({"error": str(exc)}, 409)
     return _answer(_model(group))

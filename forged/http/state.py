@@ -38,7 +38,7 @@ class Swapper(Protocol):
     never imports the daemon, which imports it."""
 
     async def swap(self, cfg: Config, place: int, model: ModelConfig, *,
-                   wait: bool = False) -> ModelGroup: ...
+                   wait: bool = False, given: bool = False) -> ModelGroup: ...
 
 
 @dataclass
