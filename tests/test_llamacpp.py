@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import llama_cpp as ll
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -26,7 +27,11 @@ from forged import errors as e
 from forged.auth import add_key
 from forged.engine import testhooks
 from forged.engine.backend import Context, ContextParams, Model, Sampler
+from forged.engine.events import Done
 from forged.engine.request import SAMPLER_ORDER, SamplerName, Sampling
+from forged.http import sse
+from forged.http.infill import InfillFormat
+from forged.http.llamacpp import LlamaFormat
 from forged.http.sampling import sampler_order
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, serve_model
@@ -596,3 +601,36 @@ async def test_detokenize_checks_its_ids_off_the_event_loop(
             r = await c.post("/detokenize", json={"tokens": [1, 10**9]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert len(threads) == 2 and loop_thread not in threads
+
+
+# --- has_new_line ------------------------------------------------------------------------
+
+
+def _last_event(frames: bytes) -> dict[str, Any]:
+    return json.loads(frames.strip().split(b"\n\n")[-1].removeprefix(b"data: "))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LlamaFormat("m", 0, settings={}, probs=0, tokens=False, fields=None),
+    lambda: InfillFormat("m", 0),
+], ids=["completion", "infill"])
+def test_has_new_line_says_whether_the_text_generated_holds_a_newline(
+        make: Callable[[], sse.Format]) -> None:
+    """llama-server sets ``has_new_line`` on the last event once a text it sent held a
+    newline (server_slot.has_new_line). A stream's last event has no text of its own,
+    and forged looked for the newline there: always false in a stream."""
+    done = Done(rid=1, text="", stop_type="limit", prompt_tokens=3, completion_tokens=4,
+                cached_tokens=0)
+    streamed = make()
+    frames = streamed.delta("def f():\n") + streamed.delta("    return 1")
+    assert _last_event(streamed.finish(done))["has_new_line"] is True
+    assert _last_event(frames)["content"] == "    return 1"
+    held_back = make()  # the newline in the text held back to the end
+    held_back.delta("x = 1")
+    assert _last_event(held_back.finish(msgspec.structs.replace(done, text="\n")))[
+        "has_new_line"] is True
+    one_line = make()
+    one_line.delta("x = 1")
+    assert _last_event(one_line.finish(done))["has_new_line"] is False
+    assert make().whole(["a\nb"], [done])["has_new_line"] is True
+    assert make().whole(["a b"], [done])["has_new_line"] is False

@@ -126,12 +126,14 @@ async def infill_context(state: AppState, group: ModelGroup, req: InfillRequest,
                          cursor_names(prefix))
 
 
-def final_fields(done: Done, text: str, model: str) -> dict[str, Any]:
-    """llama-server's fields of a completion's last event (``/infill``, ``/completion``)."""
+def final_fields(done: Done, new_line: bool, model: str) -> dict[str, Any]:
+    """llama-server's fields of a completion's last event (``/infill``, ``/completion``).
+    ``new_line``: whether the text generated, all of it, holds a newline (llama-server's
+    ``has_new_line``; a stream's last event has no text of its own)."""
     return {
         "id_slot": -1, "stop": True, "model": model,
         "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
-        "has_new_line": "\n" in text,
+        "has_new_line": new_line,
         # forged refuses a prompt that does not fit rather than cutting it
         "truncated": False, "stop_type": done.stop_type,
         "stopping_word": done.stop_reason if isinstance(done.stop_reason, str) else "",
@@ -167,15 +169,17 @@ class InfillFormat(sse.Format):
                  fields: list[str] | None = None) -> None:
         super().__init__(model, created, n)  # n is 1: InfillRequest takes no other
         self.fields = fields
+        self.new_line = False  # whether a delta sent so far held a newline
 
     def delta(self, text: str, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> bytes:
+        self.new_line = self.new_line or "\n" in text
         return sse.event({"index": 0, "content": text, "tokens": [], "stop": False,
                           "id_slot": -1})
 
     def finish(self, done: Done) -> bytes:
         out = self.delta(done.text) if done.text else b""
-        return out + sse.event(self._choice("", done, sse.Scores()))
+        return out + sse.event(self._choice("", done, sse.Scores(), self.new_line))
 
     def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""  # llama.cpp's events end with the last one, without [DONE]
@@ -185,13 +189,14 @@ class InfillFormat(sse.Format):
 
     def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
-        return self._choice(texts[0], dones[0], sse.Scores())
+        return self._choice(texts[0], dones[0], sse.Scores(), "\n" in texts[0])
 
-    def _choice(self, text: str, done: Done, scores: sse.Scores) -> dict[str, Any]:
+    def _choice(self, text: str, done: Done, scores: sse.Scores,
+                new_line: bool = False) -> dict[str, Any]:
         body = {
             # not llama.cpp's: the id editors name in /v1/events
             "id": self.id, "index": 0, "content": text, "tokens": [],
-            **final_fields(done, text, self.model),
+            **final_fields(done, new_line, self.model),
         }
         if self.retrieved is not None:
             body["retrieved"] = self.retrieved

@@ -187,6 +187,7 @@ class LlamaFormat(sse.CompletionFormat):
         super().__init__(model, created, n, fingerprint=fingerprint)
         self.settings, self.probs, self.tokens, self.fields = settings, probs, tokens, fields
         self.vocab = vocab
+        self.new_line = False  # whether a delta sent so far held a newline
 
     def start(self) -> bytes:
         return b""
@@ -194,6 +195,7 @@ class LlamaFormat(sse.CompletionFormat):
     def delta(self, text: str, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> bytes:
         entries = logprobs or []
+        self.new_line = self.new_line or "\n" in text
         out: dict[str, Any] = {"index": 0, "content": text,
                                "tokens": [t.token for t in entries], "stop": False,
                                "id_slot": -1}
@@ -203,7 +205,7 @@ class LlamaFormat(sse.CompletionFormat):
 
     def finish(self, done: Done) -> bytes:
         out = self.delta(done.text, 0, done.logprobs) if done.text or done.logprobs else b""
-        return out + sse.event(self._final("", done, []))
+        return out + sse.event(self._final("", done, [], self.new_line))
 
     def end(self, dones: list[Done], include_usage: bool) -> bytes:
         return b""  # llama-server's events end with the last one, without [DONE]
@@ -214,17 +216,17 @@ class LlamaFormat(sse.CompletionFormat):
     def whole(self, texts: list[str], dones: list[Done],
               scores: list[sse.Scores] | None = None) -> dict[str, Any]:
         entries = scores[0].tokens if scores else []
-        body = self._final(texts[0], dones[0], entries)
+        body = self._final(texts[0], dones[0], entries, "\n" in texts[0])
         if self.probs:
             body["completion_probabilities"] = self._probabilities(entries)
         return body if self.fields is None else select(body, self.fields)
 
-    def _final(self, text: str, done: Done, entries: list[TokenLogprob]
+    def _final(self, text: str, done: Done, entries: list[TokenLogprob], new_line: bool
                ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "index": 0, "content": text,
             "tokens": [t.token for t in entries] if self.tokens else [],
-            **final_fields(done, text, self.model),
+            **final_fields(done, new_line, self.model),
             "generation_settings": {**self.settings, "model": self.model},
         }
         if self.retrieved is not None:
