@@ -68,6 +68,10 @@ class NotFound(BadRequest):
     """A named thing (a repository index) that does not exist: 404, not 400."""
 
 
+class UnsupportedEncoding(ForgedError):
+    """A request body in a content coding forged does not decode (415)."""
+
+
 class Unavailable(ForgedError):
     """No worker can take the request now (loading, restarting or draining)."""
 

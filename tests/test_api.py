@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -144,6 +145,35 @@ async def test_bad_input_gets_openai_4xx_and_loses_nothing(
             assert (await c.get("/health")).status_code == 200
             await until(lambda: d.stats().running == 0)
             assert d.stats().kv_cells_active == 0
+
+
+async def test_a_compressed_body_is_a_415_naming_content_encoding(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A body sent gzipped was parsed as JSON as it came: a 400 "could not parse"
+    that hid the cause. It is a 415 naming Content-Encoding (llama-server's answer),
+    in each dialect's error shape, and the keep-alive connection serves on."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "model": "tiny",
+                       "messages": [{"role": "user", "content": "x"}]}).encode()
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url) as c:
+            for path in ("/v1/chat/completions", "/completion", "/api/chat",
+                         "/v1/messages", "/v1/responses"):
+                for coding in ("gzip", "deflate", "br"):
+                    r = await c.post(path, content=gzip.compress(body), headers={
+                        "Content-Encoding": coding, "Content-Type": "application/json"})
+                    assert r.status_code == 415, (path, r.text)
+                    assert r.headers["Accept-Encoding"] == "identity"
+                    assert f"Content-Encoding: {coding}" in json.dumps(r.json()), r.text
+            r = await c.post("/v1/chat/completions", content=gzip.compress(body),
+                             headers={"Content-Encoding": "gzip"})
+            assert r.json()["error"] == {
+                "message": "Content-Encoding: gzip is not supported: send the request body "
+                           "uncompressed (Content-Encoding: identity, or none)",
+                "type": "invalid_request_error", "param": None,
+                "code": "unsupported_content_encoding"}
+            r = await c.post("/v1/completions", content=body,
+                             headers={"Content-Encoding": "identity"})
+            assert r.status_code == 200, r.text
 
 
 async def open_raw_stream(d: RunningDaemon, path: str, body: dict[str, Any], events: int,

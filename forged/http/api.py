@@ -383,6 +383,7 @@ async def decoded_body(state: AppState, decoder: msgspec.json.Decoder[T], *,
 
 
 async def _read_body(state: AppState) -> bytes:
+    _check_encoding(request.headers.get("Content-Encoding", ""))
     data = await request.get_data(cache=False, as_text=False)
     assert isinstance(data, bytes)
     # Checked after the body arrived: a request that was mid-upload when the drain
@@ -390,6 +391,21 @@ async def _read_body(state: AppState) -> bytes:
     if state.draining:
         raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     return data
+
+
+def _check_encoding(header: str) -> None:
+    """A compressed body is refused (415, RFC 9110 15.5.16), never parsed as JSON (a
+    400 "could not parse" that hid the cause) nor decompressed: llama-server answers a
+    gzip body so (its cpp-httplib is built without zlib), and vLLM's uvicorn decodes
+    none (its parse fails). Decompressing would let a body within max_body_bytes
+    grow a thousandfold in memory and CPU before any limit saw it, for no client:
+    the OpenAI, Anthropic and Ollama SDKs send their bodies uncompressed. The body is
+    drained after the answer (_account), so the connection serves on."""
+    codings = [c.strip().lower() for c in header.split(",") if c.strip()]
+    if any(c != "identity" for c in codings):
+        raise e.UnsupportedEncoding(
+            f"Content-Encoding: {header} is not supported: send the request body "
+            "uncompressed (Content-Encoding: identity, or none)")
 
 
 # A body this small decodes in well under a millisecond: on the loop, no thread hop.

@@ -36,6 +36,8 @@ class HTTPError:
         h = {"Content-Type": "application/json"}
         if self.retry_after is not None:
             h["Retry-After"] = str(self.retry_after)
+        if self.status == 415:  # RFC 9110 12.5.3: the codings a request body may have
+            h["Accept-Encoding"] = "identity"
         return h
 
 
@@ -49,6 +51,7 @@ def http_error(status: int, message: str, type_: str, param: str | None = None,
 _MAPPING: tuple[tuple[type[e.ForgedError], int, str, str], ...] = (
     (e.Unauthorized, 401, "invalid_request_error", "invalid_api_key"),
     (e.Forbidden, 403, "invalid_request_error", "permission_denied"),
+    (e.UnsupportedEncoding, 415, "invalid_request_error", "unsupported_content_encoding"),
     (e.RateLimited, 429, "requests", "rate_limit_exceeded"),
     (e.QueueTimeout, 503, "server_error", "queue_timeout"),
     (e.Overloaded, 503, "server_error", "overloaded"),
