@@ -9,6 +9,7 @@ random, so the text is nonsense, but llama.cpp runs the full llama graph on it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -159,6 +160,16 @@ def _bert_vocab() -> list[str]:
 def write_tiny_bert(path: Path, seed: int = 0) -> Path:
     from forged.convert import write_bert
 
+    config, vocab, tensors = tiny_bert_parts(seed)
+    specials = {t for t in vocab if t.startswith("[")}
+    write_bert(path, config, vocab, specials, tensors, pooling=gguf.PoolingType.MEAN,
+               name="forged-tiny-bert")
+    return path
+
+
+def tiny_bert_parts(seed: int = 0) -> tuple[dict[str, Any], list[str], dict[str, np.ndarray]]:
+    """The tiny BERT as Hugging Face has it: its config.json, vocabulary (by id) and
+    tensors (by their names)."""
     rng = np.random.default_rng(seed)
     vocab = _bert_vocab()
     config = {"max_position_embeddings": BERT_CTX, "hidden_size": BERT_EMBD,
@@ -186,7 +197,4 @@ def write_tiny_bert(path: Path, seed: int = 0) -> Path:
         for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
             tensors[p + norm + ".weight"] = np.ones(BERT_EMBD, np.float32)
             tensors[p + norm + ".bias"] = np.zeros(BERT_EMBD, np.float32)
-    specials = {t for t in vocab if t.startswith("[")}
-    write_bert(path, config, vocab, specials, tensors, pooling=gguf.PoolingType.MEAN,
-               name="forged-tiny-bert")
-    return path
+    return config, vocab, tensors

@@ -8,7 +8,10 @@ its marks), a non-causal encoder, and the pooling the model was trained with.
     forged model convert SRC_DIR OUT.gguf
 
 ``SRC_DIR`` holds ``config.json``, ``tokenizer.json``, ``model.safetensors`` and, for a
-sentence-transformers model, ``1_Pooling/config.json`` (else mean pooling).
+sentence-transformers model, ``1_Pooling/config.json`` (else mean pooling) and
+``sentence_bert_config.json``, whose ``max_seq_length`` is the GGUF's context: the
+longest input the model embeds (all-MiniLM-L6-v2: 256 of its 512 positions), as
+sentence-transformers, vLLM and text-embeddings-inference take it.
 """
 
 from __future__ import annotations
@@ -57,10 +60,42 @@ def convert_bert(src: Path, out: Path, *, name: str = "") -> Path:
         raise ConvertError(f"{src}: a cased tokenizer (lowercase false); llama.cpp's "
                            "BERT reads every text lowercased")
     vocab, specials = _tokens(tokenizer, int(config.get("vocab_size", 0)))
-    write_bert(out, config, vocab, specials,
-               _tensors(src), pooling=_pooling(src),
+    config, tensors = _positions(config, _tensors(src), _max_seq_length(src))
+    write_bert(out, config, vocab, specials, tensors, pooling=_pooling(src),
                name=name or src.resolve().name)
     return out
+
+
+_POSITIONS = "embeddings.position_embeddings.weight"
+
+
+def _max_seq_length(src: Path) -> int | None:
+    """sentence-transformers' ``max_seq_length``: what it cuts every input to (None:
+    no sentence_bert_config.json, or none in it)."""
+    path = src / "sentence_bert_config.json"
+    if not path.exists():
+        return None
+    n = _json(path).get("max_seq_length")
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise ConvertError(f"{path}: max_seq_length {n!r} is not a length")
+    return n
+
+
+def _positions(config: dict[str, Any], tensors: dict[str, npt.NDArray[Any]],
+               longest: int | None) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
+    """The model cut to ``longest`` positions. Its context was max_position_embeddings
+    (512 for all-MiniLM-L6-v2), so an input of 257 to 512 tokens was embedded whole,
+    or cut at 512, where sentence-transformers cuts it at 256: a vector the model never
+    gives, from positions its training never reached. llama.cpp's BERT reads the
+    context from the GGUF and wants one position row for each: the rows past it go
+    (an input within them is embedded as before)."""
+    if longest is None or longest >= int(config["max_position_embeddings"]):
+        return config, tensors
+    cut = {k: v[:longest] if k.removeprefix("bert.") == _POSITIONS else v
+           for k, v in tensors.items()}
+    return {**config, "max_position_embeddings": longest}, cut
 
 
 def _tokens(tokenizer: dict[str, Any], vocab_size: int) -> tuple[list[str], set[str]]:

@@ -21,7 +21,9 @@ from forged import cli
 from forged import config as fc
 from forged.convert import ConvertError, convert_bert, write_bert
 from forged.daemon.startup import open_prompter
+from forged.engine.backend import ContextParams, Embedder
 from tests.conftest import DaemonFactory
+from tests.tinymodel import tiny_bert_parts
 
 EMBED = {"name": "minilm", "engine": {"slots": 8, "max_running": 8}}
 TEXTS = ["def add(a, b): return a", "class test_error:", "import the function"]
@@ -238,6 +240,45 @@ def test_a_converted_model_is_named_after_its_folder(tmp_path: Path) -> None:
     out = convert_bert(src, tmp_path / "out.gguf")
     name = gguf.GGUFReader(out).fields["general.name"].contents()
     assert name == "all-MiniLM-L6-v2"
+
+
+def test_a_sentence_transformers_max_seq_length_is_the_models_context(
+        tmp_path: Path) -> None:
+    """sentence_bert_config.json was not read: all-MiniLM-L6-v2's GGUF took inputs up
+    to its 512 positions, where sentence-transformers (and vLLM, and TEI) cut every
+    input at its max_seq_length, 256; an input between was embedded as the model never
+    embeds it. Its context is max_seq_length now, and what fits is embedded as before."""
+    from safetensors.numpy import save_file
+
+    config, vocab, tensors = tiny_bert_parts()
+    src = tmp_path / "st"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "bert", **config}))
+    (src / "tokenizer.json").write_text(json.dumps({"model": {
+        "type": "WordPiece", "vocab": {t: i for i, t in enumerate(vocab)}}}))
+    save_file(tensors, str(src / "model.safetensors"))
+    whole = convert_bert(src, tmp_path / "whole.gguf")
+    (src / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    cut = convert_bert(src, tmp_path / "cut.gguf")
+    reader = gguf.GGUFReader(cut)
+    assert reader.fields["bert.context_length"].contents() == 16
+    assert [t.shape.tolist() for t in reader.tensors if t.name == "position_embd.weight"] \
+        == [[config["hidden_size"], 16]]
+    with open_prompter(tmp_path / "f.toml", fc.ModelConfig(path=str(cut))) as prompter:
+        assert prompter.n_ctx_train == 16
+        ids = prompter.tokenize("def the function", add_special=True, parse_special=False)
+    vectors = []
+    for gguf_path in (whole, cut):
+        embedder = Embedder(str(gguf_path), ContextParams(n_ctx=16, n_seq_max=1, n_batch=16,
+                                                          threads=1))
+        try:
+            vectors.append(np.frombuffer(embedder.embed([ids]), dtype="<f4"))
+        finally:
+            embedder.close()
+    assert np.array_equal(vectors[0], vectors[1])
+    (src / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 4096}))
+    assert gguf.GGUFReader(convert_bert(src, tmp_path / "long.gguf")).fields[
+        "bert.context_length"].contents() == config["max_position_embeddings"]
 
 
 def _bert_folder(src: Path) -> Path:
