@@ -843,3 +843,46 @@ def test_a_group_that_fails_to_construct_closes_what_it_opened(
         swap.open_group(tmp_path / "forged.toml", cfg, 0, cfg.model, 1, test_hooks=False)
     assert closed == ["prompter"]
     assert open_fds().count(str(tiny_model)) == before
+
+
+async def test_a_reload_while_a_swap_loads_applies_to_the_new_model_too(
+        tiny_model: Path, fim_model: Path, other_model: Path,
+        start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that came while a swap's new model loaded was half applied to it: an
+    alias the reload dropped came back with the new model (its ids were its table's
+    at the swap's start), and its workers' automatic threads counted it beside the
+    model it replaces (half the cores, and a worker started or restarted after ran
+    so); both until the next reload."""
+    from forged.daemon import swap
+    monkeypatch.setattr(fc, "physical_cores", lambda cpus: 8)
+    loading, release = trio.Event(), trio.Event()
+    warm_up = swap.warm_up
+
+    async def held(group: Any) -> None:
+        loading.set()
+        await release.wait()
+        await warm_up(group)
+
+    with trio.fail_after(120):
+        async with start_daemon(tiny_model, model={"aliases": ["gpt"]},
+                                models=[{"path": str(fim_model), "name": "coder"}],
+                                engine={"threads": 0}) as d, admin(d) as a:
+            monkeypatch.setattr(swap, "warm_up", held)
+            cfg = d.daemon.cfg
+            assert [g.pool.cfg.engine.threads for g in d.daemon.models.all()] == [4, 4]
+            swapped: list[httpx.Response] = []
+
+            async def ask() -> None:
+                swapped.append(await a.post("/models/swap", json={"path": str(other_model)}))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await loading.wait()
+                d.daemon.config_path.write_text(as_toml(msgspec.structs.replace(
+                    cfg, model=msgspec.structs.replace(cfg.model, aliases=["llm"]))))
+                d.daemon.reload()  # "llm" for "gpt", while the new model loads
+                release.set()
+            assert swapped[0].status_code == 200, swapped[0].text
+            new = d.daemon.models.default
+            assert new.ids == ["other", "llm", "tiny"]
+            assert new.pool.cfg.engine.threads == 4

@@ -351,9 +351,7 @@ class Daemon:
         self.state.cfg = new
         self.state.keys = keys
         for group in self.models.all():
-            placed = (new.placed(self.models.place_of(group), group.model)
-                      if group in self.models.serving else new)
-            group.pool.set_limits(placed.for_model(group.model))
+            group.pool.set_limits(self._group_config(new, group))
         self.models_applied = trio.Event()
         self.swapper.engine.start_soon(self._apply_models, new, self.models_applied)
         self._reload_listeners(new)
@@ -400,13 +398,26 @@ class Daemon:
         if self._tls is not None:
             self._tls.reload()
 
+    def _group_config(self, new: fc.Config, group: ModelGroup) -> fc.Config:
+        """``new`` as ``group``'s workers see it. A swap's new model still loading
+        takes the place it loads for, as a serving one has its own (it was counted
+        beside its predecessor: half the automatic threads for the workers it started
+        after the reload); a draining one runs beside the others."""
+        if group in self.models.serving:
+            new = new.placed(self.models.place_of(group), group.model)
+        elif group.status == "loading":
+            new = new.placed(group.place, group.model)
+        return new.for_model(group.model)
+
     def _rename_models(self, new: fc.Config) -> None:
         """Aliases are live: the default group answers to the new ones (and keeps the
-        ids a swap gave it)."""
-        group = self.models.default
+        ids a swap gave it), and so does a swap's new model loading for its place (its
+        ids were the table's at the swap's start: an alias this reload dropped came
+        back with it)."""
         dropped = [a for a in self.cfg.model.aliases if a not in new.model.aliases]
-        kept = [i for i in group.ids if i not in dropped]
-        group.ids = [*kept, *(a for a in new.model.aliases if a not in kept)]
+        for group in [self.models.default, *self.models.loading_for(0)]:
+            kept = [i for i in group.ids if i not in dropped]
+            group.ids = [*kept, *(a for a in new.model.aliases if a not in kept)]
 
     async def _apply_models(self, cfg: fc.Config, done: trio.Event) -> None:
         """A reload's model changes, one after another. What is refused is logged and

@@ -74,7 +74,7 @@ def open_group(config_path: Path, cfg: fc.Config, place: int, model: fc.ModelCon
                           model_fd=file.fd, embedding=prompter.embedding,
                           threads_why=threads_why)
         group = ModelGroup(number, model, prompter, pool, file,
-                           memory=memory_bytes(prompter, model.path, cfg.engine))
+                           memory=memory_bytes(prompter, model.path, cfg.engine), place=place)
         opened.pop_all()  # the group closes them now
         return group
 

@@ -72,9 +72,13 @@ class ModelGroup(Closing):
     """``fd``: the model file, held open for the group's life (ModelFile)."""
 
     def __init__(self, number: int, model: ModelConfig, prompter: Prompter,
-                 pool: EnginePool, file: ModelFile, *, memory: int = 0) -> None:
+                 pool: EnginePool, file: ModelFile, *, memory: int = 0,
+                 place: int = 0) -> None:
         self.number = number  # tells a swap's two groups of one model apart
         self.model = model
+        # The config place it was loaded for ([model] 0, then [[models]]); a serving
+        # group's is Models.place_of (a withdrawal moves the places after it).
+        self.place = place
         self.prompter = prompter
         self.pool = pool
         self.file = file
@@ -249,6 +253,11 @@ class Models:
 
     def place_of(self, group: ModelGroup) -> int:
         return self.serving.index(group)
+
+    def loading_for(self, place: int) -> list[ModelGroup]:
+        """The group a swap (or addition) loads for ``place``, if one does: loads hold
+        the swapper's lock, so no place moves under it."""
+        return [g for g in self.others if g.status == "loading" and g.place == place]
 
     def add_loading(self, group: ModelGroup) -> None:
         self.others.append(group)
