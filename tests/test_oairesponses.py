@@ -31,6 +31,7 @@ from forged.http.oairesponses import Answered, Called, Said, input_items, messag
 from forged.http.oaistore import ResponseStore, Stored
 from tests.conftest import DaemonFactory
 from tests.daemonproc import DaemonProcess, free_port, serve, write_config
+from tests.test_api import until
 from tests.tinymodel import write_tiny_llama
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -79,6 +80,32 @@ def test_a_key_storing_many_evicts_its_own_not_another_keys() -> None:
     store.put(_stored(6, "bob", at=6.0), cfg)
     assert store.get("resp_0", "bob", cfg, 6.0) is None and len(store) == 3
     assert store.get("resp_4", "alice", cfg, 6.0) is not None
+
+
+def test_the_last_response_of_a_session_gone_releases_it() -> None:
+    """Deleting, evicting or expiring a stored response left its conversation's KV
+    pinned until limits.session_ttl; the store says when no response holds a session
+    (a conversation's turns share one), so that it is unpinned."""
+    released: list[tuple[str, str]] = []
+    cfg = ResponsesConfig(max_stored=3, retention=60.0)
+    store = ResponseStore(released=lambda key, session: released.append((key, session)))
+
+    def put(n: int, session: str | None, at: float = 0.0) -> None:
+        store.put(Stored(f"resp_{n}", "alice", at, {}, (), session), cfg)
+
+    put(0, "s0")
+    put(1, "s0")  # a follow-up: the same session
+    put(2, None)  # store false... or a response without a session
+    assert store.delete("resp_0", "alice", cfg, 1.0) and released == []
+    assert store.delete("resp_1", "alice", cfg, 1.0)
+    assert released == [("alice", "s0")]
+    put(3, "s3", 2.0)
+    put(4, "s4", 3.0)
+    put(5, "s5", 4.0)  # past max_stored: resp_2 goes, then resp_3
+    put(6, "s6", 5.0)
+    assert released == [("alice", "s0"), ("alice", "s3")]
+    assert store.get("resp_6", "alice", cfg, 63.5) is not None  # resp_4 expired
+    assert released == [("alice", "s0"), ("alice", "s3"), ("alice", "s4")]
 
 
 def test_input_items_become_chat_turns() -> None:
@@ -496,6 +523,27 @@ async def test_greedy_text_is_the_same_as_on_chat(tiny_model: Path,
 
             chat, resp = await trio.to_thread.run_sync(both)
             assert chat and chat == resp
+
+
+async def test_deleting_a_stored_response_unpins_its_conversation(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A stored response's conversation keeps its KV pinned for its follow-ups; once
+    the last response of it is deleted no follow-up can come, and the slot is an
+    ordinary cache again (it stayed pinned for limits.session_ttl, ten minutes)."""
+    body = {"input": "Hi", "max_output_tokens": 2}
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, httpx.AsyncClient(base_url=d.url) as c:
+            first = (await c.post("/v1/responses", json=body)).json()["id"]
+            second = (await c.post("/v1/responses", json={
+                **body, "previous_response_id": first})).json()["id"]
+            await c.post("/v1/responses", json={**body, "prompt_cache_key": "mine"})
+            await until(lambda: d.stats().sessions_pinned == 2)
+            # The follow-up holds the conversation still (the store's unit test counts
+            # that); deleting it too unpins it.
+            assert (await c.delete(f"/v1/responses/{first}")).status_code == 200
+            assert (await c.delete(f"/v1/responses/{second}")).status_code == 200
+            # prompt_cache_key's session is the caller's: it stays pinned
+            await until(lambda: d.stats().sessions_pinned == 1)
 
 
 async def test_a_stream_cut_by_a_lost_worker_ends_with_response_failed(

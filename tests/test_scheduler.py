@@ -456,6 +456,23 @@ def test_a_session_unpins_after_its_ttl() -> None:
     assert all(sl.session is None for sl in s.cache.slots)
 
 
+def test_an_unpinned_session_is_an_ordinary_cache_at_once() -> None:
+    """A conversation gone (its stored responses deleted) unpins its slot before its
+    ttl: the next new prompt evicts it, not the newer anonymous cache."""
+    s = Scheduler(per_slot(slots=2, max_running=2, session_ttl=600))
+    s.submit(*seq(1, list(range(100, 120)), 2, session="a"), 0.0)
+    finish_all(s, 0.0)
+    s.submit(*seq(2, list(range(200, 220)), 2), 10.0)
+    finish_all(s, 10.0)
+    s.cache.unpin("b")  # another session's: nothing changes
+    assert s.statistics().sessions_pinned == 1
+    s.cache.unpin("a")
+    assert s.statistics().sessions_pinned == 0
+    s.submit(*seq(3, list(range(300, 320)), 2), 20.0)
+    finish_all(s, 20.0)
+    assert sorted(sl.tokens[0] for sl in s.cache.slots) == [200, 300]
+
+
 def test_only_a_sessions_latest_turn_is_pinned() -> None:
     s = Scheduler(per_slot(slots=3, max_running=3))
     s.submit(*seq(1, list(range(100, 120)), 50, session="a"), 0.0)

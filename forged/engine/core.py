@@ -8,11 +8,10 @@ socket, no event loop and no llama.cpp: it drives a :class:`Backend` (the real o
 :class:`forged.engine.backend.Llama`; tests pass a fake) and the sans-IO
 :class:`~forged.engine.scheduler.Scheduler`.
 
-* ``handle(frame, now)`` takes a ``Submit``, ``Cancel`` or ``SetLimits`` frame;
+* ``handle(frame, now)`` takes a ``Submit``, ``Cancel``, ``SetLimits`` or ``Unpin`` frame;
 * ``step(now)`` runs one step: expire queued requests, plan, apply the plan's KV memory
   operations, decode (isolating failing requests: ``decoding.run_isolating``), sample;
-* ``frame(now, force)`` returns the ``Step`` frame to send: the events since the last
-  one, and the statistics when they are due.
+* ``frame(now, force)`` returns the ``Step`` frame: new events, and statistics when due.
 
 Per request the core keeps what the scheduler does not, for each of its ``n`` choices:
 the sampler (its own seed, penalty history and grammar state), the text stream (UTF-8
@@ -149,7 +148,7 @@ class WorkerCore:
 
     # --- frames in ----------------------------------------------------------------------
 
-    def handle(self, frame: fr.Submit | fr.Cancel | fr.SetLimits, now: float) -> None:
+    def handle(self, frame: fr.ToCore, now: float) -> None:
         match frame:
             case fr.Submit(rid=rid, request=req):
                 self._submit(rid, req, now)
@@ -158,6 +157,8 @@ class WorkerCore:
                 self._close(rid)
             case fr.SetLimits(limits=limits):
                 self.sched.set_limits(limits)
+            case fr.Unpin(session=session):
+                self.sched.cache.unpin(session)
 
     def _submit(self, rid: int, req: Request, now: float) -> None:
         try:

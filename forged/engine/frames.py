@@ -79,6 +79,14 @@ class SetLimits(_Frame, tag="limits"):
     limits: SchedulerLimits
 
 
+class Unpin(_Frame, tag="unpin"):
+    """No conversation holds ``session`` any more (its stored responses were deleted or
+    evicted): its idle slot is ordinary cache from now on, not pinned to the end of
+    session_ttl."""
+
+    session: str
+
+
 class Shutdown(_Frame, tag="shutdown"):
     pass
 
@@ -105,8 +113,10 @@ class CrashOn(_Frame, tag="crash"):
     token: int
 
 
-ToWorker = (Init | Submit | Cancel | SetLimits | Renice | Shutdown | Hang | SlowSteps
-            | CrashOn)
+ToWorker = (Init | Submit | Cancel | SetLimits | Unpin | Renice | Shutdown | Hang
+            | SlowSteps | CrashOn)
+# What the worker's core (forged.engine.core) takes; the worker itself the rest.
+ToCore = Submit | Cancel | SetLimits | Unpin
 
 
 # --- worker -> daemon ------------------------------------------------------------------

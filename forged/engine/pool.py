@@ -490,6 +490,15 @@ class EnginePool:
             if w.outbox is not None:
                 w.outbox.put(fr.Renice(nice=nice))
 
+    def unpin(self, session: str) -> None:
+        """No conversation holds ``session`` any more: every worker unpins its slot.
+        Advisory: a worker whose outbox is half full is not sent it (the pin ends with
+        limits.session_ttl, as it did), so a flood of deletions cannot fill an outbox
+        that requests' submits and cancels need."""
+        for w in self.workers:
+            if w.outbox is not None and len(w.outbox.unsent) < w.outbox.limit // 2:
+                w.outbox.put(fr.Unpin(session=session))
+
     def fail_all(self, error: ForgedError) -> None:
         """End every open request with ``error``: the pool is being stopped (a swap's
         old model past its drain deadline)."""

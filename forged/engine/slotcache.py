@@ -188,6 +188,13 @@ class SlotCache:
             self.ledger.truncate(slot.sid, n)
             del slot.tokens[n:]
 
+    def unpin(self, session: str) -> None:
+        """``session``'s conversation is gone: its idle slot is ordinary cache now (a
+        turn of it running pins its slot again when it ends)."""
+        for slot in self.slots:
+            if slot.session == session and slot.rid is None:
+                slot.session = None
+
     def save_sessions(self) -> list[MemOp]:
         """Before the worker exits: save every idle session's state (to be written to
         disk with the RAM tier's), keeping the slots as they are."""

@@ -85,7 +85,7 @@ class WorkerShell:
 
     def _handle(self, frame: fr.ToWorker) -> None:
         match frame:
-            case fr.Submit() | fr.Cancel() | fr.SetLimits():
+            case fr.Submit() | fr.Cancel() | fr.SetLimits() | fr.Unpin():
                 self.core.handle(frame, time.monotonic())
             case fr.Renice(nice=n):
                 renice(n)

@@ -548,10 +548,16 @@ def _request(state: AppState, group: ModelGroup, req: GenerationFields, prompt: 
         stop_tokens=req.stop_token_ids or [], include_stop=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, cache=req.cache_prompt, queue_timeout=lim.queue_timeout,
         max_predict_ms=max_predict_ms, n_indent=n_indent,
-        # One key cannot pin (or unpin) another key's conversations.
-        session=None if req.session is None else f"{key.name if key else ''}/{req.session}",
+        session=None if req.session is None else engine_session(key.name if key else "",
+                                                                req.session),
         tenant=key.tenant if key else "", logprobs=asked.top, prompt_logprobs=asked.prompt,
     )
+
+
+def engine_session(key_name: str, session: str) -> str:
+    """A request's ``session`` as the engine knows it: namespaced by its API key's name,
+    so that one key cannot pin (or unpin) another key's conversations."""
+    return f"{key_name}/{session}"
 
 
 def _max_tokens(lim: LimitsConfig, limit: int, n_prompt: int, requested: int | None,

@@ -18,13 +18,15 @@ finished response is kept with its conversation: the previous response's, this
 request's input items, and its output. A request with ``previous_response_id`` is
 that conversation followed by its own input (``instructions`` are not carried over,
 as OpenAI does). A conversation's turns share one engine ``session`` (forged.http.api's
-``session``: its KV stays pinned between turns), so a follow-up computes only its new
-tokens, which ``usage.input_tokens_details.cached_tokens`` shows. Without ``store``
+``session``: its KV stays pinned between turns, and is unpinned once no stored response
+holds it), so a follow-up computes only its new tokens, which
+``usage.input_tokens_details.cached_tokens`` shows. Without ``store``
 nothing is kept, and with ``prompt_cache_key`` that key names the session instead.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -36,7 +38,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from forged import errors as e
-from forged.http.api import decoded_body, run_chat
+from forged.http.api import decoded_body, engine_session, run_chat
 from forged.http.lifetime import call
 from forged.http.oaioutput import Turn, bound
 from forged.http.oaistore import ResponseStore, Stored
@@ -428,7 +430,7 @@ def _echo(body: ResponsesBody) -> dict[str, Any]:
 
 
 def add_routes(app: QuartTrio, state: AppState) -> None:
-    store = ResponseStore()
+    store = ResponseStore(released=functools.partial(_unpin, state))
 
     @app.post("/v1/responses")
     async def create() -> Response:
@@ -583,4 +585,16 @@ def _session(body: ResponsesBody, previous: Stored | None) -> str | None:
         return "cache/" + body.prompt_cache_key
     if previous is not None:
         return previous.session
-    return "responses/" + uuid.uuid4().hex if body.store else None
+    return _STORED_SESSION + uuid.uuid4().hex if body.store else None
+
+
+_STORED_SESSION = "responses/"
+
+
+def _unpin(state: AppState, key: str, session: str) -> None:
+    """The store holds no response of ``session`` any more: its KV is unpinned on every
+    model's workers. Not a ``prompt_cache_key``'s: the caller's requests that are not
+    stored share it."""
+    if session.startswith(_STORED_SESSION):
+        for group in state.models.all():
+            group.pool.unpin(engine_session(key, session))

@@ -8,6 +8,12 @@ one key's many responses never push out another's; one older than the retention 
 gone for every purpose. A response is found only by the key that made it: another
 key's lookup is the same miss as an unknown id, so ids do not leak between keys.
 
+Sessions: the responses of one conversation share an engine session, whose KV stays
+pinned between turns. When the last stored response holding a session goes (deleted,
+evicted or expired), the store calls ``released(key, session)``, so the caller unpins
+it: the pin ended only with ``limits.session_ttl``, a deleted conversation's KV held
+in a slot that other work's caches were evicted before.
+
 Memory: each stored response holds its conversation's items (a follow-up shares its
 predecessors' items: the tuples are copied, the items are not). A response is stored
 only once it was generated, so its conversation fit the model's context; what it keeps
@@ -18,7 +24,8 @@ the store holds at most ``max_stored`` contexts' worth of text, and little more.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +46,12 @@ class Stored:
 
 
 class ResponseStore:
-    def __init__(self) -> None:
+    def __init__(self, released: Callable[[str, str], None] = lambda key, session: None
+                 ) -> None:
         self._kept: OrderedDict[str, Stored] = OrderedDict()  # oldest first
         self._ids: dict[str, OrderedDict[str, None]] = {}  # each key's ids, oldest first
+        self._holders: Counter[tuple[str, str]] = Counter()  # responses per (key, session)
+        self._released = released
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -50,6 +60,8 @@ class ResponseStore:
         self._expire(cfg, stored.at)
         self._kept[stored.id] = stored
         self._ids.setdefault(stored.key, OrderedDict())[stored.id] = None
+        if stored.session is not None:
+            self._holders[stored.key, stored.session] += 1
         while len(self._kept) > cfg.max_stored:
             self._evict()
 
@@ -68,6 +80,12 @@ class ResponseStore:
         del ids[response_id]
         if not ids:
             del self._ids[stored.key]
+        if stored.session is not None:
+            held = (stored.key, stored.session)
+            self._holders[held] -= 1
+            if not self._holders[held]:
+                del self._holders[held]
+                self._released(*held)
 
     def get(self, response_id: str, key: str, cfg: ResponsesConfig, now: float
             ) -> Stored | None:
