@@ -886,3 +886,38 @@ async def test_a_reload_while_a_swap_loads_applies_to_the_new_model_too(
             new = d.daemon.models.default
             assert new.ids == ["other", "llm", "tiny"]
             assert new.pool.cfg.engine.threads == 4
+
+
+async def test_a_swap_that_keeps_the_models_id_keeps_its_counters_going(
+        tiny_model: Path, other_model: Path, start_daemon: DaemonFactory) -> None:
+    """A swap whose new model answers to the old one's id (a [model] with a name) started
+    that id's engine counters from 0 again (forged_steps_total{model="chat"} 18, then 1:
+    a reset to Prometheus), and the node's totals fell by the old model's counts when
+    it stopped."""
+    def steps(text: str) -> dict[str, float]:
+        return {s.labels["model"]: s.value for s in model_samples_of(text, "forged_steps")}
+
+    with trio.fail_after(90):
+        async with start_daemon(tiny_model, model={"name": "chat"},
+                                server={"drain_timeout": 1.0}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=30) as c, admin(d) as a:
+            state = d.daemon.state
+            assert state is not None
+            await answer(c)
+            await until(lambda: state.totals().steps > 0)
+            before = steps((await a.get("/metrics")).text)["chat"]
+            node_before = state.totals().steps
+            r = await a.post("/models/swap", json={"path": str(other_model)})
+            assert r.status_code == 200 and r.json()["ids"] == ["chat"], r.text
+            during = steps((await a.get("/metrics")).text)
+            assert during["chat"] >= before and during["chat@g1"] >= before
+            await until(lambda: len(d.daemon.models.all()) == 1, 30)
+            await answer(c)
+            after = steps((await a.get("/metrics")).text)
+            assert set(after) == {"chat"} and after["chat"] > before
+            assert state.totals().steps > node_before
+
+
+def model_samples_of(text: str, name: str) -> list[Any]:
+    return [s for f in text_string_to_metric_families(text) if f.name == name
+            for s in f.samples if s.name == name + "_total"]

@@ -182,7 +182,7 @@ class Daemon:
                 group.close()
 
     async def _serve_models(self, task_status: trio.TaskStatus[list[str]]) -> None:
-        metrics = Metrics(lambda: [(g.listed_id, g.pool.totals(), g.pool.restarts())
+        metrics = Metrics(lambda: [(g.listed_id, g.totals(), g.restarts())
                                    for g in self.models.all()], node=self.cfg.node_name)
         state = self.state = AppState(self.cfg, self.models, metrics, keys=self.keys,
                                       holds=Holds() if self.test_hooks else None)

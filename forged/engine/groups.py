@@ -31,6 +31,7 @@ import trio
 
 from forged.config import EngineConfig, ModelConfig
 from forged.engine.closing import Closing
+from forged.engine.stats import Totals, added, counters_of
 from forged.errors import ModelNotFound, NotServedHere
 
 if TYPE_CHECKING:
@@ -93,6 +94,16 @@ class ModelGroup(Closing):
         self.retired = False
         self.scope = trio.CancelScope()  # its pool's task: cancelled to stop it
         self.stopped = trio.Event()
+        # What the groups it replaced under its id counted (Models.replace).
+        self.carried, self.carried_restarts = Totals(), 0
+
+    def totals(self) -> Totals:
+        """Its id's counts, as the metrics label them: its pool's, and the counters of
+        the groups its id served before (a swap that keeps the id)."""
+        return added(self.pool.totals(), self.carried)
+
+    def restarts(self) -> int:
+        return self.pool.restarts() + self.carried_restarts
 
     @property
     def model_id(self) -> str:
@@ -198,6 +209,9 @@ class Models:
         self.serving = serving
         self.others: list[ModelGroup] = []
         self._numbers = len(serving)
+        # The counters of the groups gone (swapped out, withdrawn, failed to start): the
+        # node's totals never go down when one stops.
+        self.retired = Totals()
 
     def next_number(self) -> int:
         self._numbers += 1
@@ -267,6 +281,12 @@ class Models:
         new group answers to the old one's ids too, so that clients that name it keep
         working."""
         old = self.serving[place]
+        if new.model_id == old.model_id:
+            # The id's counters go on from the old group's: they started from 0 again,
+            # which Prometheus reads as a reset. The old group drains as ID@gN, a
+            # series of its own from its count now.
+            new.carried = added(old.carried, counters_of(old.pool.totals()))
+            new.carried_restarts = old.restarts()
         new.ids = [*new.ids, *(i for i in old.ids if i not in new.ids)]
         new.key = old.key
         self.others.remove(new)
@@ -294,6 +314,7 @@ class Models:
 
     def remove(self, group: ModelGroup) -> None:
         self.others.remove(group)
+        self.retired = added(self.retired, counters_of(group.pool.totals()))
 
     def memory_in_use(self) -> int:
         return sum(g.memory for g in self.all())

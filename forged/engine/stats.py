@@ -178,6 +178,16 @@ def summed(into: C, parts: Iterable[Counts], names: tuple[str, ...] = _COUNTS) -
     return into
 
 
+# Totals' own fields, the pool's counters, beside the workers' COUNTERS.
+_POOL_COUNTERS = ("routed_by_cache", "routed_by_session", "routed_by_load", "resubmitted")
+
+
+def counters_of(t: Totals) -> Totals:
+    """``t``'s counters alone (its gauges 0): what a model leaves counted once its
+    workers have stopped."""
+    return Totals(**{n: getattr(t, n) for n in (*COUNTERS, *_POOL_COUNTERS)})
+
+
 def added(a: Totals, b: Totals) -> Totals:
     """Two models' totals, a node's: every field of ``Totals`` added."""
     return Totals(**{f.name: getattr(a, f.name) + getattr(b, f.name)

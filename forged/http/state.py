@@ -174,8 +174,9 @@ class AppState:
         return 200, {"status": "ok"}
 
     def totals(self) -> Totals:
-        """Every model's totals added: the node's."""
-        return functools.reduce(added, (g.pool.totals() for g in self.models.all()), Totals())
+        """Every model's totals added, and the counters of those gone: the node's."""
+        return functools.reduce(added, (g.pool.totals() for g in self.models.all()),
+                                self.models.retired)
 
     def check_capacity(self) -> None:
         """Before a body is read: refuse at once what no model could take now."""
