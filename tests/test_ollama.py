@@ -170,6 +170,45 @@ async def test_options_bound_stop_and_seed_the_answer(
             assert other.message.content != first.message.content
 
 
+# Each client's /api/chat body as its source builds it: Zed's ChatRequest (its options'
+# unset fields as nulls, num_ctx its default 4096 for a model it does not know), Cline's
+# (num_ctx 32768 unless set) and Aider's through litellm's ollama_chat (num_ctx the
+# prompt's tokens * 1.25 + 8192, in options beside temperature 0).
+_ZED = {"model": "tiny:latest", "stream": True, "keep_alive": -1, "think": False, "tools": [],
+        "options": {"num_ctx": 4096, "num_predict": None, "stop": [], "temperature": 1.0,
+                    "top_p": None},
+        "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                     {"role": "user", "content": "What is in main.rs?"},
+                     {"role": "assistant", "content": "Let me look.", "thinking": None,
+                      "tool_calls": [{"function": {"name": "read_file",
+                                                   "arguments": {"path": "src/main.rs"}}}]},
+                     {"role": "tool", "tool_name": "read_file", "content": "fn main() {}"},
+                     {"role": "user", "content": "hi"}]}
+_CLINE = {"model": "tiny", "stream": True, "options": {"num_ctx": 32768},
+          "messages": [{"role": "system", "content": "You are Cline."}, *HI]}
+_AIDER = {"model": "tiny", "stream": True, "options": {"temperature": 0, "num_ctx": 8212},
+          "messages": HI}
+
+
+async def test_num_ctx_above_the_served_context_is_served_within_it(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """As Ollama serves a num_ctx above the model's own context: every turn of Zed's,
+    Cline's and Aider's Ollama providers was a 400 naming options.num_ctx."""
+    with trio.fail_after(60):
+        async with start_daemon(tiny_model) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            for body in (_ZED, _CLINE, _AIDER):
+                body = {**body, "options": {**body["options"], "num_predict": 4}}
+                r = await h.post("/api/chat", json=body)
+                assert r.status_code == 200, r.text
+                lines = [json.loads(line) for line in r.text.splitlines()]
+                assert lines[-1]["done"] and lines[-1]["eval_count"] == 4
+            # the context is still the one served: a prompt past it is named so
+            long = {**_CLINE, "messages": [{"role": "user", "content": "hi " * 3000}]}
+            r = await h.post("/api/chat", json=long)
+            assert r.status_code == 400 and "2048" in r.json()["error"]
+
+
 async def test_format_json_and_a_schema(tiny_model: Path, start_daemon: DaemonFactory) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
               "required": ["ok"], "additionalProperties": False}
@@ -215,7 +254,7 @@ async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
         (lambda c: c.chat("tiny", HI, options={"mirostatt": 2}), 400, "mirostatt"),
         (lambda c: c.chat("tiny", HI, options={"temperature": 9}), 400,
          "options.temperature"),
-        (lambda c: c.chat("tiny", HI, options={"num_ctx": 4096}), 400, "options.num_ctx"),
+        (lambda c: c.chat("tiny", HI, options={"num_ctx": 0}), 400, "options.num_ctx"),
         (lambda c: c.chat("tiny", HI, options={"num_predict": 0}), 400, "options.num_predict"),
         (lambda c: c.chat("tiny", HI, options={"num_predict": -3}), 400,
          "options.num_predict"),

@@ -73,7 +73,7 @@ class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    num_ctx: Annotated[int, Meta(ge=1)] | None = None
+    num_ctx: Annotated[int, Meta(ge=1)] | None = None  # see _generation_fields
     # How Ollama loads and runs a model: the appliance's config decides that, and
     # none of them changes an answer.
     num_keep: Any = None
@@ -233,10 +233,10 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/api/chat")
     async def chat() -> Response:
         body = await api.decoded_body(state, _chat_decoder)
-        group = served(state.models, body.model)
+        served(state.models, body.model)
         if not body.messages:  # Ollama's way to load a model, or to unload it
             return json_response(loaded(model_name(body.model), body.keep_alive, chat=True))
-        return await api.run_chat(state, chat_request(body, group), OllamaChat)
+        return await api.run_chat(state, chat_request(body), OllamaChat)
 
     @app.post("/api/generate")
     async def generate() -> Response:
@@ -318,7 +318,7 @@ def served(models: Models, name: str, *, embed: bool | None = False) -> ModelGro
 # --- chat ----------------------------------------------------------------------------
 
 
-def chat_request(body: ChatBody, group: ModelGroup) -> ChatRequest:
+def chat_request(body: ChatBody) -> ChatRequest:
     refuse(body, _REFUSED)
     if body.messages and body.messages[-1].role == "assistant":
         # Ollama continues it; forged's chat always opens a new assistant turn.
@@ -329,7 +329,7 @@ def chat_request(body: ChatBody, group: ModelGroup) -> ChatRequest:
     if body.tools and _structured(body.format):
         raise e.BadRequest("format cannot be combined with tools", param="format")
     return _converted({
-        **_generation_fields(body, group), **_structured(body.format),
+        **_generation_fields(body), **_structured(body.format),
         "messages": [_message(i, m) for i, m in enumerate(body.messages)],
         "tools": body.tools or None,
     }, ChatRequest)
@@ -359,10 +359,10 @@ async def _generate(state: AppState, body: GenerateBody) -> Response:
     """The prompt through the chat template as a user's turn, as Ollama does; as it is
     with ``raw``; with a ``suffix``, fill-in-the-middle."""
     refuse(body, _REFUSED_GENERATE)
-    group = served(state.models, body.model)
+    served(state.models, body.model)
     if not body.prompt and not body.suffix:  # Ollama's way to load a model
         return json_response(loaded(model_name(body.model), body.keep_alive, chat=False))
-    fields = {**_generation_fields(body, group), **_structured(body.format)}
+    fields = {**_generation_fields(body), **_structured(body.format)}
     if body.raw or body.suffix:
         _check_prompt_as_is(body)
         req = _converted({**fields, "prompt": body.prompt, "suffix": body.suffix or None},
@@ -392,15 +392,16 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_p
              "mirostat", "mirostat_tau", "mirostat_eta")
 
 
-def _generation_fields(body: _Body, group: ModelGroup) -> dict[str, Any]:
+def _generation_fields(body: _Body) -> dict[str, Any]:
     """forged's fields for the body's model, stream and options; unset options take
     forged's defaults, as on /v1/."""
     opts = body.options or Options()
     refuse(opts, _REFUSED_OPTIONS, "options.")
-    if opts.num_ctx is not None and opts.num_ctx > group.max_context:
-        raise e.BadRequest(f"options.num_ctx is {opts.num_ctx}, but this server runs "
-                           f"{group.model_id} with a context of {group.max_context} tokens",
-                           param="options.num_ctx")
+    # num_ctx, any size, is served within the context forged runs the model with, as
+    # Ollama serves one above the model's training context within that. Clients send
+    # their own guess on every request (Zed 4096, Cline 32768, Aider the prompt's
+    # tokens + 8192): refusing it refused their every turn. A prompt that does not
+    # fit is still a 400 that names the context.
     fields = {name: getattr(opts, name) for name in _SAMPLING}
     fields["max_tokens"] = _budget(opts.num_predict)
     fields = {k: v for k, v in fields.items() if v is not None}

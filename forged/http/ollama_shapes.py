@@ -292,7 +292,7 @@ def show(group: ModelGroup, verbose: bool) -> dict[str, Any]:
     Ollama for the tokenizer's lists too, which forged does not give. ``parameters``
     holds the context forged serves as Ollama's ``num_ctx`` line: Continue reads its
     context length there and sends it back as ``options.num_ctx`` on every request
-    (without it, its own default: a 400 where that is more than forged serves)."""
+    (without it, its own default, which then sized its prompts)."""
     return {"modified_at": _timestamp(group.file.stamp[3] / 1e9),
             "parameters": f"num_ctx {group.max_context}",
             "template": _template(group), "details": _details(group),
