@@ -243,7 +243,8 @@ class LimitsConfig(_Section, frozen=True):
     session_ttl: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 600.0
     # max_tokens when the caller does not set one (clipped to the context).
     default_max_tokens: Positive = 1024
-    max_stop: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
+    # Zed's Ollama edit predictions send 14 (every FIM marker it knows).
+    max_stop: Annotated[int, msgspec.Meta(ge=0, le=64)] = 16
     max_stop_length: Positive = 256
     max_messages: Positive = 1024
     max_logit_bias: Annotated[int, msgspec.Meta(ge=0)] = 1024

@@ -93,7 +93,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {}, 400, None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 9}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),

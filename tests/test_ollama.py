@@ -243,6 +243,29 @@ async def test_a_suffix_is_fill_in_the_middle(fim_model: Path, tiny_model: Path,
             assert err.value.status_code == 400 and "fill-in-the-middle" in err.value.error
 
 
+# Zed's Ollama edit predictions: the prompt written in the model's FIM tokens (Qwen's for a
+# model named qwen2.5-coder), raw, with every FIM marker Zed knows as a stop string.
+_ZED_STOPS = ["<|endoftext|>", "<|file_separator|>", "<|fim_pad|>", "<|fim_prefix|>",
+              "<|fim_middle|>", "<|fim_suffix|>", "<fim_prefix>", "<fim_middle>",
+              "<fim_suffix>", "<PRE>", "<SUF>", "<MID>", "[PREFIX]", "[SUFFIX]"]
+
+
+async def test_zeds_edit_prediction_with_its_fourteen_stop_strings(
+        fim_model: Path, start_daemon: DaemonFactory) -> None:
+    """Zed sends 14 stop strings with every prediction: past limits.max_stop's 8, each
+    one was a 400 naming stop."""
+    body = {"model": "qwen2.5-coder:7b", "raw": True, "stream": False,
+            "prompt": "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c\n"
+                      "<|fim_middle|>",
+            "options": {"num_predict": 8, "temperature": 0.2, "stop": _ZED_STOPS}}
+    with trio.fail_after(60):
+        async with start_daemon(fim_model, model={"aliases": ["qwen2.5-coder:7b"]}) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as h:
+            r = await h.post("/api/generate", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["done"] and isinstance(r.json()["response"], str)
+
+
 async def test_errors_in_ollamas_shape(tiny_model: Path, tmp_path: Path,
                                        start_daemon: DaemonFactory) -> None:
     key = add_key(tmp_path / "keys.toml", "dev", max_streams=4, max_queued=4,
