@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import trio
 
 from forged.auth import add_key
 from forged.engine import testhooks
+from forged.http import ollama_shapes
 from forged.http.ollama import _budget
-from forged.http.ollama_shapes import _line
+from forged.http.ollama_shapes import OllamaChat, _line
 from tests.conftest import DaemonFactory
 from tests.test_api import until
 
@@ -415,3 +417,23 @@ async def test_a_line_separator_in_a_token_stays_inside_its_ndjson_line() -> Non
 async def test_num_predict_minus_2_fills_the_context() -> None:
     assert _budget(-2) == -1  # forged's "until the context is full"
     assert _budget(-1) is None  # Ollama's default: forged's default_max_tokens
+
+
+async def test_each_tool_call_carries_its_index_as_ollama_writes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ollama numbers an answer's calls in ``function.index``; Open WebUI gathers a
+    stream's calls by that number (0 where absent), so two of forged's calls became
+    one, their names and arguments run together."""
+    monkeypatch.setattr(ollama_shapes, "call", lambda: types.SimpleNamespace(started=0.0))
+    block = '<tool_call>\n{{"name": "{}", "arguments": {{"city": "{}"}}}}\n</tool_call>\n'
+    text = block.format("weather", "Oslo") + block.format("time", "Lima")
+    streamed = OllamaChat("m", 0, tools=True)
+    lines = [json.loads(line) for line in (streamed.delta(text[:60]) +
+                                           streamed.delta(text[60:])).splitlines()]
+    calls = [c for line in lines for c in line["message"].get("tool_calls", [])]
+    whole = OllamaChat("m", 0, tools=True)  # stream: false, the answer in one piece
+    message = whole._piece("", whole._split(text, 0)[1])["message"]
+    for got in (calls, message["tool_calls"]):
+        assert [(c["function"]["index"], c["function"]["name"]) for c in got] == \
+            [(0, "weather"), (1, "time")]
+        assert got[1]["function"]["arguments"] == {"city": "Lima"}

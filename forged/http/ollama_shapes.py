@@ -146,13 +146,18 @@ class _Lines(sse.Format):
 
 class OllamaChat(_Lines, sse.ChatFormat):
     """``/api/chat``: the text as ``message.content``, tool calls as
-    ``message.tool_calls`` with their arguments as an object."""
+    ``message.tool_calls`` with their arguments as an object and, as Ollama numbers
+    them, their place in the answer as ``function.index``: Open WebUI gathers a
+    stream's calls by it (0 where absent), and ran two calls' names and arguments
+    together."""
 
     def _piece(self, content: str, calls: list[ToolCall]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
+            made = self.parsers[0].calls if self.parsers else calls  # one choice
             message["tool_calls"] = [
-                {"id": c.id, "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                {"id": c.id, "function": {"index": made.index(c), "name": c.name,
+                                          "arguments": json.loads(c.arguments)}}
                 for c in calls]
         return {"message": message}
 
