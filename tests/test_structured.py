@@ -823,6 +823,45 @@ def test_claude_codes_tool_schemas_are_enforced(real_model: Path, schema: dict[s
             assert not _grammar_writes(m, gbnf, text), text
 
 
+# Zed's read_file tool (its ReadFileToolInput through schemars): as draft-07 to Ollama,
+# an Option<u32> is ["integer", "null"] with the format uint32.
+_LINE = "Optional line number to start reading on (1-based index)"
+_ZED_DRAFT07 = {
+    "type": "object", "description": "Reads the content of the given file in the project.",
+    "properties": {
+        "path": {"description": "The relative path of the file to read.", "type": "string"},
+        "start_line": {"description": _LINE, "type": ["integer", "null"], "format": "uint32",
+                       "minimum": 0, "default": None},
+        "end_line": {"type": ["integer", "null"], "format": "uint32", "minimum": 0,
+                     "default": None}},
+    "required": ["path"], "additionalProperties": False}
+# What each says in JSON Schema's own words, to validate the texts the grammar writes.
+_LINE_AS_JSON_SCHEMA = {"type": ["integer", "null"], "minimum": 0, "maximum": 2**32 - 1}
+
+
+@pytest.mark.parametrize(("schema", "bounded"), [(_ZED_DRAFT07, True)])
+def test_zeds_tool_schemas_are_enforced(real_model: Path, schema: dict[str, Any],
+                                        bounded: bool) -> None:
+    """Every request of Zed's agent with tools to Ollama's API was a 400 naming the
+    format uint32. Now a number format of a fixed width is its range."""
+    gbnf = schema_grammar(schema, "tools[0].function.parameters").gbnf
+    lines = {**schema["properties"], "start_line": _LINE_AS_JSON_SCHEMA,
+             "end_line": _LINE_AS_JSON_SCHEMA}
+    check = jsonschema.Draft7Validator({**schema, "properties": lines})
+    written = ['{"path": "src/main.rs"}', '{"path": "a", "start_line": 3, "end_line": 40}',
+               '{"path": "a", "start_line": null}', '{"path": "a", "end_line": 4294967295}']
+    refused = ['{"path": "a", "start_line": -1}', '{"path": "a", "start_line": "3"}',
+               '{"start_line": 3}'] + (['{"path": "a", "end_line": 4294967296}'] if bounded
+                                       else [])
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, Grammar(gbnf=gbnf))
+        for text in written:
+            assert _grammar_writes(m, gbnf, text, per_character=False), text
+            assert check.is_valid(json.loads(text)), text
+        for text in refused:
+            assert not _grammar_writes(m, gbnf, text, per_character=False), text
+
+
 def test_a_class_of_control_characters_alone_is_a_400() -> None:
     with pytest.raises(e.BadRequest) as caught:
         schema_grammar({"type": "string", "pattern": "^[\\x00-\\x07]$"}, "s")

@@ -26,6 +26,7 @@ from forged.engine.jsonpattern import json_pattern
 from forged.engine.numrange import BOUNDS, integer_bounds, integers
 from forged.engine.request import Grammar
 from forged.engine.schemawalk import mapped, subschemas
+from forged.engine.schemawords import plain
 
 # The Hermes tool-call markers: the one tool-call syntax forged writes and parses.
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -152,6 +153,7 @@ def _for_converter(node: Any) -> Any:
     $refs find them."""
     if not isinstance(node, dict):
         return copy.deepcopy(node)
+    node = plain(node, "")  # check_schema named what is wrong with it
     if node.get("format") == "uri":
         node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": URI_PATTERN}
     out = {key: _split_within(key, value) for key, value in node.items()
@@ -197,6 +199,7 @@ def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> Non
         return
     if not isinstance(node, dict):
         raise e.BadRequest(f"{where}: a schema must be an object", param=where)
+    node = plain(node, where)  # OpenAPI's number widths (schemawords)
     for key, value in node.items():
         at = f"{where}.{key}"
         if key in _ANNOTATIONS:
