@@ -824,7 +824,9 @@ def test_claude_codes_tool_schemas_are_enforced(real_model: Path, schema: dict[s
 
 
 # Zed's read_file tool (its ReadFileToolInput through schemars): as draft-07 to Ollama,
-# an Option<u32> is ["integer", "null"] with the format uint32.
+# an Option<u32> is ["integer", "null"] with the format uint32; as OpenAPI 3.0's subset
+# to an OpenAI-compatible server (its default tool format there), the format is dropped
+# and the Option is "nullable": true.
 _LINE = "Optional line number to start reading on (1-based index)"
 _ZED_DRAFT07 = {
     "type": "object", "description": "Reads the content of the given file in the project.",
@@ -835,15 +837,24 @@ _ZED_DRAFT07 = {
         "end_line": {"type": ["integer", "null"], "format": "uint32", "minimum": 0,
                      "default": None}},
     "required": ["path"], "additionalProperties": False}
+_ZED_SUBSET = {
+    "type": "object", "description": "Reads the content of the given file in the project.",
+    "properties": {
+        "path": {"description": "The relative path of the file to read.", "type": "string"},
+        "start_line": {"description": _LINE, "type": "integer", "minimum": 0,
+                       "nullable": True, "default": None},
+        "end_line": {"type": "integer", "minimum": 0, "nullable": True, "default": None}},
+    "required": ["path"]}
 # What each says in JSON Schema's own words, to validate the texts the grammar writes.
 _LINE_AS_JSON_SCHEMA = {"type": ["integer", "null"], "minimum": 0, "maximum": 2**32 - 1}
 
 
-@pytest.mark.parametrize(("schema", "bounded"), [(_ZED_DRAFT07, True)])
+@pytest.mark.parametrize(("schema", "bounded"), [(_ZED_DRAFT07, True), (_ZED_SUBSET, False)])
 def test_zeds_tool_schemas_are_enforced(real_model: Path, schema: dict[str, Any],
                                         bounded: bool) -> None:
-    """Every request of Zed's agent with tools to Ollama's API was a 400 naming the
-    format uint32. Now a number format of a fixed width is its range."""
+    """Every request of Zed's agent with tools was a 400: to Ollama's API naming the
+    format uint32, to OpenAI's naming nullable. Now nullable is null among the types
+    and a number format of a fixed width its range."""
     gbnf = schema_grammar(schema, "tools[0].function.parameters").gbnf
     lines = {**schema["properties"], "start_line": _LINE_AS_JSON_SCHEMA,
              "end_line": _LINE_AS_JSON_SCHEMA}
@@ -860,6 +871,13 @@ def test_zeds_tool_schemas_are_enforced(real_model: Path, schema: dict[str, Any]
             assert check.is_valid(json.loads(text)), text
         for text in refused:
             assert not _grammar_writes(m, gbnf, text, per_character=False), text
+
+
+def test_a_nullable_that_is_not_a_boolean_is_named() -> None:
+    with pytest.raises(e.BadRequest) as info:
+        check_schema({"type": "integer", "nullable": "yes"}, "s")
+    assert info.value.param == "s.nullable"
+    check_schema({"anyOf": [{"type": "string"}], "nullable": False}, "s")  # asks nothing
 
 
 def test_a_class_of_control_characters_alone_is_a_400() -> None:

@@ -199,7 +199,7 @@ def check_schema(node: Any, where: str, depth: int = 0, root: Any = None) -> Non
         return
     if not isinstance(node, dict):
         raise e.BadRequest(f"{where}: a schema must be an object", param=where)
-    node = plain(node, where)  # OpenAPI's number widths (schemawords)
+    node = plain(node, where)  # OpenAPI's nullable and number widths (schemawords)
     for key, value in node.items():
         at = f"{where}.{key}"
         if key in _ANNOTATIONS:
