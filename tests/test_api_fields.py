@@ -265,6 +265,7 @@ REALISTIC: dict[str, Any] = {
     "penalty_last_n": 128, "adaptive_target": 0.5, "post_sampling_probs": True,
     "return_progress": True, "timings_per_token": True, "lora": [{"id": 0, "scale": 0.5}],
     "n_cmpl": 2, "n_cache_reuse": 256, "service_tier": "flex",
+    "moderation": {"model": "omni-moderation-latest", "policy": {"output": {"mode": "block"}}},
     "image_data": [{"data": "AAAA", "id": 1}], "multimodal_data": ["AAAA"],
 }
 
@@ -287,6 +288,17 @@ def test_a_field_forged_does_not_do_is_a_400_naming_it(tiny: DaemonProcess,
         ok = httpx.post(tiny.url + "/v1/completions", timeout=30,
                         json={"prompt": "hi", "max_tokens": 1, field: harmless})
         assert ok.status_code == 200, (harmless, ok.text)
+
+
+def test_the_sdks_moderation_is_a_400_naming_it(tiny: DaemonProcess) -> None:
+    """openai 3.x's chat.completions.create(moderation=...) asks for the input and the
+    answer to be scored or blocked: it was ignored, and the answer came back as if
+    moderated."""
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(tiny).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            moderation=REALISTIC["moderation"])
+    assert err.value.body["param"] == "moderation"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("part", "code"), [

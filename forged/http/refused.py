@@ -41,6 +41,8 @@ FIELDS: dict[str, Refused] = {
     "reasoning_effort": Refused("reasoning effort is not supported: a model thinks as "
                                 "its chat template says (see chat_template_kwargs)"),
     "verbosity": Refused("verbosity is not supported"),
+    # The SDK's (openai 3.x): moderated input and output, "block" refusing them.
+    "moderation": Refused("moderation is not supported: nothing is scored nor blocked"),
     "service_tier": Refused("service tiers are not supported: use forged's priority "
                             "classes (an API key's priority)", (None, "auto", "default")),
     # vLLM's
