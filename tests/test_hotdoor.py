@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import socket
+import struct
 from pathlib import Path
 from typing import cast
 
@@ -30,6 +32,7 @@ from forged.http import hotdoor
 from forged.http.generate import Pace
 from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
 from tests.conftest import DaemonFactory, RunningDaemon
+from tests.test_api import until
 
 # A header that hands the request to the general path and changes nothing in the answer.
 GENERAL = b"Connection: keep-alive\r\n"
@@ -567,3 +570,33 @@ async def test_the_last_request_a_connection_may_make_is_answered_then_closed(
         with trio.fail_after(10):
             assert await stream.receive_some(100) == b""
         assert len(answered) == 1000
+
+
+def _sockets() -> int:
+    """This process's open sockets (the daemon under test runs in it)."""
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+               for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+async def test_a_general_connection_its_client_ends_between_requests_closes_at_once(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """As the hot door closes one. hypercorn's trio server stopped reading at the
+    client's end (its FIN or a reset) but left its keep-alive timer running: the
+    connection, its task and its descriptor stayed for keep_alive_timeout (30 s), in
+    CLOSE-WAIT, and a client that half-closes after its request (``nc -N``) read its
+    answer, then waited that long for the end."""
+    async with start_daemon(tiny_model) as d:
+        async with await _connect(d) as stream:
+            answer, = await _exchange(stream, _get("/health", GENERAL), 1)
+            await trio.testing.wait_all_tasks_blocked(0.01)  # between requests
+            await stream.send_eof()
+            with trio.fail_after(2):
+                assert await stream.receive_some(100) == b""
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        before = _sockets()
+        for _ in range(20):  # clients that reset their connection after the answer
+            async with await _connect(d) as stream:
+                await _exchange(stream, _get("/health", GENERAL), 1)
+                await trio.testing.wait_all_tasks_blocked(0.01)
+                stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await until(lambda: _sockets() <= before, limit=2)

@@ -137,7 +137,37 @@ def _tcp_server(app: Any, hc: HyperConfig, context: WorkerContext, state: Connec
     a connection could make nearly twice as many)."""
     served = stream.served if isinstance(stream, Prefixed) else 0
     config = cast(HyperConfig, _Served(hc, served)) if served else hc
-    return TCPServer(app, config, context, state, stream)
+    return _Connection(app, config, context, state, stream)
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, closed at once when its client ends it (its FIN, or a
+    reset) between requests, as the hot door closes one. hypercorn's trio server stops
+    reading there but leaves its keep-alive timer running, and only that timer closes
+    an idle connection: the socket (in CLOSE-WAIT), its descriptor and its task stayed
+    for ``keep_alive_timeout`` (30 s) after the client had gone, and a client that
+    half-closes after its request read its answer, then waited that long for the end.
+    A request still being answered is not cut: the timer runs only between requests."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._ended = False  # nothing more can be read
+        self._idle = trio.CancelScope()  # the wait of the current (or last) idle period
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self._ended = True
+            self._idle.cancel()  # ends the wait if idle; a past period's: nothing
+
+    async def _idle_timeout(self) -> None:
+        # hypercorn's, but for the client's end, which also ends the wait
+        with trio.move_on_after(self.config.keep_alive_timeout) as self._idle:
+            if not self._ended:
+                await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
 
 
 class _Served:
