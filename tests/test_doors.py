@@ -558,6 +558,31 @@ async def test_a_request_a_door_accepted_before_its_stop_is_answered_by_the_daem
     assert f"door process {door['pid']} exited with code 0" in caplog.text
 
 
+async def test_a_door_whose_daemon_has_gone_answers_nothing_from_its_last_view(
+        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+    """A door learns that its daemon has died when its stdin closes, and stops; what it
+    reads during its stop is handed, as at a drain, never answered from the view of a
+    daemon that is gone. (It answered /health with its last view's 200 "ok" for the
+    connections it had accepted: a dead node looked healthy to its balancer.) Here the
+    daemon lives on, and answers what it is handed from its state now."""
+    async with start_daemon(tiny_model, server={"door_processes": 1}) as d:
+        door, = await _running(d)
+        fresh = await _connect(d)
+        await until(lambda: _holds(door["pid"], fresh))
+        assert d.daemon.state is not None
+        doors = d.daemon.state.door_report.__self__  # type: ignore[attr-defined]
+        process = doors.doors[0].process
+        assert process is not None and process.stdin is not None
+        await process.stdin.aclose()  # to the door, its daemon has gone
+        d.daemon.state.leaving = True  # a state the door's last view predates
+        await fresh.send_all(_get("/health"))
+        answer, = await _exchange(fresh, b"", 1)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        await fresh.aclose()
+        await until(lambda: _doors(d)[0]["restarts"] == 1)
+        d.daemon.state.leaving = False
+
+
 @pytest.mark.parametrize("doors", [0, 1])
 async def test_at_a_drain_a_connection_accepted_before_it_has_its_grace(
         tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,

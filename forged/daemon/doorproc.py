@@ -48,8 +48,9 @@ class DoorView:
 
     def __init__(self, view: View) -> None:
         self.counts: Counter[tuple[str, int, str]] = Counter()
-        # Told to stop (a drain's start): what the door still reads, the daemon answers,
-        # from its state now (a drain's 503), not from a view that may predate it.
+        # Told to stop (a drain's start), or the daemon has gone: what the door still
+        # reads, the daemon answers, from its state now (a drain's 503), not from a view
+        # that may predate it; with the daemon gone, the handoff fails and it is closed.
         self.stopping = False
         self.set(view)
 
@@ -137,9 +138,12 @@ async def hand(hub: socket.socket, stream: trio.abc.Stream) -> None:
 
 
 async def follow(views: ViewReader, view: DoorView, stop: trio.CancelScope) -> None:
-    """Take each view the daemon sends; stop when it closes the pipe."""
+    """Take each view the daemon sends; stop when it closes the pipe (it has died):
+    what the door reads meanwhile is handed, as at a drain, never answered from the
+    view of a daemon that is gone (a dead node's /health would say "ok")."""
     while (new := await views.next()) is not None:
         view.set(new)
+    view.stopping = True
     stop.cancel()
 
 
