@@ -12,8 +12,9 @@ import os
 import re
 import socket
 import struct
+from contextlib import suppress
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ import trio.testing
 from hypercorn.config import Config as HyperConfig
 
 from forged.auth import add_key
+from forged.daemon import listener
 from forged.daemon.accept import ResponseTail, accept_bursts
 from forged.daemon.doorproc import DoorView
 from forged.daemon.doorwire import View
@@ -600,3 +602,35 @@ async def test_a_general_connection_its_client_ends_between_requests_closes_at_o
                 await trio.testing.wait_all_tasks_blocked(0.01)
                 stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await until(lambda: _sockets() <= before, limit=2)
+
+
+async def test_a_client_that_reads_nothing_does_not_hold_the_daemons_stop(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends requests and reads no answer (one stopped, or gone without a
+    word: a stream to it fills the socket) no longer holds the listener past its grace
+    (drain_timeout + 5 s). hypercorn shields each write, and forged the last one of a
+    response: the shutdown's cancellation could not end one, and the daemon's stop
+    waited forever (under systemd, until its SIGKILL at TimeoutStopSec, with no
+    session's KV state saved)."""
+    serve, ended = listener.serve, []
+
+    async def timed(*args: Any, **kwargs: Any) -> None:
+        try:
+            await serve(*args, **kwargs)
+        finally:
+            ended.append(trio.current_time())
+
+    async def send(stream: trio.SocketStream) -> None:
+        with suppress(trio.BrokenResourceError):  # the daemon's end, closed unread
+            await stream.send_all(_get("/v1/models", GENERAL) * 50_000)
+
+    monkeypatch.setattr(listener, "serve", timed)
+    async with start_daemon(tiny_model, server={"drain_timeout": 1.0}) as d, \
+            await _connect(d) as stream, trio.open_nursery() as client:
+        client.start_soon(send, stream)
+        await trio.testing.wait_all_tasks_blocked(0.1)  # both ends' buffers full
+        d.daemon.begin_drain()
+        started = trio.current_time()
+        await until(lambda: len(ended) == 2, limit=15)  # the API's listener and the admin's
+        assert max(ended) - started < 1.0 + 5.0 + 1.0
+        client.cancel_scope.cancel()

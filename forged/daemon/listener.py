@@ -55,8 +55,7 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
-            general = partial(_tcp_server, wrapped, hc, context,
-                              ConnectionState(lifespan_state.copy()))
+            general, live = _general(wrapped, hc, context, lifespan_state)
             idle = IdleConnections(lambda: float(hc.keep_alive_timeout))
             listeners, binds, doors = _listeners(hc, general, state, idle, server_nursery)
             task_status.started(binds)
@@ -77,9 +76,35 @@ async def serve(app: Any, hc: HyperConfig, state: AppState | None, *,
             finally:
                 await _stop(doors, context, idle)
                 settled.set()
-                server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
+                _grace(hc.graceful_timeout, server_nursery, lifespan_nursery, live)
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+def _grace(grace_s: float, connections: trio.Nursery, outside: trio.Nursery,
+           live: set[_Connection]) -> None:
+    """The connections' grace at shutdown: ``grace_s``, then they are cancelled, and
+    the sockets of hypercorn's that remain are closed (:func:`_cut_at`), from a task
+    ``outside`` their nursery."""
+    end = trio.current_time() + grace_s
+    connections.cancel_scope.deadline = end
+    outside.start_soon(_cut_at, end, live)
+
+
+async def _cut_at(end: float, live: set[_Connection]) -> None:
+    """At ``end``, or when the listener is ended from outside before (a drain's end:
+    every generation has sent its last bytes, or had its drain_timeout), close the
+    socket of each of hypercorn's connections still open. hypercorn shields
+    every write, and forged the last one of each response (:func:`_shielded_close`):
+    no cancellation ends one to a client that reads nothing (stopped, or gone without a
+    word, its socket full), and the daemon's stop waited for it forever (under systemd,
+    until its SIGKILL, with no session's KV state saved). A write to a closed socket
+    ends at once. Once the connections have ended by themselves, ``live`` is empty."""
+    try:
+        await trio.sleep_until(end)
+    finally:
+        for conn in list(live):
+            conn.cut()
 
 
 async def _closing(trigger: Callable[[], Awaitable[None]], doors: Doors | None) -> None:
@@ -130,14 +155,22 @@ async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Han
         await accept_bursts(listener, handler, nursery)
 
 
+def _general(app: Any, hc: HyperConfig, context: WorkerContext, lifespan_state: dict[str, Any],
+             ) -> tuple[Callable[[Any], TCPServer], set[_Connection]]:
+    """What makes hypercorn's connection on a stream, and the set of those open."""
+    live: set[_Connection] = set()
+    state = ConnectionState(lifespan_state.copy())
+    return partial(_tcp_server, app, hc, context, state, live), live
+
+
 def _tcp_server(app: Any, hc: HyperConfig, context: WorkerContext, state: ConnectionState,
-                stream: Any) -> TCPServer:
+                live: set[_Connection], stream: Any) -> TCPServer:
     """hypercorn's connection on ``stream``; on one the hot door answered requests of
     first, with its ``keep_alive_max_requests`` counting them (hypercorn counts from 0:
     a connection could make nearly twice as many)."""
     served = stream.served if isinstance(stream, Prefixed) else 0
     config = cast(HyperConfig, _Served(hc, served)) if served else hc
-    return _Connection(app, config, context, state, stream)
+    return _Connection(live, app, config, context, state, stream)
 
 
 class _Connection(TCPServer):
@@ -147,12 +180,28 @@ class _Connection(TCPServer):
     an idle connection: the socket (in CLOSE-WAIT), its descriptor and its task stayed
     for ``keep_alive_timeout`` (30 s) after the client had gone, and a client that
     half-closes after its request read its answer, then waited that long for the end.
-    A request still being answered is not cut: the timer runs only between requests."""
+    A request still being answered is not cut: the timer runs only between requests.
 
-    def __init__(self, *args: Any) -> None:
+    ``live``: the connections open, which a shutdown past its grace cuts (:meth:`cut`)."""
+
+    def __init__(self, live: set[_Connection], *args: Any) -> None:
         super().__init__(*args)
+        self._live = live
         self._ended = False  # nothing more can be read
         self._idle = trio.CancelScope()  # the wait of the current (or last) idle period
+
+    async def run(self) -> None:
+        self._live.add(self)
+        try:
+            await super().run()
+        finally:
+            self._live.discard(self)
+
+    def cut(self) -> None:
+        """Close the socket: a write blocked on it, shielded or not, ends at once."""
+        stream = self.stream
+        transport = getattr(stream, "transport_stream", stream)  # TLS: the socket under it
+        transport.socket.close()
 
     async def _read_data(self) -> None:
         try:
