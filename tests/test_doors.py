@@ -474,6 +474,27 @@ async def test_requests_the_hot_door_answered_count_towards_hypercorns_limit(
                 assert await stream.receive_some(100) == b""
 
 
+@pytest.mark.parametrize("doors", [0, 1])
+async def test_a_slow_head_handed_over_has_the_keep_alive_it_began_with(
+        tiny_model: Path, start_daemon: DaemonFactory, doors: int) -> None:
+    """A head that began as a hot route's and turned out another's is hypercorn's from
+    there, with what was left of its keep-alive (server.keep_alive_timeout bounds slow
+    headers). hypercorn started a whole keep-alive of its own at the handoff: a slow
+    head had nearly twice the time (1.5 s + 2 s here, 30 s + 30 s by default)."""
+    async with start_daemon(tiny_model, server={"door_processes": doors,
+                                                "keep_alive_timeout": 2.0}) as d:
+        if doors:
+            await _running(d)
+        async with await _connect(d) as stream:
+            started = trio.current_time()
+            await stream.send_all(b"GET /he")
+            await trio.sleep(1.5)
+            await stream.send_all(b"x")  # no hot route's: handed over
+            with trio.fail_after(5):
+                assert await stream.receive_some(100) == b""
+            assert trio.current_time() - started < 2.0 + 0.5
+
+
 def test_a_fresh_connections_handoff_is_the_datagram_it_was() -> None:
     """A door's Handed names the requests it answered only when there were some: a
     daemon older than its doors (a package upgraded under it, a door restarted) then
@@ -481,6 +502,7 @@ def test_a_fresh_connections_handoff_is_the_datagram_it_was() -> None:
     assert msgspec.msgpack.decode(encoder.encode(Handed(b"GET"))) == {
         "type": "Handed", "data": b"GET"}
     assert from_door.decode(encoder.encode(Handed(b"GET", 3))) == Handed(b"GET", 3)
+    assert from_door.decode(encoder.encode(Handed(b"GET", 0, 1.5))) == Handed(b"GET", 0, 1.5)
 
 
 async def test_a_drain_stops_the_doors_and_lets_their_streams_finish(

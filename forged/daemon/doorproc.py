@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -127,9 +128,12 @@ async def hand(hub: socket.socket, stream: trio.abc.Stream) -> None:
     bytes read from it go to the daemon, which serves it from here. The caller then
     closes the door's copy of the descriptor."""
     assert isinstance(stream, Prefixed)
+    # The time left for a head begun here: a slow one gets no second keep-alive there.
+    head_s = max(0.001, stream.head_by - trio.current_time()) if stream.head_by < math.inf \
+        else 0.0
     with trio.move_on_after(HAND_TIMEOUT_S) as scope:
         try:
-            await send_datagram(hub, encoder.encode(Handed(stream.first, stream.served)),
+            await send_datagram(hub, encoder.encode(Handed(stream.first, stream.served, head_s)),
                                 [stream.transport.socket.fileno()])
         except OSError as exc:  # the daemon is gone: this door stops with it
             log.error("cannot hand a connection to the daemon: %s", exc)

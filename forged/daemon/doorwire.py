@@ -40,10 +40,15 @@ class Handed(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True,
     bytes the door already read from it and the number of requests it answered on it
     (they count towards hypercorn's ``keep_alive_max_requests``). ``served`` is left
     out when 0, so a daemon older than the door (a package upgraded under it) still
-    takes a fresh connection."""
+    takes a fresh connection. ``head_s``: when ``data`` ends in part of a head, the
+    seconds left of the door's keep-alive for the rest of it, which the daemon keeps
+    (0, left out: none, the daemon's own keep-alive from here). Most heads come whole
+    in the door's first read; one that did not is, like a ``served`` one, lost to a
+    daemon older than the door."""
 
     data: bytes
     served: int = 0
+    head_s: float = 0.0
 
 
 class Counted(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ before.
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -189,6 +190,9 @@ class _Connection(TCPServer):
         self._live = live
         self._ended = False  # nothing more can be read
         self._idle = trio.CancelScope()  # the wait of the current (or last) idle period
+        # Handed with part of a head: the first wait (for the rest) ends by its time, not
+        # a whole keep-alive after the handoff (which let a slow head take twice as long).
+        self._head_by = self.stream.head_by if isinstance(self.stream, Prefixed) else math.inf
 
     async def run(self) -> None:
         self._live.add(self)
@@ -212,7 +216,9 @@ class _Connection(TCPServer):
 
     async def _idle_timeout(self) -> None:
         # hypercorn's, but for the client's end, which also ends the wait
-        with trio.move_on_after(self.config.keep_alive_timeout) as self._idle:
+        end = min(trio.current_time() + self.config.keep_alive_timeout, self._head_by)
+        self._head_by = math.inf
+        with trio.move_on_at(end) as self._idle:
             if not self._ended:
                 await self.context.terminated.wait()
         with trio.CancelScope(shield=True):
@@ -305,6 +311,7 @@ def _after_door(serve_general: Handler, nursery: trio.Nursery, stream: trio.Sock
     hypercorn here (the door read ``handed.data`` from it)."""
     async def serve(stream: trio.SocketStream) -> None:
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
-        await serve_general(Prefixed(stream, handed.data, handed.served))
+        head_by = trio.current_time() + handed.head_s if handed.head_s else math.inf
+        await serve_general(Prefixed(stream, handed.data, handed.served, head_by))
 
     nursery.start_soon(connection, stream, serve)

@@ -86,11 +86,13 @@ class IdleConnections:
             self._between.discard(stream)
         return not (self.closing and between)
 
-    def busy(self, stream: trio.SocketStream) -> None:
-        self._until.pop(stream, None)
+    def busy(self, stream: trio.SocketStream) -> float:
+        """``stream`` waits no more; until when it might have (inf: it was not)."""
+        until = self._until.pop(stream, math.inf)
         self._between.discard(stream)
         if self.closing and not self._until:
             self._emptied.set()
+        return until
 
     async def sweep(self, every_s: float = 1.0) -> None:
         while True:
@@ -251,7 +253,7 @@ class HotDoor:
         """Answer the hot requests of ``stream`` until one is not, then hand it over.
         Pipelined heads are read from an offset, not sliced off one by one: a read of
         64 KiB of them would otherwise copy the rest of it once per request."""
-        buf, start, served = b"", 0, 0
+        buf, start, served, head_by = b"", 0, 0, math.inf
         try:
             while True:
                 end = buf.find(b"\r\n\r\n", start)
@@ -266,7 +268,8 @@ class HotDoor:
                         break  # the client's end after part of a head: hypercorn's 400
                     buf, start = buf[start:] + data, 0
                     continue
-                handoff.idle.busy(stream)
+                until = handoff.idle.busy(stream)
+                head_by = until if end < 0 else math.inf  # part of a head: its time holds
                 head = parse_head(buf[start:end]) if end >= 0 else None
                 answer = self.answer(head) if head is not None else None
                 if answer is None:
@@ -279,7 +282,7 @@ class HotDoor:
         finally:
             handoff.idle.busy(stream)
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
-        await handoff.serve(Prefixed(stream, buf[start:], served))
+        await handoff.serve(Prefixed(stream, buf[start:], served, head_by))
 
 
 async def _receive(stream: trio.SocketStream) -> bytes | None:
@@ -311,13 +314,17 @@ class Prefixed(trio.abc.Stream):
     """A socket stream whose first reads return bytes already read from it: the hot
     door's unanswered requests, which hypercorn then parses as if fresh. ``served``:
     the requests the hot door answered on it, which count towards hypercorn's
-    ``keep_alive_max_requests``."""
+    ``keep_alive_max_requests``. ``head_by``: when ``first`` ends in part of a head,
+    the (trio) time by which the rest must come, the hot door's keep-alive for it,
+    which hypercorn's then keeps (inf: hypercorn's own, from the handoff)."""
 
-    def __init__(self, stream: trio.SocketStream, first: bytes, served: int = 0) -> None:
+    def __init__(self, stream: trio.SocketStream, first: bytes, served: int = 0,
+                 head_by: float = math.inf) -> None:
         self.transport = stream
         self.socket = stream.socket  # hypercorn reads the peer's address from it
         self.first = first  # not yet returned by receive_some
         self.served = served
+        self.head_by = head_by
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self.first:
