@@ -1023,3 +1023,26 @@ def test_a_call_writes_each_functions_name_with_its_own_arguments(real_model: Pa
         assert not writes('{"name": "tool_011", "arguments": {"path": "a"}}')
         assert not writes('{"name": "tool_012", "arguments": {"path": "a"}}')
         assert not writes('{"name": "tool_00", "arguments": {"path": "a"}}')
+
+
+def test_a_parameter_named_kv_keeps_the_calls_arguments(real_model: Path) -> None:
+    """The call rule named each function's arguments `calls-N-arguments-kv`, the
+    converter's usual name; but a parameter "kv" takes that name first (its value's
+    rule), the arguments' own rule becoming `calls-N-arguments-kv0`, and the grammar
+    then wrote the parameter's value in place of the whole arguments: no call of the
+    function could be written."""
+    pair = {"type": "object", "properties": {"k": {"type": "string"}},
+            "required": ["k"], "additionalProperties": False}
+    g = call_grammar([{"name": "put", "parameters": {
+        "type": "object", "properties": {"kv": pair}, "required": ["kv"],
+        "additionalProperties": False}}], many=False, lazy=False)
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, g)
+
+        def writes(call: str) -> bool:
+            return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
+                                   per_character=False)
+
+        assert writes('{"name": "put", "arguments": {"kv": {"k": "a"}}}')
+        assert not writes('{"name": "put", "arguments": {"k": "a"}}')
+        assert not writes('{"name": "put", {"k": "a"}}')

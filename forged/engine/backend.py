@@ -162,9 +162,17 @@ class _Converter(SchemaConverter):
     def _format_literal(self, literal: str) -> str:
         return gbnf_literal(literal)
 
+    # The rule each name visited was written as (see :func:`schema_gbnf`).
+    written: dict[str, str]
+
     def visit(self, schema: dict[str, Any], name: str) -> str:
         """The converter's visit, with an integer's or a number's bounds enforced (it
-        wrote any number: forged.engine.numrange)."""
+        wrote any number: forged.engine.numrange), and the rule it wrote noted."""
+        rule = self._visit(schema, name)
+        self.written.setdefault(name, rule)
+        return rule
+
+    def _visit(self, schema: dict[str, Any], name: str) -> str:
         rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
         if schema.get("type") in ("integer", "number") and (
                 rule := bounded_rule(schema)) is not None:
@@ -204,13 +212,18 @@ class _Converter(SchemaConverter):
 
 
 def schema_gbnf(schema: dict[str, Any], name: str, param: str,
-                prop_order: dict[str, int]) -> str:
+                prop_order: dict[str, int], written: dict[str, str] | None = None) -> str:
     """GBNF for a JSON schema (llama.cpp's converter, nothing fetched); its top rule is
-    ``name`` ("" is ``root``). The converter's own exceptions pass through: it raises
+    ``name`` ("" is ``root``). ``written`` is filled with the rule each subschema's
+    name (``NAME-PROPERTY``, ...) was written as: not always that name, as the converter
+    names a primitive's rule by its type and adds a digit to a name already taken (a
+    property "kv" of ``x`` takes ``x-kv``, and ``x``'s own key-value rule becomes
+    ``x-kv0``). The converter's own exceptions pass through: it raises
     AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError or
     RecursionError on a schema it cannot convert."""
     converter = _Converter(  # type: ignore[no-untyped-call]
         prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.written = {} if written is None else written
     converter.visit(converter.resolve_refs(schema, param), name)
     return str(converter.format_grammar())  # type: ignore[no-untyped-call]
 

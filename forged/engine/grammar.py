@@ -131,12 +131,13 @@ def gbnf_depth(gbnf: str) -> int:
     return deepest
 
 
-def _convert(schema: dict[str, Any], name: str, param: str) -> str:
-    """GBNF for ``schema``, its top rule called ``name`` ("" is ``root``)."""
+def _convert(schema: dict[str, Any], name: str, param: str,
+             written: dict[str, str] | None = None) -> str:
+    """GBNF for ``schema``, its top rule ``name`` ("" is ``root``): schema_gbnf's."""
     order = {"name": 0, "arguments": 1}  # a tool call's name before its arguments
     try:
         schema = _for_converter(schema)  # a copy: resolve_refs rewrites the $refs in place
-        gbnf = schema_gbnf(schema, name, param, order)
+        gbnf = schema_gbnf(schema, name, param, order, written)
     except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
             RecursionError) as exc:
         raise e.BadRequest(f"the JSON schema cannot be turned into a grammar: {exc}",
@@ -542,13 +543,14 @@ def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> 
         "required": ["name", "arguments"], "additionalProperties": False,
     } for f, (params, _) in zip(functions, hoisted, strict=True)],
         "$defs": {k: v for _, defs in hoisted for k, v in defs.items()}}
+    written: dict[str, str] = {}
     rules = [
         f'root ::= tool-call{" (tool-ws tool-call)*" if many else ""}',
         f'tool-call ::= "{TOOL_OPEN}" tool-ws call tool-ws "{TOOL_CLOSE}"',
         'tool-ws ::= [ \\n]{0,2}',
-        _call_rule([f["name"] for f in functions]),
-        _convert(calls, _CALLS, "tools"),
+        _convert(calls, _CALLS, "tools", written),
     ]
+    rules.insert(3, _call_rule([f["name"] for f in functions], written))
     check_gbnf("\n".join(rules), "tools")
     # Lazy: from the first "<tool_call>" the model writes, the grammar holds. llama.cpp
     # searches the whole text so far with the pattern at every token until then: the
@@ -564,16 +566,16 @@ def call_grammar(functions: list[dict[str, Any]], *, many: bool, lazy: bool) -> 
 _CALLS = "calls"
 
 
-def _call_rule(names: list[str]) -> str:
+def _call_rule(names: list[str], written: dict[str, str]) -> str:
     """A call as the converter writes each function's (``{"name": "NAME", "arguments":
     ...}``), with the part every call shares written once and the names as a prefix
     tree, each followed by its own function's arguments. The converter's anyOf kept
     one stack per function alive up to the name's first characters, each checked
     against every candidate token: about 0.5 ms per function per token there over
     SmolLM2's vocabulary (150 tools: 65-310 ms for each of about eight tokens), in the
-    worker's step (see forged.engine.backend.gbnf_alternatives)."""
-    then = {json.dumps(name): f'"," space {_CALLS}-{i}-arguments-kv "}}" space'
-            for i, name in enumerate(names)}
+    worker's step (see backend.gbnf_alternatives). The arguments' rule: as ``written``."""
+    then = {json.dumps(name): f'"," space "\\"arguments\\"" space ":" space '
+            f'{written[f"{_CALLS}-{i}-arguments"]} "}}" space' for i, name in enumerate(names)}
     return ('call ::= "{" space "\\"name\\"" space ":" space '
             + gbnf_alternatives(list(then), then))
 
