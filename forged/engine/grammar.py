@@ -17,13 +17,10 @@ import re
 from typing import Any
 
 from forged import errors as e
-from forged.engine.backend import (
-    JSON_OBJECT_GBNF,
-    gbnf_alternatives,
-    schema_gbnf,
-)
+from forged.engine.backend import JSON_OBJECT_GBNF, gbnf_alternatives, schema_gbnf
 from forged.engine.jsonpattern import json_pattern
 from forged.engine.numrange import BOUNDS, integer_bounds, integers
+from forged.engine.patternfit import pattern_implies
 from forged.engine.request import Grammar
 from forged.engine.schemawalk import mapped, subschemas
 from forged.engine.schemawords import plain
@@ -366,10 +363,11 @@ def _check_string_parts(node: dict[str, Any], where: str) -> None:
                 raise e.BadRequest(f"{where}.{key} holds {json.dumps(value)}, which the "
                                    "schema's minLength or maxLength forbids: the answer "
                                    "could break the schema", param=f"{where}.{key}")
-    elif "pattern" in node and node.get("format", "uri") != "uri":
-        raise e.BadRequest("a pattern and a format together are not supported (the "
-                           "grammar enforces one; the other would be ignored)",
-                           param=f"{where}.format")
+    elif node.get("format", "uri") != "uri" and "pattern" in node and not pattern_implies(
+            node["pattern"], node["format"]):  # zod 4's z.uuid(), z.iso.date(): implied
+        raise e.BadRequest("a pattern beside a format is supported only where every "
+                           "string it matches is of the format (the grammar writes the "
+                           "pattern alone): not proven here", param=f"{where}.format")
     elif "pattern" not in node and (span := _FORMAT_LENGTHS.get(node.get("format", ""))) \
             and not least <= span[0] <= span[1] <= most:
         raise e.BadRequest(f"a {node['format']!r} is {span[0]} to {span[1]} characters "
