@@ -1079,3 +1079,29 @@ def test_a_parameter_named_kv_keeps_the_calls_arguments(real_model: Path) -> Non
         assert writes('{"name": "put", "arguments": {"kv": {"k": "a"}}}')
         assert not writes('{"name": "put", "arguments": {"k": "a"}}')
         assert not writes('{"name": "put", {"k": "a"}}')
+
+
+def test_a_tool_whose_parameters_refer_into_themselves_is_a_grammar(
+        real_model: Path) -> None:
+    """zod-to-json-schema (zod 3: the MCP TypeScript SDK's tools) writes a schema used
+    twice as a $ref to its first place, "#/properties/from"; the call grammar moves the
+    parameters under its own root, where that pointed at nothing: a 400 on the tool."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+             "additionalProperties": False}
+    params = {"type": "object", "properties": {"from": point,
+                                                "to": {"$ref": "#/properties/from"}},
+              "required": ["from", "to"], "additionalProperties": False}
+    plan = plan_tools([{"type": "function", "function": {"name": "move", "parameters": params}},
+                       {"type": "function", "function": {"name": "stay", "parameters": {}}}],
+                      "required", False)
+    assert plan is not None and plan.grammar is not None
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, plan.grammar)
+
+        def writes(arguments: str) -> bool:
+            return _grammar_writes(m, plan.grammar.gbnf if plan.grammar else "",
+                                   f'<tool_call>\n{{"name": "move", "arguments": {arguments}}}'
+                                   "\n</tool_call>", per_character=False)
+
+        assert writes('{"from": {"x": 1}, "to": {"x": 2}}')
+        assert not writes('{"from": {"x": 1}, "to": {"y": 2}}')

@@ -201,6 +201,9 @@ class _Converter(SchemaConverter):
                 raise ValueError(f"unsupported $ref {ref!r}: only local ones (#/...)")
             target: Any = schema
             for sel in ref[2:].split("/"):
+                if isinstance(target, list) and sel.isdigit() and int(sel) < len(target):
+                    target = target[int(sel)]  # an anyOf's branch: a tool's, say
+                    continue
                 if not isinstance(target, dict) or sel not in target:
                     raise ValueError(f"$ref {ref!r} points at nothing")
                 target = target[sel]

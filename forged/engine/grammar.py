@@ -592,15 +592,17 @@ def _hoisted(i: int, params: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _renamed(node: Any, i: int) -> Any:
-    """Schema ``node`` with its local $refs named as :func:`_hoisted` names them; only
-    schemas are walked: a ``const`` or ``enum`` value is data, kept as it is."""
+    """Schema ``node`` with its local $refs named as :func:`_hoisted` names them, and
+    one into the parameters themselves (zod-to-json-schema's ``#/properties/a`` for a
+    schema used twice) to where they sit in the call grammar; only schemas are walked:
+    a ``const`` or ``enum`` value is data, kept as it is."""
     if not isinstance(node, dict):
         return node
     out = {k: _renamed_within(k, v, i) for k, v in node.items()}
-    ref = out.get("$ref")
-    for prefix in ("#/$defs/", "#/definitions/"):
-        if isinstance(ref, str) and ref.startswith(prefix):
-            out["$ref"] = f"#/$defs/f{i}-{ref[len(prefix):]}"
+    if isinstance(ref := out.get("$ref"), str) and ref.startswith("#/"):
+        kind, _, rest = ref[2:].partition("/")
+        out["$ref"] = (f"#/$defs/f{i}-{rest}" if kind in ("$defs", "definitions")
+                       else f"#/anyOf/{i}/properties/arguments/{ref[2:]}")
     return out
 
 
