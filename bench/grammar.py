@@ -48,7 +48,8 @@ from forged.engine.backend import (
     gbnf_literal,
     grammar_sampler,
 )
-from forged.engine.grammar import call_grammar, json_object_grammar, schema_grammar
+from forged.engine.callgrammar import call_grammar
+from forged.engine.grammar import json_object_grammar, schema_grammar
 from forged.engine.request import Grammar, Sampling
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,7 +21,7 @@ import llama_cpp as ll
 import msgspec
 
 from forged.engine.backend import Model, grammar_sampler
-from forged.engine.grammar import call_grammar
+from forged.engine.callgrammar import call_grammar
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 OLD = r"[\s\S]*?(<tool_call>)[\s\S]*"

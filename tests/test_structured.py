@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from forged import errors as e
 from forged.engine.backend import Model, check_grammar, grammar_sampler
-from forged.engine.grammar import call_grammar, check_schema, choice_grammar, schema_grammar
+from forged.engine.callgrammar import call_grammar
+from forged.engine.grammar import check_schema, choice_grammar, schema_grammar
 from forged.engine.prompts import Prompter
 from forged.engine.request import Grammar
 from forged.http.chat import message_dict
@@ -1105,3 +1106,24 @@ def test_a_tool_whose_parameters_refer_into_themselves_is_a_grammar(
 
         assert writes('{"from": {"x": 1}, "to": {"x": 2}}')
         assert not writes('{"from": {"x": 1}, "to": {"y": 2}}')
+
+
+@pytest.mark.parametrize("taken", ["call", "tool-call", "tool-ws"])
+def test_a_parameters_rule_named_as_the_calls_own_keeps_the_call(
+        real_model: Path, taken: str) -> None:
+    """The converter names a $ref's rule by the ref's last part: a property "call"
+    used twice ("$ref": "#/properties/call") made a second rule `call`, and llama.cpp
+    kept the later one, so the whole call had to be that property's value."""
+    inner = {"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"],
+             "additionalProperties": False}
+    params = {"type": "object", "properties": {taken: inner,
+                                                "again": {"$ref": f"#/properties/{taken}"}},
+              "required": [taken, "again"], "additionalProperties": False}
+    g = call_grammar([{"name": "f", "parameters": params}], many=True, lazy=False)
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, g)
+        call = f'<tool_call>\n{{"name": "f", "arguments": {{"{taken}": {{"q": 1}}, ' \
+               '"again": {"q": 2}}}\n</tool_call>'
+        assert _grammar_writes(m, g.gbnf, call, per_character=False)
+        assert _grammar_writes(m, g.gbnf, f"{call}\n{call}", per_character=False)
+        assert not _grammar_writes(m, g.gbnf, '{"q": 1}', per_character=False)

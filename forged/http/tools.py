@@ -34,7 +34,8 @@ from typing import Any
 import msgspec
 
 from forged import errors as e
-from forged.engine.grammar import MAX_SCHEMA_BYTES, call_grammar, check_schema
+from forged.engine.callgrammar import call_grammar
+from forged.engine.grammar import MAX_SCHEMA_BYTES, check_schema
 from forged.engine.grammar import TOOL_CLOSE as CLOSE
 from forged.engine.grammar import TOOL_OPEN as OPEN
 from forged.engine.request import Grammar
