@@ -1127,3 +1127,37 @@ def test_a_parameters_rule_named_as_the_calls_own_keeps_the_call(
         assert _grammar_writes(m, g.gbnf, call, per_character=False)
         assert _grammar_writes(m, g.gbnf, f"{call}\n{call}", per_character=False)
         assert not _grammar_writes(m, g.gbnf, '{"q": 1}', per_character=False)
+
+
+def test_two_refs_that_end_alike_keep_their_own_schemas(real_model: Path) -> None:
+    """The converter named a $ref's rule by the ref's last part and reused any rule so
+    named: two tools each with zod's "#/properties/from" both wrote the first tool's
+    schema, and a ref to one object's "item" wrote another's."""
+    def tool(name: str, prop: str, kind: str) -> dict[str, Any]:
+        inner = {"type": "object", "properties": {prop: {"type": kind}}, "required": [prop],
+                 "additionalProperties": False}
+        return {"name": name, "parameters": {
+            "type": "object", "properties": {"from": inner, "to": {"$ref": "#/properties/from"}},
+            "required": ["from", "to"], "additionalProperties": False}}
+
+    g = call_grammar([tool("a", "x", "integer"), tool("b", "y", "string")], many=False,
+                     lazy=False)
+    item = {"type": "object", "properties": {"item": {"type": "object", "properties": {
+        "z": {"type": "integer"}}, "required": ["z"], "additionalProperties": False}},
+        "required": ["item"], "additionalProperties": False}
+    s = schema_grammar({"type": "object", "$defs": {"A": item}, "properties": {
+        "item": {"type": "object", "properties": {"w": {"type": "string"}}, "required": ["w"],
+                 "additionalProperties": False},
+        "z": {"$ref": "#/$defs/A/properties/item"}},
+        "required": ["item", "z"], "additionalProperties": False}, "s")
+    with Model(str(real_model), vocab_only=True) as m:
+        def call(arguments: str) -> bool:
+            return _grammar_writes(m, g.gbnf, '<tool_call>\n{"name": "b", "arguments": '
+                                   f"{arguments}}}\n</tool_call>", per_character=False)
+
+        assert call('{"from": {"y": "s"}, "to": {"y": "t"}}')
+        assert not call('{"from": {"y": "s"}, "to": {"x": 1}}')
+        assert _grammar_writes(m, s.gbnf, '{"item": {"w": "a"}, "z": {"z": 1}}',
+                               per_character=False)
+        assert not _grammar_writes(m, s.gbnf, '{"item": {"w": "a"}, "z": {"w": "b"}}',
+                                   per_character=False)

@@ -25,7 +25,12 @@ import llama_cpp as ll
 import numpy as np
 import numpy.typing as npt
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-from llama_cpp.llama_grammar import JSON_GBNF, RESERVED_NAMES, SchemaConverter
+from llama_cpp.llama_grammar import (
+    INVALID_RULE_CHARS_RE,
+    JSON_GBNF,
+    RESERVED_NAMES,
+    SchemaConverter,
+)
 
 from forged.engine.closing import Closing
 from forged.engine.decoding import DecodeError, DecodeItem, NoKVSpace, TokenLogprob, TokenSampler
@@ -162,8 +167,10 @@ class _Converter(SchemaConverter):
     def _format_literal(self, literal: str) -> str:
         return gbnf_literal(literal)
 
-    # The rule each name visited was written as (see :func:`schema_gbnf`).
+    # The rule each name visited was written as (see :func:`schema_gbnf`), and each
+    # $ref's rule, by the whole ref.
     written: dict[str, str]
+    ref_rules: dict[str, str]
 
     def visit(self, schema: dict[str, Any], name: str) -> str:
         """The converter's visit, with an integer's or a number's bounds enforced (it
@@ -183,6 +190,23 @@ class _Converter(SchemaConverter):
             rule = gbnf_alternatives([json.dumps(v) for v in schema["enum"]])
             return str(self._add_rule(rule_name, rule))  # type: ignore[no-untyped-call]
         return str(super().visit(schema, name))  # type: ignore[no-untyped-call]
+
+    def _resolve_ref(self, ref: str) -> str:
+        """The rule of the schema ``ref`` points at, named by the ref's last part where
+        that name is free. The converter's own reused any rule so named: two tools'
+        "#/properties/from" (zod's schema used twice) both wrote the first's, and a
+        ref to .../item wrote a property "item" of another object."""
+        if (known := self.ref_rules.get(ref)) is not None:
+            return known  # or being resolved: a recursive schema refers to itself
+        base = INVALID_RULE_CHARS_RE.sub("-", ref.split("/")[-1]) or "ref"
+        taken = self._rules.keys() | RESERVED_NAMES | set(self.ref_rules.values())
+        name = next(n for n in (base, *(f"{base}-ref{k}" for k in range(len(taken) + 1)))
+                    if n not in taken)
+        self.ref_rules[ref] = name
+        rule = self.visit(self._refs[ref], name)
+        if rule != name:  # a primitive's own rule ("string"): named here as well
+            self._add_rule(name, rule)  # type: ignore[no-untyped-call]
+        return name
 
     def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
         """The converter's resolve_refs for local references, walking schemas only: its
@@ -227,6 +251,7 @@ def schema_gbnf(schema: dict[str, Any], name: str, param: str,
     converter = _Converter(  # type: ignore[no-untyped-call]
         prop_order=prop_order, allow_fetch=False, dotall=False, raw_pattern=False)
     converter.written = {} if written is None else written
+    converter.ref_rules = {}
     converter.visit(converter.resolve_refs(schema, param), name)
     return str(converter.format_grammar())  # type: ignore[no-untyped-call]
 
