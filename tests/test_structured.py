@@ -1161,3 +1161,20 @@ def test_two_refs_that_end_alike_keep_their_own_schemas(real_model: Path) -> Non
                                per_character=False)
         assert not _grammar_writes(m, s.gbnf, '{"item": {"w": "a"}, "z": {"w": "b"}}',
                                    per_character=False)
+
+
+def test_a_recursive_pydantic_model_is_a_grammar(real_model: Path) -> None:
+    """Pydantic writes a model that holds itself as a $ref beside its $defs at the top;
+    the $refs inside the definitions were never resolved there: a 400."""
+    tree = {"$defs": {"Tree": {"type": "object", "title": "Tree", "properties": {
+        "v": {"type": "integer"},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/Tree"}, "maxItems": 2}},
+        "required": ["v", "kids"], "additionalProperties": False}},
+        "$ref": "#/$defs/Tree"}
+    g = schema_grammar(tree, "response_format")
+    with Model(str(real_model), vocab_only=True) as m:
+        check_grammar(m, g)
+        assert _grammar_writes(m, g.gbnf, '{"v": 1, "kids": [{"v": 2, "kids": []}]}',
+                               per_character=False)
+        assert not _grammar_writes(m, g.gbnf, '{"v": 1, "kids": [{"v": 2}]}',
+                                   per_character=False)

@@ -216,10 +216,9 @@ class _Converter(SchemaConverter):
         def visit(node: Any) -> Any:
             if not isinstance(node, dict):
                 return node
-            ref = node.get("$ref")
-            if ref is None:
-                for key, value in node.items():
-                    mapped(key, value, visit)
+            for key, value in node.items():  # beside a $ref too: pydantic writes a
+                mapped(key, value, visit)  # recursive model as {"$ref", "$defs"}
+            if (ref := node.get("$ref")) is None:
                 return node
             if not isinstance(ref, str) or not ref.startswith("#/"):
                 raise ValueError(f"unsupported $ref {ref!r}: only local ones (#/...)")
