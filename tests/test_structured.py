@@ -1178,3 +1178,22 @@ def test_a_recursive_pydantic_model_is_a_grammar(real_model: Path) -> None:
                                per_character=False)
         assert not _grammar_writes(m, g.gbnf, '{"v": 1, "kids": [{"v": 2}]}',
                                    per_character=False)
+
+
+def test_a_call_written_as_a_flat_list_keeps_its_shared_part(
+        real_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the names' tree nests past Python's stack, they are a flat list; after the
+    call's shared '{"name": ' it was not a group, so every name but the first was a
+    whole call of its own ('"tool_001", "arguments": ...')."""
+    def too_deep(words: list[tuple[str, str]]) -> str:
+        raise RecursionError
+
+    monkeypatch.setattr("forged.engine.backend._tree", too_deep)
+    g = call_grammar(_two_tools(3), many=False, lazy=False)
+    with Model(str(real_model), vocab_only=True) as m:
+        def writes(call: str) -> bool:
+            return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
+                                   per_character=False)
+
+        assert writes('{"name": "tool_001", "arguments": {"count": 7}}')
+        assert not writes('"tool_001", "arguments": {"count": 7}}')

@@ -128,8 +128,9 @@ def gbnf_alternatives(texts: list[str], then: dict[str, str] | None = None) -> s
     words = sorted((w, after.get(w, "")) for w in set(texts))
     try:
         return _tree(words)
-    except RecursionError:  # a tree nested past Python's stack: the flat list is exact
-        return " | ".join(_joined(gbnf_literal(w), c) for w, c in words)
+    except RecursionError:  # a tree nested past Python's stack: the flat list is exact,
+        # in a group as the tree is (after a call's '"name":', each branch needs it)
+        return "(" + " | ".join(_joined(gbnf_literal(w), c) for w, c in words) + ")"
 
 
 def _tree(words: list[tuple[str, str]]) -> str:
