@@ -20,7 +20,7 @@ from forged import errors as e
 from forged.engine.backend import JSON_OBJECT_GBNF, gbnf_alternatives, schema_gbnf
 from forged.engine.jsonpattern import json_pattern
 from forged.engine.numrange import BOUNDS, integer_bounds, integers
-from forged.engine.patternfit import pattern_implies
+from forged.engine.patternfit import FORMATS, pattern_implies
 from forged.engine.request import Grammar
 from forged.engine.schemawalk import mapped, subschemas
 from forged.engine.schemawords import plain
@@ -154,6 +154,8 @@ def _for_converter(node: Any) -> Any:
     node = plain(node, "")  # check_schema named what is wrong with it
     if node.get("format") == "uri":
         node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": URI_PATTERN}
+    if isinstance(node.get("enum"), list):  # the converter writes the values alone
+        node = {**node, "enum": [v for v in node["enum"] if _fits(v, node)]}
     out = {key: _split_within(key, value) for key, value in node.items()
            if key != "propertyNames"}  # one that asks for nothing (check_schema)
     if isinstance(parts := out.get("allOf"), list) and len(parts) == 1 and isinstance(
@@ -354,15 +356,15 @@ _FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 18), "date-time": (20, 29),
 def _check_string_parts(node: dict[str, Any], where: str) -> None:
     """A BadRequest where the converter would write one of a string's keywords alone
     and drop another, and the answer could break the one dropped. It takes the first
-    of: enum or const, pattern, format, the lengths."""
+    of: enum or const, pattern, format, the lengths. An enum's values those forbid are
+    left out of its grammar (:func:`_for_converter`): a 400 where none is left."""
     least, most = node.get("minLength", 0), node.get("maxLength", math.inf)
     if "enum" in node or "const" in node:
         key = "enum" if "enum" in node else "const"
-        for value in node["enum"] if key == "enum" else [node["const"]]:
-            if isinstance(value, str) and not least <= len(value) <= most:
-                raise e.BadRequest(f"{where}.{key} holds {json.dumps(value)}, which the "
-                                   "schema's minLength or maxLength forbids: the answer "
-                                   "could break the schema", param=f"{where}.{key}")
+        if not any(_fits(v, node) for v in (node["enum"] if key == "enum" else [node["const"]])):
+            raise e.BadRequest(f"no value of {where}.{key} meets the schema's minLength, "
+                               "maxLength, pattern and format: no answer matches the "
+                               "schema", param=f"{where}.{key}")
     elif node.get("format", "uri") != "uri" and "pattern" in node and not pattern_implies(
             node["pattern"], node["format"]):  # zod 4's z.uuid(), z.iso.date(): implied
         raise e.BadRequest("a pattern beside a format is supported only where every "
@@ -374,6 +376,25 @@ def _check_string_parts(node: dict[str, Any], where: str) -> None:
                            "long, which the schema's minLength or maxLength does not "
                            "admit (the grammar writes the format alone)",
                            param=f"{where}.format")
+
+
+def _fits(value: Any, node: dict[str, Any]) -> bool:
+    """Whether an enum's or const's ``value`` meets ``node``'s string keywords, which
+    the converter drops beside it (it wrote "tomorrow" for a date). A pattern Python
+    cannot read (ECMA-262's \\p{L}) is taken to admit it, as before."""
+    if not isinstance(value, str):
+        return True  # the string keywords ask nothing of another type
+    if not node.get("minLength", 0) <= len(value) <= node.get("maxLength", math.inf):
+        return False
+    fmt = node.get("format")
+    shape = URI_PATTERN if fmt == "uri" else FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if shape is not None and not re.fullmatch(shape, value):
+        return False
+    try:
+        return not isinstance(pattern := node.get("pattern"), str) or bool(
+            re.search(pattern, value))
+    except re.error:
+        return True
 
 
 def _check_values_typed(node: dict[str, Any], where: str) -> None:
