@@ -31,6 +31,7 @@ from forged import errors as e
 from forged.engine.backend import Model, check_grammar, grammar_sampler
 from forged.engine.callgrammar import call_grammar
 from forged.engine.grammar import check_schema, choice_grammar, schema_grammar
+from forged.engine.patternfit import pattern_implies
 from forged.engine.prompts import Prompter
 from forged.engine.request import Grammar
 from forged.http.chat import message_dict
@@ -1222,3 +1223,12 @@ def test_a_call_written_as_a_flat_list_keeps_its_shared_part(
 
         assert writes('{"name": "tool_001", "arguments": {"count": 7}}')
         assert not writes('"tool_001", "arguments": {"count": 7}}')
+
+
+def test_a_proof_that_a_pattern_is_of_its_format_is_bounded() -> None:
+    """Each step of the proof carries every state the pattern may be in: a pattern of
+    two long repetitions in a row (a time with 1 to 1,800 digits of fraction) took 6 s
+    of a thread to prove. Past its bound it proves nothing (the schema is a 400)."""
+    fraction = r"^(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\.[0-9]{1,900}"
+    assert pattern_implies(fraction + "Z$", "time")
+    assert not pattern_implies(fraction + "[0-9]{0,900}Z$", "time")
