@@ -149,6 +149,33 @@ def pattern_implies(pattern: str, fmt: str) -> bool:
         return False
 
 
+class Matcher:
+    """Whether ``pattern`` matches a whole string, walked as its automaton: linear in
+    the string, with one budget of work for every string it is asked about (an enum's
+    values). Where it does not model the pattern, or the budget is spent, it admits:
+    the caller keeps the value, as before it checked."""
+
+    def __init__(self, pattern: str) -> None:
+        try:
+            self._a: _Automaton | None = _Automaton(pattern)
+        except (_Unproven, re.error, ValueError, RecursionError):
+            self._a = None
+        self._work = 0
+
+    def admits(self, value: str) -> bool:
+        a = self._a
+        if a is None:
+            return True
+        states = a.closure(frozenset([a.start]))
+        for char in value:
+            if (work := self._work + len(states)) > _MAX_WORK:
+                return True
+            self._work = work
+            if not (states := a.step(states, ord(char))):
+                return False
+        return a.end in states
+
+
 def _included(p: _Automaton, f: _Automaton) -> bool:
     first = (p.closure(frozenset([p.start])), f.closure(frozenset([f.start])))
     seen, todo, work = {first}, [first], 0
