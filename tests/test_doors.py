@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgspec
@@ -25,14 +24,21 @@ import trio
 import forged.config as fc
 from forged.auth import add_key
 from forged.daemon import doors as doors_module
-from forged.daemon import listener
 from forged.daemon.doors import Door, Doors
 from forged.daemon.doorwire import Handed, encoder, from_door
 from forged.observe.status import _door as status_door
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.daemonproc import DaemonProcess, free_port, write_config
 from tests.test_api import until
-from tests.test_hotdoor import GENERAL, _connect, _exchange, _get, _requests, _shape
+from tests.test_hotdoor import (
+    GENERAL,
+    _connect,
+    _exchange,
+    _get,
+    _requests,
+    _shape,
+    listener_ends,
+)
 from tests.test_models import as_toml
 
 TWO = {"door_processes": 2}
@@ -615,15 +621,8 @@ async def test_at_a_drain_a_connection_accepted_before_it_has_its_grace(
     end, the connection of a client that sends nothing holding them no longer. (They
     were ended half a second into the drain, with the grace cut short and what the
     doors handed after it closed unread: an empty reply.)"""
-    serve, ended = listener.serve, []
+    ended = listener_ends(monkeypatch)
 
-    async def timed(*args: Any, **kwargs: Any) -> None:
-        try:
-            await serve(*args, **kwargs)
-        finally:
-            ended.append(trio.current_time())
-
-    monkeypatch.setattr(listener, "serve", timed)
     async with start_daemon(tiny_model, server={"door_processes": doors}) as d:
         pid = (await _running(d))[0]["pid"] if doors else os.getpid()
         late, silent = await _connect(d), await _connect(d)

@@ -612,19 +612,12 @@ async def test_a_client_that_reads_nothing_does_not_hold_the_daemons_stop(
     response: the shutdown's cancellation could not end one, and the daemon's stop
     waited forever (under systemd, until its SIGKILL at TimeoutStopSec, with no
     session's KV state saved)."""
-    serve, ended = listener.serve, []
-
-    async def timed(*args: Any, **kwargs: Any) -> None:
-        try:
-            await serve(*args, **kwargs)
-        finally:
-            ended.append(trio.current_time())
+    ended = listener_ends(monkeypatch)
 
     async def send(stream: trio.SocketStream) -> None:
         with suppress(trio.BrokenResourceError):  # the daemon's end, closed unread
             await stream.send_all(_get("/v1/models", GENERAL) * 50_000)
 
-    monkeypatch.setattr(listener, "serve", timed)
     async with start_daemon(tiny_model, server={"drain_timeout": 1.0}) as d, \
             await _connect(d) as stream, trio.open_nursery() as client:
         client.start_soon(send, stream)
@@ -634,3 +627,18 @@ async def test_a_client_that_reads_nothing_does_not_hold_the_daemons_stop(
         await until(lambda: len(ended) == 2, limit=15)  # the API's listener and the admin's
         assert max(ended) - started < 1.0 + 5.0 + 1.0
         client.cancel_scope.cancel()
+
+
+def listener_ends(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The (trio) times at which the daemon's listeners end (forged.daemon.listener's
+    serve returns), appended as they do."""
+    serve, ended = listener.serve, []
+
+    async def timed(*args: Any, **kwargs: Any) -> None:
+        try:
+            await serve(*args, **kwargs)
+        finally:
+            ended.append(trio.current_time())
+
+    monkeypatch.setattr(listener, "serve", timed)
+    return ended

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -687,13 +688,7 @@ async def test_a_tables_new_file_loads_before_its_old_model_is_withdrawn(
     old, new = tmp_path / "coder-a.gguf", tmp_path / "coder-b.gguf"
     shutil.copy(fim_model, old)
     shutil.copy(fim_model, new)
-    loading, release = trio.Event(), trio.Event()
-    warm_up = swap.warm_up
-
-    async def held(group: Any) -> None:
-        loading.set()
-        await release.wait()
-        await warm_up(group)
+    loading, release, held = _held_warm_up()
 
     infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 2}
     with trio.fail_after(120):
@@ -855,13 +850,7 @@ async def test_a_reload_while_a_swap_loads_applies_to_the_new_model_too(
     so); both until the next reload."""
     from forged.daemon import swap
     monkeypatch.setattr(fc, "physical_cores", lambda cpus: 8)
-    loading, release = trio.Event(), trio.Event()
-    warm_up = swap.warm_up
-
-    async def held(group: Any) -> None:
-        loading.set()
-        await release.wait()
-        await warm_up(group)
+    loading, release, held = _held_warm_up()
 
     with trio.fail_after(120):
         async with start_daemon(tiny_model, model={"aliases": ["gpt"]},
@@ -921,3 +910,18 @@ async def test_a_swap_that_keeps_the_models_id_keeps_its_counters_going(
 def model_samples_of(text: str, name: str) -> list[Any]:
     return [s for f in text_string_to_metric_families(text) if f.name == name
             for s in f.samples if s.name == name + "_total"]
+
+
+def _held_warm_up() -> tuple[trio.Event, trio.Event, Callable[[Any], Awaitable[None]]]:
+    """A swap's warm-up that sets the first event when it begins and waits for the
+    second before it warms up: a test acts while the new model loads."""
+    from forged.daemon import swap
+    loading, release = trio.Event(), trio.Event()
+    warm_up = swap.warm_up
+
+    async def held(group: Any) -> None:
+        loading.set()
+        await release.wait()
+        await warm_up(group)
+
+    return loading, release, held

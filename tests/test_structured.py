@@ -11,6 +11,7 @@ tools, so forged's system message carries them). Every sampled output at tempera
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -1071,15 +1072,17 @@ def test_many_tools_keep_few_alternatives_alive_for_the_grammar() -> None:
     assert _widest_group(call) <= 10
 
 
+def _call_writes(m: Model, g: Grammar, call: str) -> bool:
+    """Whether the tool-call grammar ``g`` lets a model write ``call`` in its block."""
+    return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
+                           per_character=False)
+
+
 def test_a_call_writes_each_functions_name_with_its_own_arguments(real_model: Path) -> None:
     g = call_grammar(_two_tools(12), many=False, lazy=False)
     with Model(str(real_model), vocab_only=True) as m:
         check_grammar(m, g)
-
-        def writes(call: str) -> bool:
-            return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
-                                   per_character=False)
-
+        writes = functools.partial(_call_writes, m, g)
         assert writes('{"name": "tool_004", "arguments": {"path": "a"}}')
         assert writes('{ "name":"tool_011","arguments":{"count":7}}')
         assert not writes('{"name": "tool_004", "arguments": {"count": 7}}')
@@ -1101,11 +1104,7 @@ def test_a_parameter_named_kv_keeps_the_calls_arguments(real_model: Path) -> Non
         "additionalProperties": False}}], many=False, lazy=False)
     with Model(str(real_model), vocab_only=True) as m:
         check_grammar(m, g)
-
-        def writes(call: str) -> bool:
-            return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
-                                   per_character=False)
-
+        writes = functools.partial(_call_writes, m, g)
         assert writes('{"name": "put", "arguments": {"kv": {"k": "a"}}}')
         assert not writes('{"name": "put", "arguments": {"k": "a"}}')
         assert not writes('{"name": "put", {"k": "a"}}')
@@ -1220,10 +1219,7 @@ def test_a_call_written_as_a_flat_list_keeps_its_shared_part(
     monkeypatch.setattr("forged.engine.backend._tree", too_deep)
     g = call_grammar(_two_tools(3), many=False, lazy=False)
     with Model(str(real_model), vocab_only=True) as m:
-        def writes(call: str) -> bool:
-            return _grammar_writes(m, g.gbnf, f"<tool_call>\n{call}\n</tool_call>",
-                                   per_character=False)
-
+        writes = functools.partial(_call_writes, m, g)
         assert writes('{"name": "tool_001", "arguments": {"count": 7}}')
         assert not writes('"tool_001", "arguments": {"count": 7}}')
 
