@@ -36,8 +36,12 @@ from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.test_api import until
 
-# A header that hands the request to the general path and changes nothing in the answer.
-GENERAL = b"Connection: keep-alive\r\n"
+# A header that hands the request to the general path and changes nothing in the answer
+# (an empty body on a GET).
+GENERAL = b"Content-Length: 0\r\n"
+# What httpx (the openai and anthropic SDKs), requests and Node's fetch send on every
+# request: hot, answered as without it.
+KEEP_ALIVE = b"Connection: keep-alive\r\n"
 
 
 def _get(path: str, extra: bytes = b"") -> bytes:
@@ -50,6 +54,9 @@ def test_only_the_plainest_get_is_hot() -> None:
     assert head is not None and head.path == "/health"
     assert head.headers == {b"host": b"x", b"authorization": b"Bearer k", b"x-empty": b"",
                             b"user-agent": b"caf\xc3\xa9/1 (x; y)"}
+    for value in [b"keep-alive", b"Keep-Alive", b"keep-alive , KEEP-ALIVE"]:
+        head = parse_head(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: " + value)
+        assert head is not None and head.headers[b"connection"] == value
     for raw in [b"POST /health HTTP/1.1\r\nHost: x",  # another method
                 b"GET /health HTTP/1.0\r\nHost: x",  # another version
                 b"GET /health HTTP/1.1",  # no Host (h11 answers 400)
@@ -60,6 +67,8 @@ def test_only_the_plainest_get_is_hot() -> None:
                 b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0",  # a body
                 b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, Upgrade",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive,",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: y",  # not a token
                 b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: y\x00z",  # a control byte
@@ -231,18 +240,18 @@ async def test_a_hot_answer_is_the_general_paths_bytes_headers_count_and_log(
         for path in ("/health", "/v1/models"):
             before = _requests(d, path)
             async with await _connect(d) as stream:  # once handed over, it stays so
-                hot, = await _exchange(stream, _get(path), 1)
+                hot, kept = await _exchange(stream, _get(path) + _get(path, KEEP_ALIVE), 2)
                 general, = await _exchange(stream, _get(path, GENERAL), 1)
             assert hot.startswith(b"HTTP/1.1 200 \r\n")
-            assert _shape(hot) == _shape(general)
-            assert _requests(d, path) == before + 2
+            assert _shape(hot) == _shape(kept) == _shape(general)
+            assert _requests(d, path) == before + 3
             lines = [r for r in caplog.records if r.name == "forged.access"
-                     and r.getMessage() == f"{path} 200"][-2:]
+                     and r.getMessage() == f"{path} 200"][-3:]
             ids = [re.search(rb"x-request-id: (\w+)", a)[1].decode()  # type: ignore[index]
-                   for a in (hot, general)]
+                   for a in (hot, kept, general)]
             assert [r.fields["request_id"] for r in lines] == ids  # type: ignore[attr-defined]
             assert {r.fields["key"] for r in lines} == {"-"}  # type: ignore[attr-defined]
-        assert answered == ["/health", "/v1/models"]
+        assert answered == ["/health", "/health", "/v1/models", "/v1/models"]
         # The hot door's answers follow the state, as the general path's do.
         assert d.daemon.state is not None
         d.daemon.state.leaving = True

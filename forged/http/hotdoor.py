@@ -5,7 +5,8 @@ millisecond of CPU: a task per request, a request context, routing, hooks. Balan
 probe often and clients list models before every session, and that CPU comes from the
 cores the model decodes on. So each plain-TCP connection of the API listener starts
 here. A request head that is a hot route in its plainest form (HTTP/1.1, ``GET``, no
-body, no ``Connection``, ``Upgrade`` or ``Expect``, no CORS in the config) is answered
+body, no ``Connection`` but keep-alive, no ``Upgrade`` or ``Expect``, no CORS in the
+config) is answered
 by this module with the bytes the general path would send: the same status, body and
 headers (``x-request-id``, hypercorn's ``date`` and ``server``), the same metrics and
 access-log line.
@@ -38,11 +39,17 @@ MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn an
 READ_SIZE = 65536  # a read of a connection
 # At shutdown, how long a connection accepted without its request yet has to send it.
 CLOSING_GRACE_S = 1.0
-# Headers whose presence means the general path must answer: a body, a connection
-# option, a protocol switch, a CORS origin's or a dialect's shape (Anthropic's
-# anthropic-version on /v1/models).
-_HANDED = frozenset((b"content-length", b"transfer-encoding", b"connection", b"upgrade",
+# Headers whose presence means the general path must answer: a body, a protocol
+# switch, a CORS origin's or a dialect's shape (Anthropic's anthropic-version on
+# /v1/models). ``Connection`` too, unless it only says keep-alive (_KEEP_ALIVE).
+_HANDED = frozenset((b"content-length", b"transfer-encoding", b"upgrade",
                      b"expect", b"te", b"trailer", b"anthropic-version"))
+# ``Connection: keep-alive``, which HTTP/1.1 means anyway: httpx (the openai and
+# anthropic SDKs), requests and Node's fetch send it on every request, and handing
+# those to the general path cost each ``models.list()`` or health check about 1.4 ms of
+# the door's CPU instead of 0.1 (docs/benchmarks.md). h11 answers it as it answers no
+# header at all. Any other option (close, or one naming a header) is the general path's.
+_KEEP_ALIVE = re.compile(rb"(?i)keep-alive(?:[ \t]*,[ \t]*keep-alive)*")
 
 
 # A header line as h11 accepts it: a token, a colon, and a value of visible characters,
@@ -164,7 +171,8 @@ def parse_head(raw: bytes) -> Head | None:
         if field is None:
             return None
         name = field[1].lower()
-        if name in headers or name in _HANDED:
+        if name in headers or name in _HANDED or (
+                name == b"connection" and not _KEEP_ALIVE.fullmatch(field[2])):
             return None
         headers[name] = field[2]
     if b"host" not in headers:
