@@ -13,6 +13,7 @@ import re
 import socket
 import struct
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +34,8 @@ from forged.engine.request import Request
 from forged.http import hotdoor
 from forged.http.generate import Pace
 from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
+from forged.http.hotpost import HotPosts
+from forged.http.lifetime import Call
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.test_api import until
 
@@ -281,6 +284,166 @@ async def test_pipelined_requests_are_answered_in_order_across_the_handoff(
         answers = answers[many - 1:]
         again, = await _exchange(stream, _get("/health"), 1)  # now hypercorn's connection
         assert _shape(again) == _shape(answers[0])
+
+
+def _post(path: str, body: bytes, extra: bytes = b"", chunked: bool = False) -> bytes:
+    """A POST of ``body``; ``chunked``: in one chunk, which hands it to the general path
+    and changes nothing in the answer."""
+    framing = b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) \
+        if chunked else b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    return b"POST %s HTTP/1.1\r\nHost: forged\r\nContent-Type: application/json\r\n%s%s" % (
+        path.encode(), extra, framing)
+
+
+async def _answer(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """One answer's head and its body (de-chunked), whichever its framing."""
+    buf = b""
+    with trio.fail_after(30):
+        while b"\r\n\r\n" not in buf:
+            buf += await stream.receive_some(65536)
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        if head.startswith(b"HTTP/1.1 1"):  # an interim answer (100 Continue): no body
+            return head, b""
+        if (length := re.search(rb"content-length: (\d+)", head)) is not None:
+            while len(rest) < int(length[1]):
+                rest += await stream.receive_some(65536)
+            assert len(rest) == int(length[1]), "one answer at a time"
+            return head, rest
+        body = b""
+        while True:
+            while b"\r\n" not in rest:
+                rest += await stream.receive_some(65536)
+            size, _, rest = rest.partition(b"\r\n")
+            while len(rest) < int(size, 16) + 2:
+                rest += await stream.receive_some(65536)
+            body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+            if int(size, 16) == 0:
+                assert rest == b"", "one answer at a time"
+                return head, body
+
+
+# What differs between two generations' answers: ids, times, the text and its length (a
+# second request meets the first's cache, which may change a near tie), the usage.
+_VARIES = [(rb"x-request-id: [0-9a-f]{32}", b"x-request-id: ID"), (rb"date: [^\r]+", b"date: D"),
+           (rb"content-length: \d+", b"content-length: N"), (rb'"id":"[^"]*"', b'"id":"ID"'),
+           (rb'"created":\d+', b'"created":0'),
+           (rb'"(content|text)":"(?:[^"\\]|\\.)*"', rb'"\1":""'),
+           (rb'"usage":\{.*?\}\}?', b'"usage":{}'), (rb'"system_fingerprint":"[^"]*"', b"")]
+
+
+def _blanked(data: bytes) -> bytes:
+    """``data`` with what varies blanked; of a stream, each kind of event once, in order
+    (how many text events a text makes depends on the text)."""
+    for pattern, blank in _VARIES:
+        data = re.sub(pattern, blank, data)
+    return b"".join(dict.fromkeys(data.split(b"\n\n")))
+
+
+def _logged(caplog: pytest.LogCaptureFixture, ids: list[str]) -> bool:
+    return set(ids) <= {getattr(r, "fields", {}).get("request_id") for r in caplog.records}
+
+
+@pytest.fixture
+def posted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The generation routes the hot door answered (forged.http.hotpost)."""
+    paths: list[str] = []
+    answer = HotPosts.__call__
+
+    async def counted(posts: HotPosts, call: Call, head: hotdoor.Head, *args: Any) -> bool:
+        paths.append(head.path)
+        return await answer(posts, call, head, *args)
+
+    monkeypatch.setattr(HotPosts, "__call__", counted)
+    return paths
+
+
+async def test_a_hot_generation_is_the_general_paths_head_body_count_and_log(
+        tiny_model: Path, start_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture,
+        posted: list[str]) -> None:
+    """Chat and completion, whole and streamed, and errors (a 400 and a 404): the
+    same status line, headers in the same order, body (but for what differs between any
+    two generations), forged_requests count and access-log line."""
+    caplog.set_level(logging.INFO, logger="forged.access")
+    # ignore_eos: the second request meets the first's cache, whose numerics may move a
+    # near tie, and so the end of generation, but never the answer's shape.
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+    bodies = [("/v1/chat/completions", chat),
+              ("/v1/chat/completions", {**chat, "stream": True,
+                                        "stream_options": {"include_usage": True}}),
+              ("/v1/completions", {"prompt": "def f(", "max_tokens": 3, "ignore_eos": True,
+                                   "stream": True}),
+              ("/v1/completions", {"prompt": "def f(", "max_tokens": 3, "ignore_eos": True}),
+              ("/v1/chat/completions", {**chat, "max_tokens": 0}),
+              ("/v1/completions", {"prompt": "x", "model": "nobody"})]
+    async with start_daemon(tiny_model) as d:
+        for path, body in bodies:
+            before = _requests(d, path)
+            raw = msgspec.json.encode(body)
+            async with await _connect(d) as stream:
+                await stream.send_all(_post(path, raw))
+                hot = await _answer(stream)
+                await stream.send_all(_post(path, raw, chunked=True))  # hypercorn's from here
+                general = await _answer(stream)
+            assert hot[0].startswith(b"HTTP/1.1 "), hot
+            assert [_blanked(part) for part in hot] == [_blanked(part) for part in general]
+            assert _requests(d, path) == before + 2
+            ids = [re.search(rb"x-request-id: (\w+)", h)[1].decode()  # type: ignore[index]
+                   for h, _ in (hot, general)]
+            # A generation's line comes when its request ends, after its last byte.
+            await until(partial(_logged, caplog, ids))
+            lines = [r for r in caplog.records if r.name == "forged.access"
+                     and r.fields["request_id"] in ids]  # type: ignore[attr-defined]
+            assert [r.fields["request_id"] for r in lines] == ids  # type: ignore[attr-defined]
+            assert lines[0].getMessage() == lines[1].getMessage()
+        assert posted == [path for path, _ in bodies]
+
+
+async def test_what_the_hot_door_does_not_take_of_a_post_is_the_general_paths(
+        tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, posted: list[str]) -> None:
+    """A body that comes late (the general path then waits for it, and its
+    read_timeout ends a body that never comes), one over max_body_bytes (its 413), an
+    unknown key (its 401), an expected body (its 100 Continue), another route: each
+    answered by the general path on the same connection, which lives on."""
+    monkeypatch.setattr(hotdoor, "BODY_WAIT_S", 0.05)
+    key = add_key(tmp_path / "keys.toml", "editor", max_streams=2, max_queued=2,
+                  priority="interactive")
+    auth = b"Authorization: Bearer %s\r\n" % key.encode()
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    async with start_daemon(tiny_model, server={"max_body_bytes": 4096}) as d:
+        async with await _connect(d) as stream:
+            late = _post("/v1/completions", body, auth)
+            await stream.send_all(late[:-5])
+            await trio.sleep(0.3)
+            await stream.send_all(late[-5:])
+            head, _ = await _answer(stream)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            await stream.send_all(_post("/v1/completions", body, auth))  # hypercorn's now
+            assert (await _answer(stream))[0].startswith(b"HTTP/1.1 200 ")
+        for request, status in [
+                (_post("/v1/completions", b" " * 5000 + body, auth), b"413"),
+                (_post("/v1/completions", body, b"Authorization: Bearer no\r\n"), b"401"),
+                (_post("/v1/completions", body, auth + b"Expect: 100-continue\r\n"), b"100"),
+                (_post("/v1/embeddings", b'{"input": "x"}', auth), b"400")]:
+            async with await _connect(d) as stream:
+                await stream.send_all(request)
+                head, _ = await _answer(stream)
+                assert head.startswith(b"HTTP/1.1 " + status + b" "), (request, head)
+        assert posted == []
+
+
+async def test_a_hot_post_between_hot_gets_in_one_write_keeps_their_order(
+        tiny_model: Path, start_daemon: DaemonFactory, answered: list[str],
+        posted: list[str]) -> None:
+    body = b'{"prompt": "x", "max_tokens": 2, "stream": true}'
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        await stream.send_all(_get("/health") + _post("/v1/completions", body)
+                              + _get("/v1/models") + _post("/v1/completions", body))
+        answers = [await _answer(stream) for _ in range(4)]
+    assert [b"text/event-stream" in h for h, _ in answers] == [False, True, False, True]
+    assert answers[1][1].endswith(b"data: [DONE]\n\n") and b'"object":"list"' in answers[2][1]
+    assert answered == ["/health", "/v1/models"]
+    assert posted == ["/v1/completions"] * 2
 
 
 async def test_with_keys_a_known_key_is_hot_and_a_wrong_one_gets_the_general_401(

@@ -38,6 +38,7 @@ from forged.daemon.doorwire import Counted, Handed, View
 from forged.http.access import count_requests
 from forged.http.direct import CONNECTION
 from forged.http.hotdoor import Handoff, HotDoor, IdleConnections, Prefixed
+from forged.http.hotpost import HotPosts
 from forged.http.hubview import HubView
 from forged.http.state import AppState
 
@@ -267,7 +268,7 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
     if state is None:
         return out + [(sock, hypercorn) for sock in plain], binds, None
     hub = HubView(state)
-    door = HotDoor(hub, ResponseTail(hc))
+    door = HotDoor(hub, tail := ResponseTail(hc), HotPosts(state, tail))
     handoff = Handoff(hypercorn, lambda: int(hc.keep_alive_max_requests), idle)
     here = partial(door.serve, handoff=handoff)
     if plain and (n := state.cfg.door_processes[0]):

@@ -47,7 +47,7 @@ from forged.http.infill import (
     requested_tokens,
 )
 from forged.http.keylimits import KeyUsage, capped_priority, hold_generation, hold_side
-from forged.http.lifetime import RequestResources, call
+from forged.http.lifetime import Call, RequestResources, call, rule
 from forged.http.logprobs import Asked, chat_asked, completion_asked
 from forged.http.modellist import model_list, model_object, system_fingerprint
 from forged.http.responses import (
@@ -178,19 +178,24 @@ def _add_request_hooks(app: QuartTrio, state: AppState) -> None:
 
     @app.after_request
     async def _account(resp: Response) -> Response:
-        c = call()
-        if c.outcome is not None:
-            c.outcome.responded(resp.status_code)
-            if state.holds is not None:
-                await state.holds.at("responding")
-        resp.headers["X-Request-Id"] = c.request_id
+        await responded(state, call(), resp)
         if "Connection" not in resp.headers and not await _drain_body():
             resp.headers["Connection"] = "close"
-        rule = request.url_rule.rule if request.url_rule is not None else "other"
-        count_request(state.metrics, rule, resp.status_code, c.priority, c.key, c.model)
-        if c.outcome is None:  # a generation logs its own line when it ends
-            log_access(rule, resp.status_code, c.request_id, c.key, c.started)
         return resp
+
+
+async def responded(state: AppState, c: Call, resp: Response) -> None:
+    """What a response's request records before it is sent: its generation's status,
+    its request id, its count and (unless it generated: its own line when it ends) its
+    access-log line. The general path's and the hot door's (forged.http.hotpost)."""
+    if c.outcome is not None:
+        c.outcome.responded(resp.status_code)
+        if state.holds is not None:
+            await state.holds.at("responding")
+    resp.headers["X-Request-Id"] = c.request_id
+    count_request(state.metrics, rule(), resp.status_code, c.priority, c.key, c.model)
+    if c.outcome is None:
+        log_access(rule(), resp.status_code, c.request_id, c.key, c.started)
 
 
 async def _authenticate(keys: KeyStore) -> KeyEntry:
@@ -211,11 +216,8 @@ def _add_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
-        status = exc.code or 400
-        # An unexpected exception reaches here as a 500: OpenAI calls that server_error.
-        kind = "server_error" if status >= 500 else "invalid_request_error"
-        resp = _error_shape(app)(http_error(status, exc.description or exc.name, kind))
-        if status in (408, 413):
+        resp = _error_shape(app)(werkzeug_error(exc))
+        if resp.status_code in (408, 413):
             # The rest of the body was never read: this connection cannot be reused.
             resp.headers["Connection"] = "close"
         return resp
@@ -223,6 +225,13 @@ def _add_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(e.ForgedError)
     async def _domain_error(exc: e.ForgedError) -> Response:
         return _error_shape(app)(from_exception(exc))
+
+
+def werkzeug_error(exc: HTTPException) -> HTTPError:
+    status = exc.code or 400
+    # An unexpected exception reaches here as a 500: OpenAI calls that server_error.
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return http_error(status, exc.description or exc.name, kind)
 
 
 def _add_info_routes(app: QuartTrio, state: AppState) -> None:
@@ -268,12 +277,11 @@ def _add_info_routes(app: QuartTrio, state: AppState) -> None:
 def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
     @app.post("/v1/completions")
     async def completions() -> Response:
-        req = await decoded_body(state, completion_decoder, refuse=True)
-        return await run_completion(state, req)
+        return await completion_route(state, await _read_body())
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await run_chat(state, await decoded_body(state, chat_decoder, refuse=True))
+        return await chat_route(state, await _read_body())
 
     @app.post("/infill")
     async def infill() -> Response:
@@ -287,6 +295,17 @@ def _add_generation_routes(app: QuartTrio, state: AppState) -> None:
         except e.ContextTooLong as exc:
             exc.param = "input_prefix"
             raise
+
+
+async def chat_route(state: AppState, body: bytes) -> Response:
+    """``POST /v1/chat/completions`` of ``body``: Quart's route and the hot door's."""
+    return await run_chat(state, await checked_body(state, body, chat_decoder, refuse=True))
+
+
+async def completion_route(state: AppState, body: bytes) -> Response:
+    """``POST /v1/completions`` of ``body``: Quart's route and the hot door's."""
+    req = await checked_body(state, body, completion_decoder, refuse=True)
+    return await run_completion(state, req)
 
 
 async def run_chat(state: AppState, req: ChatRequest,
@@ -368,7 +387,17 @@ async def decoded_body(state: AppState, decoder: msgspec.json.Decoder[T], *,
     parsing, and a body that is not JSON, or JSON of the wrong shape, is a 400 naming
     the field; so is, with ``refuse``, a field forged knows but does not do
     (forged.http.refused)."""
-    body = await _read_body(state)
+    return await checked_body(state, await _read_body(), decoder, engine=engine,
+                              refuse=refuse)
+
+
+async def checked_body(state: AppState, body: bytes, decoder: msgspec.json.Decoder[T], *,
+                       engine: bool = True, refuse: bool = False) -> T:
+    """:func:`decoded_body` of a body already read (the hot door reads its own)."""
+    # Checked after the body arrived: a request that was mid-upload when the drain
+    # began is refused too, with a Retry-After the client can act on.
+    if state.draining:
+        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     if engine:
         state.check_capacity()
     else:  # the door's other routes: one place of the key's, before any work
@@ -382,18 +411,14 @@ async def decoded_body(state: AppState, decoder: msgspec.json.Decoder[T], *,
         raise body_error(exc) from exc
 
 
-async def _read_body(state: AppState) -> bytes:
-    _check_encoding(request.headers.get("Content-Encoding", ""))
+async def _read_body() -> bytes:
+    check_encoding(request.headers.get("Content-Encoding", ""))
     data = await request.get_data(cache=False, as_text=False)
     assert isinstance(data, bytes)
-    # Checked after the body arrived: a request that was mid-upload when the drain
-    # began is refused too, with a Retry-After the client can act on.
-    if state.draining:
-        raise e.Unavailable("the server is shutting down", state.cfg.limits.retry_after)
     return data
 
 
-def _check_encoding(header: str) -> None:
+def check_encoding(header: str) -> None:
     """A compressed body is refused (415, RFC 9110 15.5.16), never parsed as JSON (a
     400 "could not parse" that hid the cause) nor decompressed: llama-server answers a
     gzip body so (its cpp-httplib is built without zlib), and vLLM's uvicorn decodes

@@ -18,7 +18,8 @@ accelerator. So on a plain HTTP/1.1 connection that came through the hot door
 - The bytes are h11's, so a client sees no difference: hypercorn sends the head (Quart
   sends it before it enters the body), each write is one chunk framed as h11 frames
   one, and hypercorn sends the last chunk when the body ends. Between the two it
-  writes nothing to the connection: HTTP/1.1 answers one request at a time.
+  writes nothing to the connection: HTTP/1.1 answers one request at a time. (A hot
+  generation's writer, forged.http.hotpost, takes hypercorn's part, in the same way.)
 
 Order holds: the sink takes an event only when nothing is queued before it, nothing
 the task took is still unwritten (``held``) and no earlier bytes wait for the socket.

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Response, request
+from quart import Response
 
 from forged import errors as e
 from forged.engine.events import Admitted, Delta, Done, Event, Scored
@@ -29,7 +29,7 @@ from forged.engine.pool import RequestStream
 from forged.engine.request import Request
 from forged.http import sse
 from forged.http.direct import ChunkWriter, StepSink
-from forged.http.lifetime import Call, call
+from forged.http.lifetime import Call, call, rule
 from forged.http.responses import from_exception, http_error, json_response
 from forged.http.schemas import GenerationFields
 from forged.http.state import AppState, DrainDeadlines
@@ -161,8 +161,7 @@ def begin_outcome(state: AppState, priority: str) -> Outcome:
     request ends, however it ends (which also gives the key its places back)."""
     c = call()
     c.priority = priority  # the metrics' label
-    rule = request.url_rule.rule if request.url_rule is not None else "other"
-    outcome = c.outcome = Outcome(c, rule, state.metrics, state.telemetry)
+    outcome = c.outcome = Outcome(c, rule(), state.metrics, state.telemetry)
     c.held.callback(outcome.record)
     return outcome
 

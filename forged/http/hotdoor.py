@@ -11,13 +11,18 @@ by this module with the bytes the general path would send: the same status, body
 headers (``x-request-id``, hypercorn's ``date`` and ``server``), the same metrics and
 access-log line.
 
+In the daemon, the generation routes' plainest requests are hot too (``POST
+/v1/chat/completions`` and ``POST /v1/completions`` with a Content-Length, the whole
+body within ``BODY_WAIT_S``): :class:`HotPosts` (forged.http.hotpost) runs the route's
+own function and writes its response as hypercorn would, the route's errors included.
+
 Anything else (another route, a missing or unknown key, a header this module does not
-read, a head it cannot parse) hands the connection, with the bytes already read, to
-hypercorn for the rest of its life (:class:`Handoff`): as soon as those bytes cannot
-begin a hot request line, and when the client ends the connection partway through a
-head, since h11 answers some such input before a whole head (a 400). So every error
-and every edge of HTTP is the general path's, by construction: this module never
-answers an error.
+read, a head it cannot parse, a body too large or too slow) hands the connection, with
+the bytes already read, to hypercorn for the rest of its life (:class:`Handoff`): as
+soon as those bytes cannot begin a hot request line, and when the client ends the
+connection partway through a head, since h11 answers some such input before a whole
+head (a 400). So every edge of HTTP is the general path's, by construction: this
+module answers no error of HTTP's own (a 400 of h11's, a 401, 408, 413 or 417).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import re
 import select
 import time
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import trio
 
@@ -35,15 +40,22 @@ from forged.auth import KeyEntry, KeyStore
 from forged.http.access import log_access, request_id
 from forged.http.direct import CONNECTION
 
+if TYPE_CHECKING:
+    from forged.http.lifetime import Call
+
 MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
 READ_SIZE = 65536  # a read of a connection
+# How long the hot door waits for the rest of a POST's body after its head, before it
+# hands the request to the general path: clients write a head and its body apart, and
+# on a busy door the body's read often comes a turn later.
+BODY_WAIT_S = 1.0
 # At shutdown, how long a connection accepted without its request yet has to send it.
 CLOSING_GRACE_S = 1.0
 # Headers whose presence means the general path must answer: a body, a protocol
 # switch, a CORS origin's or a dialect's shape (Anthropic's anthropic-version on
 # /v1/models). ``Connection`` too, unless it only says keep-alive (_KEEP_ALIVE).
-_HANDED = frozenset((b"content-length", b"transfer-encoding", b"upgrade",
-                     b"expect", b"te", b"trailer", b"anthropic-version"))
+_HANDED = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"te", b"trailer",
+                     b"anthropic-version"))
 # ``Connection: keep-alive``, which HTTP/1.1 means anyway: httpx (the openai and
 # anthropic SDKs), requests and Node's fetch send it on every request, and handing
 # those to the general path cost each ``models.list()`` or health check about 1.4 ms of
@@ -155,18 +167,36 @@ class Handoff(NamedTuple):
 class Head(NamedTuple):
     path: str
     headers: dict[bytes, bytes]
+    method: bytes = b"GET"
+    length: int = 0  # a POST's body, by its Content-Length
 
 
 def parse_head(raw: bytes) -> Head | None:
-    """The path and headers of a plain ``GET`` head (without its blank line), or None
-    for anything else: another method or version, a malformed or repeated header line,
-    a header that belongs to the general path."""
+    """The path and headers of a plain ``GET`` head (without its blank line), or of a
+    ``POST`` with a Content-Length, or None for anything else: another method or
+    version, a malformed or repeated header line, a header that belongs to the general
+    path."""
     lines = raw.split(b"\r\n")
     parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[0] != b"GET" or parts[2] != b"HTTP/1.1":
+    if len(parts) != 3 or parts[0] not in (b"GET", b"POST") or parts[2] != b"HTTP/1.1":
         return None
+    headers = _headers(lines[1:])
+    if headers is None or b"host" not in headers:
+        return None  # h11 refuses an HTTP/1.1 request without Host: so must we
+    length = headers.get(b"content-length")
+    if (length is None) == (parts[0] == b"POST") or (
+            length is not None and not (length.isdigit() and len(length) <= 12)):
+        return None  # a GET with a body, a POST without a length (chunked), or a bad one
+    try:
+        return Head(parts[1].decode("ascii"), headers, parts[0], int(length or 0))
+    except UnicodeDecodeError:
+        return None
+
+
+def _headers(lines: list[bytes]) -> dict[bytes, bytes] | None:
+    """A head's header lines by lowercase name, or None if one is the general path's."""
     headers: dict[bytes, bytes] = {}
-    for line in lines[1:]:
+    for line in lines:
         field = _FIELD.fullmatch(line)
         if field is None:
             return None
@@ -175,12 +205,7 @@ def parse_head(raw: bytes) -> Head | None:
                 name == b"connection" and not _KEEP_ALIVE.fullmatch(field[2])):
             return None
         headers[name] = field[2]
-    if b"host" not in headers:
-        return None  # h11 refuses an HTTP/1.1 request without Host: so must we
-    try:
-        return Head(parts[1].decode("ascii"), headers)
-    except UnicodeDecodeError:
-        return None
+    return headers
 
 
 class HotView(Protocol):
@@ -203,10 +228,30 @@ class HotView(Protocol):
     def count(self, rule: str, status: int, key: KeyEntry | None) -> None: ...
 
 
+class HotPosts(Protocol):
+    """The generation routes the hot door answers too (forged.http.hotpost), in the
+    daemon only: a door process hands them over."""
+
+    @property
+    def paths(self) -> frozenset[str]: ...
+
+    def max_body(self) -> int:
+        """Past this Content-Length, the general path answers (its 413)."""
+
+    def caller(self, head: Head) -> Call | None:
+        """The request's call, or None when the general path must answer it (its 401)."""
+
+    async def __call__(self, call: Call, head: Head, body: bytes, stream: trio.SocketStream,
+                       last: bool) -> bool:
+        """Answer the request; False once the connection is broken. ``last``: the
+        answer says ``connection: close`` (the hot door closes it then)."""
+
+
 class HotDoor:
     """The hot routes of one API listener, and the loop that serves a connection."""
 
-    def __init__(self, view: HotView, response_headers: Callable[[], bytes]) -> None:
+    def __init__(self, view: HotView, response_headers: Callable[[], bytes],
+                 posts: HotPosts | None = None) -> None:
         """``response_headers``: the header lines hypercorn adds to every response
         (``date``, ``server``), each ending in CRLF."""
         self.view = view
@@ -215,9 +260,12 @@ class HotDoor:
             "/health": ("/health", view.health),
             "/v1/models": ("/v1/models", lambda: (200, view.models())),
         }
+        self.posts = posts
         # The request lines this module may answer: a head that starts otherwise is the
         # general path's as soon as it shows it.
-        self._lines = tuple(b"GET %s HTTP/1.1\r\n" % path.encode() for path in self._routes)
+        self._lines = tuple(b"GET %s HTTP/1.1\r\n" % path.encode() for path in self._routes) \
+            + tuple(b"POST %s HTTP/1.1\r\n" % path.encode()
+                    for path in (posts.paths if posts is not None else ()))
         self._longest = max(map(len, self._lines))
 
     def answer(self, head: Head) -> bytes | None:
@@ -243,6 +291,31 @@ class HotDoor:
         return (b"HTTP/1.1 %d \r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"x-request-id: %s\r\n%s\r\n%s" % (status, len(body), rid.encode(),
                                                   self._tail(), body))
+
+    async def _answer(self, stream: trio.SocketStream, head: Head, buf: bytes, at: int,
+                      last: bool) -> tuple[bool | None, bytes]:
+        """Answer ``head``, whose body (if any) starts at ``at`` of ``buf``: True, or
+        False once the connection is closed; None: the general path's. With ``buf`` as
+        read since (the rest of a body, the start of a next request)."""
+        if head.method == b"GET":
+            answer = self.answer(head)
+            if answer is None:
+                return None, buf
+            return await _send(stream, answer, last), buf
+        posts, end = self.posts, at + head.length
+        if (posts is None or head.path not in posts.paths or not self.view.on
+                or head.length > posts.max_body()):
+            return None, buf
+        if len(buf) < end:
+            buf = await _read_body(stream, buf, end)
+        call = posts.caller(head) if len(buf) >= end else None
+        if call is None:
+            return None, buf
+        answered, more = await _watched(stream, posts(call, head, buf[at:end], stream, last))
+        if answered and last:
+            await stream.aclose()
+            answered = False
+        return answered, buf + more
 
     def _may_be_hot(self, buf: bytes, start: int) -> bool:
         """Whether the head begun at ``start`` of ``buf``, not yet ended by a blank line
@@ -279,18 +352,57 @@ class HotDoor:
                 until = handoff.idle.busy(stream)
                 head_by = until if end < 0 else math.inf  # part of a head: its time holds
                 head = parse_head(buf[start:end]) if end >= 0 else None
-                answer = self.answer(head) if head is not None else None
-                if answer is None:
+                if head is None:
                     break
-                start = end + 4
-                served += 1
-                last = served >= handoff.max_requests() or handoff.idle.closing
-                if not await _send(stream, answer, last):
+                last = served + 1 >= handoff.max_requests() or handoff.idle.closing
+                answered, buf = await self._answer(stream, head, buf, end + 4, last)
+                if answered is None:
+                    break
+                start, served = end + 4 + head.length, served + 1
+                if not answered:
                     return
         finally:
             handoff.idle.busy(stream)
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
         await handoff.serve(Prefixed(stream, buf[start:], served, head_by))
+
+
+async def _read_body(stream: trio.SocketStream, buf: bytes, end: int) -> bytes:
+    """``buf`` read on to ``end`` (a body's end), or as far as it came within
+    ``BODY_WAIT_S``, or until the client's end: a slow body is the general path's,
+    whose ``server.read_timeout`` it then gets, as a body it reads from the start."""
+    with trio.move_on_after(BODY_WAIT_S):
+        while len(buf) < end:
+            data = await _receive(stream)
+            if not data:
+                break
+            buf += data
+    return buf
+
+
+async def _watched(stream: trio.SocketStream, answer: Awaitable[bool]) -> tuple[bool, bytes]:
+    """``answer``'s result, cancelled if the client ends the connection meanwhile (as
+    quart-trio cancels a request's handler when hypercorn hears it go); and the bytes
+    read meanwhile (a next request, pipelined)."""
+    more: list[bytes] = []
+    answered = False
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch, stream, nursery.cancel_scope, more)
+        answered = await answer
+        nursery.cancel_scope.cancel()
+    return answered, b"".join(more)
+
+
+async def _watch(stream: trio.SocketStream, answering: trio.CancelScope,
+                 more: list[bytes]) -> None:
+    """One read: the client's end (or a broken connection) cancels ``answering``; bytes
+    are a next request, kept for after this answer (no more are read until then: the
+    client's end is heard at the answer's next write)."""
+    data = await _receive(stream)
+    if data:
+        more.append(data)
+    else:
+        answering.cancel()
 
 
 async def _receive(stream: trio.SocketStream) -> bytes | None:

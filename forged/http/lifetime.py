@@ -19,10 +19,11 @@ are synchronous bookkeeping and must run even while the request is being cancell
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from forged.http.keylimits import KeyHold
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
-_KEY = "forged.resources"
 
 
 @dataclass
@@ -49,7 +49,9 @@ class Call:
     # What it holds, released when its ASGI call ends.
     held: AsyncExitStack = field(default_factory=AsyncExitStack)
     key: KeyEntry | None = None  # its caller, with API keys
-    # The metrics' labels: the model as configured (never as asked), the priority.
+    # The metrics' labels: the route's rule (None: not looked up yet; :func:`rule`),
+    # the model as configured (never as asked), the priority.
+    rule: str | None = None
     model: str = "-"
     priority: str = "none"
     hold: KeyHold | None = None  # its places in its key's limits
@@ -78,15 +80,39 @@ class RequestResources:
         this = Call()
         if scope["http_version"] == "1.1":  # h2 has its own framing; 1.0 no chunks
             this.connection = CONNECTION.get()
-        cast(dict[str, Any], scope)[_KEY] = this  # Quart's request keeps this scope
-        try:
+        async with calling(this):  # quart-trio's request tasks, spawned within, see it
             await self.app(scope, receive, send)
-        finally:
+
+
+@asynccontextmanager
+async def calling(this: Call) -> AsyncIterator[Call]:
+    """``this`` as the current :func:`call` within; its stack closed when it ends,
+    shielded. Also the hot door's generations' (forged.http.hotpost), which Quart
+    never sees."""
+    token = _CALL.set(this)
+    try:
+        yield this
+    finally:
+        try:
             with trio.CancelScope(shield=True):
                 await this.held.aclose()
+        finally:
+            _CALL.reset(token)
+
+
+_CALL: ContextVar[Call] = ContextVar("forged.call")
 
 
 def call() -> Call:
     """The current request's :class:`Call`."""
-    return cast(Call, cast(dict[str, Any], request.scope)[_KEY])
+    return _CALL.get()
+
+
+def rule() -> str:
+    """The current request's route as the metrics and the access log name it ("other":
+    none matched): Quart's rule, or what the hot door set."""
+    c = call()
+    if c.rule is None:
+        c.rule = request.url_rule.rule if request.url_rule is not None else "other"
+    return c.rule
 
