@@ -45,6 +45,7 @@ GENERAL = b"Content-Length: 0\r\n"
 # What httpx (the openai and anthropic SDKs), requests and Node's fetch send on every
 # request: hot, answered as without it.
 KEEP_ALIVE = b"Connection: keep-alive\r\n"
+CLOSE = b"Connection: close\r\n"
 
 
 def _get(path: str, extra: bytes = b"") -> bytes:
@@ -57,9 +58,12 @@ def test_only_the_plainest_get_is_hot() -> None:
     assert head is not None and head.path == "/health"
     assert head.headers == {b"host": b"x", b"authorization": b"Bearer k", b"x-empty": b"",
                             b"user-agent": b"caf\xc3\xa9/1 (x; y)"}
-    for value in [b"keep-alive", b"Keep-Alive", b"keep-alive , KEEP-ALIVE"]:
+    for value, close in [(b"keep-alive", False), (b"Keep-Alive", False),
+                         (b"keep-alive , KEEP-ALIVE", False), (b"close", True),
+                         (b"Close", True), (b"keep-alive, close", True)]:
         head = parse_head(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: " + value)
         assert head is not None and head.headers[b"connection"] == value
+        assert head.close is close
     for raw in [b"POST /health HTTP/1.1\r\nHost: x",  # another method
                 b"GET /health HTTP/1.0\r\nHost: x",  # another version
                 b"GET /health HTTP/1.1",  # no Host (h11 answers 400)
@@ -69,7 +73,6 @@ def test_only_the_plainest_get_is_hot() -> None:
                 b"GET /health HTTP/1.1\r\nHost: x\r\n folded",  # obsolete line folding
                 b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0",  # a body
                 b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked",
-                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, Upgrade",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: keep-alive,",
                 b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c",
@@ -254,7 +257,12 @@ async def test_a_hot_answer_is_the_general_paths_bytes_headers_count_and_log(
                    for a in (hot, kept, general)]
             assert [r.fields["request_id"] for r in lines] == ids  # type: ignore[attr-defined]
             assert {r.fields["key"] for r in lines} == {"-"}  # type: ignore[attr-defined]
-        assert answered == ["/health", "/health", "/v1/models", "/v1/models"]
+            async with await _connect(d) as a, await _connect(d) as b:  # each its last
+                hot, = await _exchange(a, _get(path, CLOSE), 1)
+                general, = await _exchange(b, _get(path, CLOSE + GENERAL), 1)
+            assert hot.split(b"\r\n\r\n")[0].endswith(b"\r\nConnection: close")
+            assert _shape(hot) == _shape(general)
+        assert answered == ["/health"] * 3 + ["/v1/models"] * 3
         # The hot door's answers follow the state, as the general path's do.
         assert d.daemon.state is not None
         d.daemon.state.leaving = True
@@ -376,14 +384,16 @@ async def test_a_hot_generation_is_the_general_paths_head_body_count_and_log(
               ("/v1/chat/completions", {**chat, "max_tokens": 0}),
               ("/v1/completions", {"prompt": "x", "model": "nobody"})]
     async with start_daemon(tiny_model) as d:
-        for path, body in bodies:
+        for (path, body), close in zip(bodies * 2, [False] * 6 + [True] * 6, strict=True):
             before = _requests(d, path)
-            raw = msgspec.json.encode(body)
-            async with await _connect(d) as stream:
-                await stream.send_all(_post(path, raw))
+            raw, extra = msgspec.json.encode(body), CLOSE if close else b""
+            async with await _connect(d) as stream, await _connect(d) as other:
+                await stream.send_all(_post(path, raw, extra))
                 hot = await _answer(stream)
-                await stream.send_all(_post(path, raw, chunked=True))  # hypercorn's from here
-                general = await _answer(stream)
+                # hypercorn's from here: on another connection if this one has closed
+                general_on = other if close else stream
+                await general_on.send_all(_post(path, raw, extra, chunked=True))
+                general = await _answer(general_on)
             assert hot[0].startswith(b"HTTP/1.1 "), hot
             assert [_blanked(part) for part in hot] == [_blanked(part) for part in general]
             assert _requests(d, path) == before + 2
@@ -395,7 +405,7 @@ async def test_a_hot_generation_is_the_general_paths_head_body_count_and_log(
                      and r.fields["request_id"] in ids]  # type: ignore[attr-defined]
             assert [r.fields["request_id"] for r in lines] == ids  # type: ignore[attr-defined]
             assert lines[0].getMessage() == lines[1].getMessage()
-        assert posted == [path for path, _ in bodies]
+        assert posted == [path for path, _ in bodies] * 2
 
 
 async def test_what_the_hot_door_does_not_take_of_a_post_is_the_general_paths(

@@ -5,8 +5,8 @@ millisecond of CPU: a task per request, a request context, routing, hooks. Balan
 probe often and clients list models before every session, and that CPU comes from the
 cores the model decodes on. So each plain-TCP connection of the API listener starts
 here. A request head that is a hot route in its plainest form (HTTP/1.1, ``GET``, no
-body, no ``Connection`` but keep-alive, no ``Upgrade`` or ``Expect``, no CORS in the
-config) is answered
+body, no ``Connection`` but keep-alive or close, no ``Upgrade`` or ``Expect``, no CORS in
+the config) is answered
 by this module with the bytes the general path would send: the same status, body and
 headers (``x-request-id``, hypercorn's ``date`` and ``server``), the same metrics and
 access-log line.
@@ -53,15 +53,17 @@ BODY_WAIT_S = 1.0
 CLOSING_GRACE_S = 1.0
 # Headers whose presence means the general path must answer: a body, a protocol
 # switch, a CORS origin's or a dialect's shape (Anthropic's anthropic-version on
-# /v1/models). ``Connection`` too, unless it only says keep-alive (_KEEP_ALIVE).
+# /v1/models). ``Connection`` too, unless it only says keep-alive or close (_CONNECTION).
 _HANDED = frozenset((b"transfer-encoding", b"upgrade", b"expect", b"te", b"trailer",
                      b"anthropic-version"))
 # ``Connection: keep-alive``, which HTTP/1.1 means anyway: httpx (the openai and
 # anthropic SDKs), requests and Node's fetch send it on every request, and handing
 # those to the general path cost each ``models.list()`` or health check about 1.4 ms of
 # the door's CPU instead of 0.1 (docs/benchmarks.md). h11 answers it as it answers no
-# header at all. Any other option (close, or one naming a header) is the general path's.
-_KEEP_ALIVE = re.compile(rb"(?i)keep-alive(?:[ \t]*,[ \t]*keep-alive)*")
+# header at all. ``close``: a request that is its connection's last (load generators,
+# scripts), answered with h11's ``Connection: close`` (:func:`closing`). Any other
+# option (one naming a header) is the general path's.
+_CONNECTION = re.compile(rb"(?i)(?:keep-alive|close)(?:[ \t]*,[ \t]*(?:keep-alive|close))*")
 
 
 # A header line as h11 accepts it: a token, a colon, and a value of visible characters,
@@ -170,6 +172,11 @@ class Head(NamedTuple):
     method: bytes = b"GET"
     length: int = 0  # a POST's body, by its Content-Length
 
+    @property
+    def close(self) -> bool:
+        """The client asks that the connection end after this answer."""
+        return b"close" in self.headers.get(b"connection", b"").lower()
+
 
 def parse_head(raw: bytes) -> Head | None:
     """The path and headers of a plain ``GET`` head (without its blank line), or of a
@@ -202,7 +209,7 @@ def _headers(lines: list[bytes]) -> dict[bytes, bytes] | None:
             return None
         name = field[1].lower()
         if name in headers or name in _HANDED or (
-                name == b"connection" and not _KEEP_ALIVE.fullmatch(field[2])):
+                name == b"connection" and not _CONNECTION.fullmatch(field[2])):
             return None
         headers[name] = field[2]
     return headers
@@ -244,7 +251,7 @@ class HotPosts(Protocol):
     async def __call__(self, call: Call, head: Head, body: bytes, stream: trio.SocketStream,
                        last: bool) -> bool:
         """Answer the request; False once the connection is broken. ``last``: the
-        answer says ``connection: close`` (the hot door closes it then)."""
+        connection's last request (:func:`closing`; the hot door closes it then)."""
 
 
 class HotDoor:
@@ -301,7 +308,7 @@ class HotDoor:
             answer = self.answer(head)
             if answer is None:
                 return None, buf
-            return await _send(stream, answer, last), buf
+            return await _send(stream, answer, head, last), buf
         posts, end = self.posts, at + head.length
         if (posts is None or head.path not in posts.paths or not self.view.on
                 or head.length > posts.max_body()):
@@ -312,7 +319,7 @@ class HotDoor:
         if call is None:
             return None, buf
         answered, more = await _watched(stream, posts(call, head, buf[at:end], stream, last))
-        if answered and last:
+        if answered and (last or head.close):
             await stream.aclose()
             answered = False
         return answered, buf + more
@@ -414,17 +421,29 @@ async def _receive(stream: trio.SocketStream) -> bytes | None:
         return None
 
 
-async def _send(stream: trio.SocketStream, answer: bytes, last: bool) -> bool:
+def closing(head: Head, last: bool) -> tuple[bytes, bytes]:
+    """The header lines that end a connection, as hypercorn and h11 write them: on its
+    ``last`` request (``keep_alive_max_requests``, or a shutdown), hypercorn's
+    ``connection: close`` after its ``date`` and ``server``; when the client asked,
+    h11's ``Connection: close``, which replaces it and comes after every other line
+    (h11's framing too). Each ends in CRLF, or is empty."""
+    if head.close:
+        return b"", b"Connection: close\r\n"
+    return (b"connection: close\r\n" if last else b""), b""
+
+
+async def _send(stream: trio.SocketStream, answer: bytes, head: Head, last: bool) -> bool:
     """Send one answer; False once the connection is closed (the client left, or it
-    made its last request: hypercorn's ``keep_alive_max_requests``)."""
-    if last:  # hypercorn's way: the last answer says so, then the connection closes
-        cut = answer.index(b"\r\n\r\n")
-        answer = answer[:cut] + b"\r\nconnection: close" + answer[cut:]
+    made its last request: hypercorn's ``keep_alive_max_requests``, or asked to)."""
+    ours, h11s = closing(head, last)
+    if ours or h11s:  # the last answer says so, then the connection closes
+        cut = answer.index(b"\r\n\r\n") + 2
+        answer = answer[:cut] + ours + h11s + answer[cut:]
     try:  # unshielded (a shield per send cost a tenth of the rate): only a shutdown
         await stream.send_all(answer)  # past its grace time cancels, and then cuts all
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return False
-    if last:
+    if ours or h11s:
         await stream.aclose()
         return False
     return True

@@ -38,7 +38,7 @@ from forged.http.api import (
     responded,
     werkzeug_error,
 )
-from forged.http.hotdoor import Head
+from forged.http.hotdoor import Head, closing
 from forged.http.lifetime import Call, calling
 from forged.http.responses import error_response, from_exception
 from forged.http.state import AppState
@@ -78,7 +78,7 @@ class HotPosts:
             resp = await self._response(head, body)
             await responded(self.state, call, resp)
             try:
-                return await _write(stream, resp, self._tail(), last)
+                return await _write(stream, resp, self._tail(), closing(head, last))
             except Exception:  # in a body, after the head: hypercorn's way, a cut
                 log.exception("Exception in the response to POST %s", head.path)
                 return False
@@ -95,18 +95,19 @@ class HotPosts:
             return error_response(werkzeug_error(InternalServerError()))
 
 
-async def _write(stream: trio.SocketStream, resp: Response, tail: bytes, last: bool) -> bool:
+async def _write(stream: trio.SocketStream, resp: Response, tail: bytes,
+                 ends: tuple[bytes, bytes]) -> bool:
     """``resp`` as hypercorn and h11 write it; False if the client has gone. Their
-    order: Quart's headers (lowercased), hypercorn's date and server, then its
-    ``connection: close`` on a connection's last request, then h11's framing of a
-    body of unknown length (which h11 writes title-cased, at the end)."""
+    order: Quart's headers (lowercased), hypercorn's date and server (``tail``) and its
+    ``connection: close``, then h11's lines, each title-cased at the end: its framing
+    of a body of unknown length, then its ``Connection: close`` (``ends``:
+    hotdoor.closing)."""
     whole = isinstance(resp.response, DataBody)
-    head = b"HTTP/1.1 %d \r\n%s%s%s%s\r\n" % (
+    head = b"HTTP/1.1 %d \r\n%s%s%s%s%s\r\n" % (
         resp.status_code,
         b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode().strip())
                  for k, v in resp.headers.items()),
-        tail, b"connection: close\r\n" if last else b"",
-        b"" if whole else b"Transfer-Encoding: chunked\r\n")
+        tail, ends[0], b"" if whole else b"Transfer-Encoding: chunked\r\n", ends[1])
     try:
         if whole:
             await stream.send_all(head + await resp.get_data(as_text=False))
