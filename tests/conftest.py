@@ -12,6 +12,9 @@ import trio
 from forged import config as fc
 from forged.daemon.lifespan import Daemon
 from forged.engine.stats import Totals
+from forged.http.hotdoor import Head
+from forged.http.hotpost import HotPosts
+from forged.http.lifetime import Call
 from tests.tinymodel import write_tiny_bert, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,3 +92,18 @@ def start_daemon(tmp_path: Path) -> DaemonFactory:
             nursery.cancel_scope.cancel()
 
     return start
+
+
+@pytest.fixture
+def posted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The generation routes the daemon's hot door answered (forged.http.hotpost), not
+    hypercorn."""
+    paths: list[str] = []
+    answer = HotPosts.__call__
+
+    async def counted(posts: HotPosts, call: Call, head: Head, *args: Any) -> bool:
+        paths.append(head.path)
+        return await answer(posts, call, head, *args)
+
+    monkeypatch.setattr(HotPosts, "__call__", counted)
+    return paths

@@ -91,7 +91,7 @@ def _wrapped_door(real: list[str], before: str = "", after: str = "pass") -> lis
 
 
 async def test_doors_answer_the_hot_routes_and_hand_the_rest(
-        tiny_model: Path, start_daemon: DaemonFactory) -> None:
+        tiny_model: Path, start_daemon: DaemonFactory, posted: list[str]) -> None:
     async with start_daemon(tiny_model, server=TWO) as d:
         doors = await _running(d)
         assert len(doors) == 2 and len({door["pid"] for door in doors} | {os.getpid()}) == 3
@@ -113,6 +113,7 @@ async def test_doors_answer_the_hot_routes_and_hand_the_rest(
                 "prompt": "x", "max_tokens": 4, "stream": True})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert sum(door["handed"] for door in _doors(d)) == handed + 1
+        assert posted == ["/v1/completions"]  # the daemon's hot door, not hypercorn
         # forged status shows them
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
                                      base_url="http://admin", timeout=30) as admin:

@@ -34,8 +34,6 @@ from forged.engine.request import Request
 from forged.http import hotdoor
 from forged.http.generate import Pace
 from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
-from forged.http.hotpost import HotPosts
-from forged.http.lifetime import Call
 from tests.conftest import DaemonFactory, RunningDaemon
 from tests.test_api import until
 
@@ -349,20 +347,6 @@ def _blanked(data: bytes) -> bytes:
 
 def _logged(caplog: pytest.LogCaptureFixture, ids: list[str]) -> bool:
     return set(ids) <= {getattr(r, "fields", {}).get("request_id") for r in caplog.records}
-
-
-@pytest.fixture
-def posted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The generation routes the hot door answered (forged.http.hotpost)."""
-    paths: list[str] = []
-    answer = HotPosts.__call__
-
-    async def counted(posts: HotPosts, call: Call, head: hotdoor.Head, *args: Any) -> bool:
-        paths.append(head.path)
-        return await answer(posts, call, head, *args)
-
-    monkeypatch.setattr(HotPosts, "__call__", counted)
-    return paths
 
 
 async def test_a_hot_generation_is_the_general_paths_head_body_count_and_log(

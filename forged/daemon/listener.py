@@ -16,7 +16,7 @@ import math
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import trio
 from hypercorn.config import Config as HyperConfig
@@ -149,6 +149,13 @@ async def _shielded_close(app: Any, scope: Scope, receive: ASGIReceiveCallable,
 Listening = tuple[socket.socket | trio.abc.Listener[Any], Handler]
 
 
+class HotServe(Protocol):
+    """The hot door's serve, its handoff bound."""
+
+    async def __call__(self, stream: trio.SocketStream, first: bytes = b"",
+                       served: int = 0) -> None: ...
+
+
 async def _accept(listener: socket.socket | trio.abc.Listener[Any], handler: Handler,
                   nursery: trio.Nursery) -> None:
     if isinstance(listener, trio.abc.Listener):  # TLS: trio's loop, as hypercorn's
@@ -279,8 +286,8 @@ def _listeners(hc: HyperConfig, general: Callable[[Any], TCPServer], state: AppS
                 for sock in plain:
                     accepting.start_soon(accept_bursts, sock.dup(), here, nursery)
 
-        return out, binds, _doors(n, plain, hub, hc, partial(_after_door, hypercorn, nursery),
-                                  accept_here)
+        return out, binds, _doors(n, plain, hub, hc,
+                                  partial(_after_door, hypercorn, here, nursery), accept_here)
     return out + [(sock, here) for sock in plain], binds, None
 
 
@@ -306,13 +313,18 @@ def _doors(n: int, sockets: list[socket.socket], hub: HubView, hc: HyperConfig,
     return doors
 
 
-def _after_door(serve_general: Handler, nursery: trio.Nursery, stream: trio.SocketStream,
-                handed: Handed) -> None:
-    """Serve a connection a door process handed over, as the hot door hands one to
-    hypercorn here (the door read ``handed.data`` from it)."""
+def _after_door(serve_general: Handler, serve_here: HotServe, nursery: trio.Nursery,
+                stream: trio.SocketStream, handed: Handed) -> None:
+    """Serve a connection a door process handed over (the door read ``handed.data``
+    from it): from a whole head, through the daemon's hot door, which answers the
+    generations a door does not (forged.http.hotpost); from part of one, as the hot
+    door hands one to hypercorn here, keeping the time the door gave it."""
     async def serve(stream: trio.SocketStream) -> None:
+        if not handed.head_s:
+            await serve_here(stream, first=handed.data, served=handed.served)
+            return
         CONNECTION.set(stream)  # for its requests' direct streams (forged.http.direct)
-        head_by = trio.current_time() + handed.head_s if handed.head_s else math.inf
+        head_by = trio.current_time() + handed.head_s
         await serve_general(Prefixed(stream, handed.data, handed.served, head_by))
 
     nursery.start_soon(connection, stream, serve)

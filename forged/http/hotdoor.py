@@ -337,11 +337,14 @@ class HotDoor:
                     for line in self._lines)
                 and buf.count(b"\n", start) == buf.count(b"\r\n", start))
 
-    async def serve(self, stream: trio.SocketStream, handoff: Handoff) -> None:
-        """Answer the hot requests of ``stream`` until one is not, then hand it over.
-        Pipelined heads are read from an offset, not sliced off one by one: a read of
-        64 KiB of them would otherwise copy the rest of it once per request."""
-        buf, start, served, head_by = b"", 0, 0, math.inf
+    async def serve(self, stream: trio.SocketStream, handoff: Handoff, first: bytes = b"",
+                    served: int = 0) -> None:
+        """Answer the hot requests of ``stream`` until one is not, then hand it over;
+        ``first``: bytes read from it already, ``served`` requests answered on it (a
+        door process's handoff). Pipelined heads are read from an offset, not sliced off
+        one by one: a read of 64 KiB of them would otherwise copy the rest of it once
+        per request."""
+        buf, start, head_by = first, 0, math.inf
         try:
             while True:
                 end = buf.find(b"\r\n\r\n", start)
