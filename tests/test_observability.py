@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
 import subprocess
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from forged.cli import logfmt_value
+from forged.observe.metrics import LATENCY_BUCKETS, _Gaps
 from tests.daemonproc import DaemonProcess, free_port, write_config
 
 ENGINE = {"kv_layout": "unified", "kv_cells": 4096, "max_context": 2048, "slots": 16,
@@ -251,3 +254,29 @@ def test_log_content_puts_prompt_and_completion_on_the_access_line(
     assert completion.endswith(f" completion={logfmt_value(whole['choices'][0]['text'])}")
     chat = next(line for line in access if "/v1/chat/completions" in line)
     assert "a secret" in chat and chat.endswith(f" completion={logfmt_value(''.join(deltas))}")
+
+
+def test_gaps_fed_at_once_expose_what_prometheus_clients_histogram_would() -> None:
+    """The inter-token histogram takes a request's gaps at once (metrics._Gaps): its
+    series are prometheus-client's Histogram's, value for value (but ``_created``;
+    the sum up to its order of addition), bounds and values above the last included."""
+    rng = random.Random(7)
+    gaps = [rng.choice(LATENCY_BUCKETS) for _ in range(100)] + [
+        rng.expovariate(4.0) for _ in range(1000)] + [0.0, 1e9]
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("g_seconds", "Gaps.", buckets=LATENCY_BUCKETS, registry=theirs)
+    for gap in gaps:
+        histogram.observe(gap)
+    fed = _Gaps("g_seconds", "Gaps.", LATENCY_BUCKETS, ours)
+    fed.observe_many(gaps[:500])
+    fed.observe_many(gaps[500:])
+
+    def series(registry: CollectorRegistry) -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        return {f"{s.name}{sorted(s.labels.items())}": s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if not s.name.endswith("_created")}
+
+    expected, got = series(theirs), series(ours)
+    assert got.keys() == expected.keys()
+    assert all(got[k] == pytest.approx(v, rel=1e-12) for k, v in expected.items())
