@@ -440,6 +440,30 @@ async def test_a_hot_post_between_hot_gets_in_one_write_keeps_their_order(
     assert posted == ["/v1/completions"] * 2
 
 
+async def test_a_hot_generations_time_starts_at_its_head_as_the_general_paths_does(
+        tiny_model: Path, start_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch, posted: list[str]) -> None:
+    """The general path's request starts when hypercorn has its head, before its body
+    is read: a body that comes late counts in its duration and its TTFT (the access
+    log's, the metrics'). So it does on the hot path, which reads the body itself."""
+    caplog.set_level(logging.INFO, logger="forged.access")
+    monkeypatch.setattr(hotdoor, "BODY_WAIT_S", 5.0)
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    request = _post("/v1/completions", body)
+    async with start_daemon(tiny_model) as d, await _connect(d) as stream:
+        await stream.send_all(request[:-len(body)])
+        await trio.sleep(1.0)  # within hotdoor.BODY_WAIT_S: still hot
+        await stream.send_all(body)
+        head, _ = await _answer(stream)
+        rid = re.search(rb"x-request-id: (\w+)", head)[1].decode()  # type: ignore[index]
+        await until(partial(_logged, caplog, [rid]))
+    line, = [r for r in caplog.records if getattr(r, "fields", {}).get("request_id") == rid]
+    # (the generation itself takes a tenth of that)
+    assert float(line.fields["duration"]) >= 1.0  # type: ignore[attr-defined]
+    assert float(line.fields["ttft"]) >= 1.0  # type: ignore[attr-defined]
+    assert posted == ["/v1/completions"]
+
+
 async def test_with_keys_a_known_key_is_hot_and_a_wrong_one_gets_the_general_401(
         tiny_model: Path, start_daemon: DaemonFactory, tmp_path: Path,
         answered: list[str]) -> None:

@@ -313,11 +313,15 @@ class HotDoor:
         if (posts is None or head.path not in posts.paths or not self.view.on
                 or head.length > posts.max_body()):
             return None, buf
+        # The general path's request starts with its head, before its body is read: a
+        # late body counts in its duration and TTFT there, so it does here.
+        started = time.monotonic()
         if len(buf) < end:
             buf = await _read_body(stream, buf, end)
         call = posts.caller(head) if len(buf) >= end else None
         if call is None:
             return None, buf
+        call.started = started
         answered, more = await _watched(stream, posts(call, head, buf[at:end], stream, last))
         if answered and (last or head.close):
             await stream.aclose()
