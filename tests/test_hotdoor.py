@@ -31,7 +31,7 @@ from forged.daemon.doorwire import View
 from forged.engine.events import Delta, Event
 from forged.engine.pool import RequestStream
 from forged.engine.request import Request
-from forged.http import hotdoor
+from forged.http import hotdoor, hotpost
 from forged.http.generate import Pace
 from forged.http.hotdoor import HotDoor, IdleConnections, parse_head
 from tests.conftest import DaemonFactory, RunningDaemon
@@ -424,6 +424,30 @@ async def test_what_the_hot_door_does_not_take_of_a_post_is_the_general_paths(
                 head, _ = await _answer(stream)
                 assert head.startswith(b"HTTP/1.1 " + status + b" "), (request, head)
         assert posted == []
+
+
+async def test_a_bug_in_a_hot_answer_ends_its_connection_not_the_daemon(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, posted: list[str]) -> None:
+    """An exception where forged's code has no handler of its own (here, recording a
+    response) ends that connection, logged, as hypercorn's task group ends one; it
+    does not reach the listener's nursery, which would stop the daemon."""
+    async def broken(*args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(hotpost, "responded", broken)
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    async with start_daemon(tiny_model) as d:
+        async with await _connect(d) as stream:
+            await stream.send_all(_post("/v1/completions", body))
+            with trio.fail_after(10):
+                assert await stream.receive_some(100) == b""  # cut, no answer
+        async with await _connect(d) as stream:
+            health, = await _exchange(stream, _get("/health"), 1)
+        assert health.endswith(b'{"status":"ok"}')
+    assert posted == ["/v1/completions"]
+    assert "Error in the hot door's answer to POST /v1/completions" in caplog.text
+    assert "RuntimeError: a bug" in caplog.text  # its traceback
 
 
 async def test_a_hot_post_between_hot_gets_in_one_write_keeps_their_order(

@@ -27,6 +27,7 @@ module answers no error of HTTP's own (a 400 of h11's, a 401, 408, 413 or 417).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import select
@@ -42,6 +43,8 @@ from forged.http.direct import CONNECTION
 
 if TYPE_CHECKING:
     from forged.http.lifetime import Call
+
+log = logging.getLogger("forged.http")
 
 MAX_HEAD = 16 * 1024  # h11's limit on an incomplete head; past it, hypercorn answers
 READ_SIZE = 65536  # a read of a connection
@@ -309,6 +312,11 @@ class HotDoor:
             if answer is None:
                 return None, buf
             return await _send(stream, answer, head, last), buf
+        return await self._post(stream, head, buf, at, last)
+
+    async def _post(self, stream: trio.SocketStream, head: Head, buf: bytes, at: int,
+                    last: bool) -> tuple[bool | None, bytes]:
+        """:meth:`_answer` of a POST: its body read, then answered by :class:`HotPosts`."""
         posts, end = self.posts, at + head.length
         if (posts is None or head.path not in posts.paths or not self.view.on
                 or head.length > posts.max_body()):
@@ -322,7 +330,13 @@ class HotDoor:
         if call is None:
             return None, buf
         call.started = started
-        answered, more = await _watched(stream, posts(call, head, buf[at:end], stream, last))
+        try:
+            answered, more = await _watched(stream, posts(call, head, buf[at:end], stream,
+                                                          last))
+        except Exception:  # forged's bug, not the client's: hypercorn's way (its task
+            # group logs it and ends the connection), never the listener's end
+            log.exception("Error in the hot door's answer to POST %s", head.path)
+            return False, buf
         if answered and (last or head.close):
             await stream.aclose()
             answered = False
@@ -385,13 +399,14 @@ async def _read_body(stream: trio.SocketStream, buf: bytes, end: int) -> bytes:
     """``buf`` read on to ``end`` (a body's end), or as far as it came within
     ``BODY_WAIT_S``, or until the client's end: a slow body is the general path's,
     whose ``server.read_timeout`` it then gets, as a body it reads from the start."""
+    read = bytearray(buf)  # grown in place: a body of many reads is copied once
     with trio.move_on_after(BODY_WAIT_S):
-        while len(buf) < end:
+        while len(read) < end:
             data = await _receive(stream)
             if not data:
                 break
-            buf += data
-    return buf
+            read += data
+    return bytes(read)
 
 
 async def _watched(stream: trio.SocketStream, answer: Awaitable[bool]) -> tuple[bool, bytes]:

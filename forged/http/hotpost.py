@@ -44,6 +44,8 @@ from forged.http.responses import error_response, from_exception
 from forged.http.state import AppState
 
 log = logging.getLogger("forged.http")
+# Quart logs an exception in a route on its app's logger, named after the app.
+app_log = logging.getLogger("forged")
 
 Route = Callable[[AppState, bytes], Awaitable[Response]]
 ROUTES: dict[str, Route] = {"/v1/chat/completions": chat_route,
@@ -91,7 +93,7 @@ class HotPosts:
         except e.ForgedError as exc:
             return error_response(from_exception(exc))
         except Exception:  # Quart's way: logged, and a 500 in the API's error body
-            log.exception("Exception on request POST %s", head.path)
+            app_log.exception("Exception on request POST %s", head.path)
             return error_response(werkzeug_error(InternalServerError()))
 
 
