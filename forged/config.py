@@ -86,9 +86,10 @@ class ServerConfig(_Section, frozen=True):
     # daemon accepts them itself. "auto": one for each physical core of door_cpus past
     # the first, which the daemon keeps (Config.door_processes).
     door_processes: Annotated[int, msgspec.Meta(ge=0, le=64)] | Literal["auto"] = "auto"
-    # GET /health and GET /v1/models in their plainest form answered off the socket,
-    # without Quart (forged.http.hotdoor), and streams' frames written straight to the
-    # socket by the pool's reader (forged.http.direct): the same bytes, less CPU.
+    # GET /health, GET /v1/models and plain chat and completion POSTs answered off the
+    # socket, without hypercorn and Quart (forged.http.hotdoor, hotpost), and streams'
+    # frames written straight to the socket by the pool's reader (forged.http.direct):
+    # the same bytes, less CPU.
     hot_door: bool = True
     # Milliseconds a streamed token may wait to share a frame from the worker and a
     # write with the next ones, when steps come faster than that (0: each step at once;
