@@ -450,6 +450,37 @@ async def test_a_bug_in_a_hot_answer_ends_its_connection_not_the_daemon(
     assert "RuntimeError: a bug" in caplog.text  # its traceback
 
 
+async def _all_of(stream: trio.SocketStream, data: bytes) -> bytes:
+    """What the daemon answers to ``data`` until it closes the connection."""
+    await stream.send_all(data)
+    out = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            out += chunk
+    return out
+
+
+async def test_a_close_request_with_a_next_one_after_it_gets_the_general_paths_400(
+        tiny_model: Path, start_daemon: DaemonFactory, answered: list[str],
+        posted: list[str]) -> None:
+    """Bytes after a request that asks ``Connection: close``, in the same read: h11
+    expects the connection's end there, and hypercorn answers its 400 instead of the
+    request. (The hot door answered the request, as if nothing followed.)"""
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    async with start_daemon(tiny_model) as d:
+        for hot, general in [
+                (_get("/health", CLOSE), _get("/health", CLOSE + GENERAL)),
+                (_post("/v1/completions", body, CLOSE),
+                 _post("/v1/completions", body, CLOSE, chunked=True))]:
+            answers = []
+            for request in (hot, general):
+                async with await _connect(d) as stream:
+                    answers.append(await _all_of(stream, request + _get("/health")))
+            assert answers[0].startswith(b"HTTP/1.1 400 ")
+            assert _shape(answers[0]) == _shape(answers[1])
+    assert answered == posted == []
+
+
 async def test_a_hot_post_between_hot_gets_in_one_write_keeps_their_order(
         tiny_model: Path, start_daemon: DaemonFactory, answered: list[str],
         posted: list[str]) -> None:

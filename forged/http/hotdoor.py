@@ -307,6 +307,8 @@ class HotDoor:
         """Answer ``head``, whose body (if any) starts at ``at`` of ``buf``: True, or
         False once the connection is closed; None: the general path's. With ``buf`` as
         read since (the rest of a body, the start of a next request)."""
+        if head.close and len(buf) > at + head.length:
+            return None, buf  # bytes after a close: h11's 400 (it expects the end)
         if head.method == b"GET":
             answer = self.answer(head)
             if answer is None:
@@ -326,6 +328,8 @@ class HotDoor:
         started = time.monotonic()
         if len(buf) < end:
             buf = await _read_body(stream, buf, end)
+        if head.close and len(buf) > end:
+            return None, buf  # a next request came with the body: as in _answer
         call = posts.caller(head) if len(buf) >= end else None
         if call is None:
             return None, buf
