@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -303,25 +304,30 @@ def _post(path: str, body: bytes, extra: bytes = b"", chunked: bool = False) -> 
 
 async def _answer(stream: trio.SocketStream) -> tuple[bytes, bytes]:
     """One answer's head and its body (de-chunked), whichever its framing."""
-    buf = b""
+    async def more() -> bytes:
+        data = await stream.receive_some(65536)
+        assert data, f"closed after {buf + rest!r}"
+        return bytes(data)
+
+    buf = rest = b""
     with trio.fail_after(30):
         while b"\r\n\r\n" not in buf:
-            buf += await stream.receive_some(65536)
+            buf += await more()
         head, _, rest = buf.partition(b"\r\n\r\n")
         if head.startswith(b"HTTP/1.1 1"):  # an interim answer (100 Continue): no body
             return head, b""
         if (length := re.search(rb"content-length: (\d+)", head)) is not None:
             while len(rest) < int(length[1]):
-                rest += await stream.receive_some(65536)
+                rest += await more()
             assert len(rest) == int(length[1]), "one answer at a time"
             return head, rest
         body = b""
         while True:
             while b"\r\n" not in rest:
-                rest += await stream.receive_some(65536)
+                rest += await more()
             size, _, rest = rest.partition(b"\r\n")
             while len(rest) < int(size, 16) + 2:
-                rest += await stream.receive_some(65536)
+                rest += await more()
             body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
             if int(size, 16) == 0:
                 assert rest == b"", "one answer at a time"
@@ -479,6 +485,35 @@ async def test_a_close_request_with_a_next_one_after_it_gets_the_general_paths_4
             assert answers[0].startswith(b"HTTP/1.1 400 ")
             assert _shape(answers[0]) == _shape(answers[1])
     assert answered == posted == []
+
+
+async def test_a_request_handed_over_once_the_listener_is_stopping_is_answered(
+        tiny_model: Path, start_daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch,
+        posted: list[str]) -> None:
+    """A POST whose body is late is handed to hypercorn after the hot door's wait. A
+    drain that began meanwhile (a stream still generating, so the drain goes on) stops
+    the listener's accepting at once; hypercorn's idle timer then closed the handed
+    connection at once too, racing its read of the request handed with it, and the
+    client got nothing. It gets the drain's 503, as before the hot door waited."""
+    monkeypatch.setattr(hotdoor, "BODY_WAIT_S", 1.0)
+    body = b'{"prompt": "late", "max_tokens": 2}'
+    long = b'{"prompt": "go", "max_tokens": 2000, "ignore_eos": true, "stream": true}'
+    async with start_daemon(tiny_model, server={"drain_timeout": 5.0}) as d, \
+            httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=d.admin_sock),
+                              base_url="http://admin") as admin:
+        await admin.post("/debug/slow-steps", params={"seconds": 0.02})
+        async with await _connect(d) as streaming, await _connect(d) as stream:
+            await streaming.send_all(_post("/v1/completions", long))
+            with trio.fail_after(10):
+                assert (await streaming.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+            await stream.send_all(_post("/v1/completions", body)[:-len(body)])
+            d.daemon.begin_drain()  # the listener stops accepting within the hot door's wait
+            await trio.sleep(1.3)  # the wait is over: the request is hypercorn's
+            await stream.send_all(body)
+            head, error = await _answer(stream)
+    assert head.startswith(b"HTTP/1.1 503 "), head
+    assert msgspec.json.decode(error)["error"]["code"] == "unavailable"
+    assert posted == ["/v1/completions"]  # the stream, not the late one
 
 
 async def test_a_hot_post_between_hot_gets_in_one_write_keeps_their_order(

@@ -201,6 +201,8 @@ class _Connection(TCPServer):
         # Handed with part of a head: the first wait (for the rest) ends by its time, not
         # a whole keep-alive after the handoff (which let a slow head take twice as long).
         self._head_by = self.stream.head_by if isinstance(self.stream, Prefixed) else math.inf
+        # Handed with a request's bytes: it has begun (below, _idle_timeout).
+        self._begun = isinstance(self.stream, Prefixed) and bool(self.stream.first)
 
     async def run(self) -> None:
         self._live.add(self)
@@ -226,9 +228,17 @@ class _Connection(TCPServer):
         # hypercorn's, but for the client's end, which also ends the wait
         end = min(trio.current_time() + self.config.keep_alive_timeout, self._head_by)
         self._head_by = math.inf
+        begun, self._begun = self._begun, False
         with trio.move_on_at(end) as self._idle:
             if not self._ended:
-                await self.context.terminated.wait()
+                # A request handed over once the listener was shutting down (a hot POST
+                # whose body came late) is answered, as the hot door answers one that
+                # has arrived: hypercorn reads it at once, and its start ends this wait.
+                # Closing it on the shutdown raced that read: the client got nothing.
+                if begun:
+                    await trio.sleep_forever()
+                else:
+                    await self.context.terminated.wait()
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
 
