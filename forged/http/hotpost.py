@@ -6,8 +6,8 @@ that most of it was the stack around the work: hypercorn's connection and its ta
 quart-trio's per-request tasks, Quart's request context, the ASGI messages and a locked
 write per message (docs/benchmarks.md, "A generation request's door CPU"). So when the
 hot door (forged.http.hotdoor) reads a plain head of one of these routes (HTTP/1.1, a
-Content-Length, no ``Expect``, no body encoding but identity, no CORS) with a known key
-(or no keys), it reads the body itself and calls the route's own function
+Content-Length, no ``Expect``, no CORS) with a known key (or no keys), it reads the
+body itself and calls the route's own function
 (:func:`forged.http.api.chat_route`, :func:`~forged.http.api.completion_route`) in a
 :class:`~forged.http.lifetime.Call` of its own, then writes the response's bytes as
 hypercorn would: the same status line, the same headers in the same order (the
