@@ -180,6 +180,15 @@ class Head(NamedTuple):
         """The client asks that the connection end after this answer."""
         return b"close" in self.headers.get(b"connection", b"").lower()
 
+    @property
+    def authorization(self) -> str | None:
+        """The key the client sent, as the general path reads it: Anthropic's clients
+        send it as ``x-api-key``, every other as a Bearer token."""
+        given = self.headers.get(b"authorization")
+        if given is None and (x_api_key := self.headers.get(b"x-api-key")) is not None:
+            given = b"Bearer " + x_api_key
+        return given.decode("latin-1") if given is not None else None
+
 
 def parse_head(raw: bytes) -> Head | None:
     """The path and headers of a plain ``GET`` head (without its blank line), or of a
@@ -287,10 +296,7 @@ class HotDoor:
         key = None
         keys = self.view.keys
         if keys.enabled and head.path.startswith("/v1/"):
-            given = head.headers.get(b"authorization")
-            if given is None and (x_api_key := head.headers.get(b"x-api-key")) is not None:
-                given = b"Bearer " + x_api_key
-            key = keys.lookup(given.decode("latin-1") if given else None)
+            key = keys.lookup(head.authorization)
             if key is None:
                 return None  # the general path's 401, with its body drained
         rule, handler = route

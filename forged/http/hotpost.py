@@ -67,10 +67,7 @@ class HotPosts:
         keys = self.state.keys
         if not keys.enabled:
             return Call(rule=head.path)
-        given = head.headers.get(b"authorization")
-        if given is None and (x_api_key := head.headers.get(b"x-api-key")) is not None:
-            given = b"Bearer " + x_api_key
-        key = keys.lookup(given.decode("latin-1") if given is not None else None)
+        key = keys.lookup(head.authorization)
         return None if key is None else Call(rule=head.path, key=key)
 
     async def __call__(self, call: Call, head: Head, body: bytes, stream: trio.SocketStream,
